@@ -1,0 +1,26 @@
+"""Online autotuning of a training step's performance knobs.
+
+Generic: this package knows named discrete knobs, step-time samples and process groups; it knows
+nothing of AdamW or offloading (``offload`` wires it in).
+"""
+
+from __future__ import annotations
+
+from autotune._cache import TuningCache
+from autotune._fingerprint import Fingerprint, fingerprint
+from autotune._measurement import Measurement
+from autotune._space import SearchSpace
+from autotune._trace import TraceWriter
+from autotune._tuner import AutotuneConfig, OnlineTuner, StepSample
+
+__all__ = [
+    "AutotuneConfig",
+    "Fingerprint",
+    "Measurement",
+    "OnlineTuner",
+    "SearchSpace",
+    "StepSample",
+    "TraceWriter",
+    "TuningCache",
+    "fingerprint",
+]

@@ -1,0 +1,86 @@
+"""Settings and per-step statistics of the offloaded optimizer (frozen, hashable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["OffloadSettings", "StepStats", "StageSpan", "DEFAULT_CHUNK_NUMEL", "Kernel"]
+
+#: Default pipeline chunk: 4 Mi elements (16 MiB of fp32 per slab) keeps several chunks in flight
+#: for a 100M-parameter model while each kernel call is long enough to reach memory bandwidth.
+DEFAULT_CHUNK_NUMEL = 4 << 20
+#: Smallest accepted chunk; smaller chunks are dominated by per-call overhead.
+MIN_CHUNK_NUMEL = 1 << 10
+
+Kernel = Literal["torch"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadSettings:
+    """Knobs of the offloaded step that change speed, never the math.
+
+    Change them between steps with ``CPUOffloadAdamW.apply_settings``.
+    """
+
+    threads: int | None = None
+    """Intra-op threads for the CPU kernel; None means "use this rank's ThreadPlan"."""
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    """Target elements per pipeline chunk (chunks never cross a param-group boundary)."""
+    kernel: Kernel = "torch"
+    """CPU AdamW implementation; "torch" is torch's fused CPU kernel."""
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(f"OffloadSettings.threads={self.threads!r}: expected None or an int >= 1")
+        if (
+            isinstance(self.chunk_numel, bool)
+            or not isinstance(self.chunk_numel, int)
+            or self.chunk_numel < MIN_CHUNK_NUMEL
+        ):
+            raise ValueError(
+                f"OffloadSettings.chunk_numel={self.chunk_numel!r}: expected an int >= {MIN_CHUNK_NUMEL}"
+            )
+        if self.kernel not in ("torch",):
+            raise ValueError(f"OffloadSettings.kernel={self.kernel!r}: expected one of ('torch',)")
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpan:
+    """One pipeline stage of one chunk, in seconds relative to the start of ``step()``.
+
+    Spans that started during backward (overlap mode) have negative ``start_s``.
+    """
+
+    stage: str  # "d2h" | "adam_kernel" | "materialize"
+    chunk: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepStats:
+    """Stage times of one optimizer step, in seconds.
+
+    Stage times are sums over chunks; with a pipeline they overlap, so they may add up to more
+    than ``step_s``.
+    """
+
+    step_s: float
+    """Wall time of ``step()``: from its call to its return."""
+    d2h_s: float
+    """Gradients to host and upcast to fp32."""
+    adam_kernel_s: float
+    """The AdamW kernel on the host slabs."""
+    materialize_s: float
+    """Updated weights back into the model parameters (downcast, host to device)."""
+    drain_s: float
+    """Time ``step()`` waited for chunks still in flight (the whole step without overlap)."""
+    threads: int
+    chunk_numel: int
+    num_chunks: int
+    numel: int
+    """Elements updated this step."""
+    spans: tuple[StageSpan, ...] = field(default=(), repr=False)
