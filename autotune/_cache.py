@@ -1,0 +1,506 @@
+"""``TuningCache``: a locked, atomic, merging JSON cache of tuning results.
+
+File format (JSON only, never pickle)::
+
+    {"schema": 1, "entries": {"<fingerprint key>": {<entry>}, ...}}
+
+An entry is what the tuner locked in for one fingerprint (see ``docs/architecture.md``)::
+
+    {"winner": {...}, "baseline": {...}, "winner_median_s": float, "baseline_median_s": float,
+     "measurements": [{"candidate": {...}, "samples": [float, ...]}, ...],
+     "probe_steps": int, "created_unix": float, "fingerprint": {...}}
+
+Guarantees:
+
+- Reads take no lock: writers only ever ``os.replace`` a complete, fsynced temp file, so a reader
+  sees the old or the new file, never a torn one.
+- Writes take an exclusive ``fcntl.flock`` on the sidecar ``<path>.lock`` (polled, with a timeout:
+  on timeout the write is skipped with a warning, never a deadlock), re-read the file, merge, and
+  replace it. Entries written meanwhile by other processes survive. A writer killed mid-write
+  leaves the old file intact; the kernel releases its lock, and the next writer removes its
+  half-written temp file.
+- Bad input is a warning and a miss, never a crash: undecodable or non-JSON bytes, wrong types,
+  non-finite or out-of-range numbers. A corrupt file is renamed aside (``cache.json.bad-<ts>``);
+  when the file parses but some entries are bad, a copy is kept aside and the valid entries are
+  rewritten. A file with a newer schema belongs to a newer version of this package: it is never
+  overwritten, and this version neither reads nor writes it.
+- An unusable location (unwritable, a path below a regular file) warns and continues without
+  persisting.
+
+Values are checked for type only (knob dicts map str to a JSON scalar, ints fit in int64, floats
+are finite, counts are non-negative ints, not bools); whether a cached setting belongs to the
+search space and is allowed on this machine is checked by the tuner, which knows the space.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+try:  # POSIX only; elsewhere writes are atomic but not serialised between processes.
+    import fcntl
+except ImportError:  # pragma: no cover - not reachable on Linux
+    fcntl = None  # type: ignore[assignment]
+
+from autotune import knobs
+
+__all__ = ["TuningCache", "CacheEntryError", "SCHEMA_VERSION", "validate_entry"]
+
+logger = logging.getLogger(__name__)
+
+#: Version of the file layout this module reads and writes.
+SCHEMA_VERSION = 1
+#: Seconds a writer waits for the file lock before it gives up (and skips persisting).
+DEFAULT_LOCK_TIMEOUT_S = 10.0
+#: Poll interval while waiting for the lock.
+_LOCK_POLL_S = 0.01
+#: Files larger than this are not parsed (a cache holds a few KiB per machine and workload).
+MAX_FILE_BYTES = 32 << 20
+#: Integers outside int64 are rejected: no knob of a real machine needs more.
+_INT_LIMIT = 1 << 63
+
+_REQUIRED_KEYS = (
+    "winner",
+    "baseline",
+    "winner_median_s",
+    "baseline_median_s",
+    "measurements",
+    "probe_steps",
+    "created_unix",
+)
+
+_State = Literal["missing", "ok", "partial", "corrupt", "newer", "unreadable"]
+
+
+class CacheEntryError(ValueError):
+    """An entry passed to :meth:`TuningCache.put` does not have the documented structure."""
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (types only; ranges are the tuner's job)
+
+
+def _check_json_value(value: Any, where: str) -> None:
+    """Raise CacheEntryError unless ``value`` is plain JSON with finite floats and int64 ints."""
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        if not -_INT_LIMIT <= value < _INT_LIMIT:
+            raise CacheEntryError(f"{where}: a {len(str(abs(value)))}-digit integer is outside int64")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CacheEntryError(f"{where}: {value!r} is not a finite number")
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_value(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, str):
+                raise CacheEntryError(f"{where}: key {k!r} is not a string")
+            _check_json_value(item, f"{where}.{k}")
+        return
+    raise CacheEntryError(f"{where}: {type(value).__name__} is not a JSON value")
+
+
+def _check_knobs(value: Any, where: str) -> None:
+    if not isinstance(value, dict) or not value:
+        raise CacheEntryError(f"{where}={value!r}: expected a non-empty dict of knob name -> scalar")
+    for name, knob in value.items():
+        if not isinstance(name, str) or not name:
+            raise CacheEntryError(f"{where}: knob name {name!r} is not a non-empty string")
+        # The scalar types of autotune.SearchSpace. Whether the value (and its exact type: True
+        # is not 1) belongs to the space is checked by the tuner, which knows the space.
+        if not isinstance(knob, (int, float, str)):  # bool is an int
+            raise CacheEntryError(f"{where}.{name}={knob!r}: expected an int, float, str or bool")
+
+
+def _check_seconds(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CacheEntryError(f"{where}={value!r}: expected a number of seconds")
+    if not math.isfinite(value) or value < 0:
+        raise CacheEntryError(f"{where}={value!r}: expected a finite number >= 0")
+
+
+def validate_entry(entry: Any) -> None:
+    """Raise :class:`CacheEntryError` naming the first field of ``entry`` with a wrong type."""
+    if not isinstance(entry, dict):
+        raise CacheEntryError(f"entry={type(entry).__name__}: expected a dict")
+    missing = [k for k in _REQUIRED_KEYS if k not in entry]
+    if missing:
+        raise CacheEntryError(f"entry is missing {missing}; expected keys {list(_REQUIRED_KEYS)}")
+    _check_json_value(entry, "entry")
+    _check_knobs(entry["winner"], "winner")
+    _check_knobs(entry["baseline"], "baseline")
+    _check_seconds(entry["winner_median_s"], "winner_median_s")
+    _check_seconds(entry["baseline_median_s"], "baseline_median_s")
+    _check_seconds(entry["created_unix"], "created_unix")
+    steps = entry["probe_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise CacheEntryError(f"probe_steps={steps!r}: expected an int >= 0")
+    measurements = entry["measurements"]
+    if not isinstance(measurements, list):
+        raise CacheEntryError(f"measurements={measurements!r}: expected a list")
+    for i, m in enumerate(measurements):
+        if not isinstance(m, dict) or "candidate" not in m or "samples" not in m:
+            raise CacheEntryError(f"measurements[{i}]={m!r}: expected a dict with candidate and samples")
+        _check_knobs(m["candidate"], f"measurements[{i}].candidate")
+        samples = m["samples"]
+        if not isinstance(samples, list):
+            raise CacheEntryError(f"measurements[{i}].samples={samples!r}: expected a list of seconds")
+        for j, s in enumerate(samples):
+            _check_seconds(s, f"measurements[{i}].samples[{j}]")
+    if "fingerprint" in entry and not isinstance(entry["fingerprint"], dict):
+        raise CacheEntryError(f"fingerprint={entry['fingerprint']!r}: expected a dict")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class _Snapshot:
+    """What one read of the cache file found."""
+
+    state: _State
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    schema: int | None = None
+
+
+def _parse(raw: bytes) -> _Snapshot:
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError covers bad JSON and integers beyond Python's str->int digit limit.
+        return _Snapshot("corrupt", problems=[f"not valid UTF-8 JSON ({type(exc).__name__}: {exc})"])
+    if not isinstance(doc, dict):
+        return _Snapshot("corrupt", problems=[f"top level is a {type(doc).__name__}, expected an object"])
+    schema = doc.get("schema")
+    if isinstance(schema, bool) or not isinstance(schema, int):
+        return _Snapshot("corrupt", problems=[f"schema={schema!r}: expected the int {SCHEMA_VERSION}"])
+    if schema > SCHEMA_VERSION:
+        return _Snapshot("newer", schema=schema)
+    if schema != SCHEMA_VERSION:
+        return _Snapshot("corrupt", problems=[f"schema={schema!r}: expected {SCHEMA_VERSION}"])
+    entries = doc.get("entries")
+    if not isinstance(entries, dict):
+        return _Snapshot("corrupt", problems=[f"entries is a {type(entries).__name__}, expected an object"])
+    snap = _Snapshot("ok", schema=schema)
+    for key, entry in entries.items():
+        try:
+            validate_entry(entry)
+        except (CacheEntryError, RecursionError) as exc:
+            snap.problems.append(f"entry {key[:16]!r}: {type(exc).__name__}: {exc}")
+            continue
+        snap.entries[key] = entry
+    if snap.problems:
+        snap.state = "partial"
+    return snap
+
+
+# --------------------------------------------------------------------------------------------
+# Writing helpers (module level so tests can slow them down in a child process)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class TuningCache:
+    """A JSON file of tuning results keyed by fingerprint, safe across processes.
+
+    Args:
+        path: the cache file; default ``autotune.knobs.cache_path()`` (``OFFLOAD_AUTOTUNE_CACHE``
+            or the user's cache directory).
+        lock_timeout_s: how long a write waits for the file lock before skipping persistence.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+    ) -> None:
+        timeout = lock_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"lock_timeout_s={lock_timeout_s!r}: expected a number of seconds >= 0")
+        self.path = Path(path).expanduser() if path is not None else knobs.cache_path()
+        self.lock_timeout_s = float(lock_timeout_s)
+
+    def __repr__(self) -> str:
+        return f"TuningCache({str(self.path)!r})"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The entry stored under ``key`` (a deep copy), or None on a miss or bad input."""
+        _check_key(key)
+        snap = self._read_checked()
+        entry = snap.entries.get(key)
+        return copy.deepcopy(entry) if entry is not None else None
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """All valid entries, keyed by fingerprint key (deep copies)."""
+        return copy.deepcopy(self._read_checked().entries)
+
+    def put(self, key: str, entry: Mapping[str, Any]) -> bool:
+        """Store ``entry`` under ``key``, merging with entries other processes wrote meanwhile.
+
+        Returns True when persisted; False (after a warning) when the location is unusable, the
+        lock timed out or the file has a newer schema. Raises :class:`CacheEntryError` when
+        ``entry`` lacks the documented structure: that is a bug in the caller, not bad input.
+        """
+        _check_key(key)
+        value = copy.deepcopy(dict(entry))
+        validate_entry(value)
+
+        def store(entries: dict[str, dict[str, Any]]) -> bool:
+            entries[key] = value
+            return True
+
+        return self._mutate(store, f"store entry {key[:16]!r}")
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True when it was present and the file was rewritten."""
+        _check_key(key)
+        found: list[bool] = []
+
+        def drop(entries: dict[str, dict[str, Any]]) -> bool:
+            found.append(entries.pop(key, None) is not None)
+            return found[-1]
+
+        return self._mutate(drop, f"delete entry {key[:16]!r}") and found == [True]
+
+    def clear(self) -> int:
+        """Remove every entry; returns how many were removed (0 also when nothing could be written)."""
+        removed: list[int] = []
+
+        def wipe(entries: dict[str, dict[str, Any]]) -> bool:
+            removed.append(len(entries))
+            entries.clear()
+            return True
+
+        if not self._mutate(wipe, "clear the cache"):
+            return 0
+        return removed[0] if removed else 0
+
+    def bad_files(self) -> list[Path]:
+        """Files kept aside because they were corrupt, oldest first."""
+        with contextlib.suppress(OSError):
+            return sorted(self.path.parent.glob(self.path.name + ".bad-*"))
+        return []
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _read(self) -> _Snapshot:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return _Snapshot("missing")
+        except OSError as exc:  # a directory, no permission, a path below a regular file, ...
+            if isinstance(exc, NotADirectoryError):
+                return _Snapshot("missing", problems=[f"{exc}"])
+            return _Snapshot("unreadable", problems=[f"{type(exc).__name__}: {exc}"])
+        if len(raw) > MAX_FILE_BYTES:
+            return _Snapshot("corrupt", problems=[f"larger than {MAX_FILE_BYTES} bytes"])
+        return _parse(raw)
+
+    def _read_checked(self) -> _Snapshot:
+        """Read, warn about bad input and set bad files aside (best effort, under the lock)."""
+        snap = self._read()
+        if snap.state == "newer":
+            logger.warning(
+                "Tuning cache %s has schema %s, newer than this version's %s: ignoring it (not "
+                "overwritten; upgrade the package or point OFFLOAD_AUTOTUNE_CACHE elsewhere)",
+                self.path, snap.schema, SCHEMA_VERSION,
+            )
+        elif snap.state == "unreadable":
+            logger.warning("Tuning cache %s cannot be read, treating it as empty: %s", self.path, snap.problems[0])
+        elif snap.state in ("corrupt", "partial"):
+            self._warn_bad(snap)
+            self._mutate(None, "set the bad cache file aside")
+        return snap
+
+    def _warn_bad(self, snap: _Snapshot) -> None:
+        what = "is corrupt" if snap.state == "corrupt" else f"has {len(snap.problems)} bad entries"
+        logger.warning(
+            "Tuning cache %s %s; treating the bad part as a miss: %s",
+            self.path, what, "; ".join(snap.problems[:3]),
+        )
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def _mutate(self, change: Callable[[dict[str, dict[str, Any]]], bool] | None, action: str) -> bool:
+        """Lock, re-read, set bad input aside, apply ``change`` and write; False if not persisted.
+
+        ``change`` edits the entries in place and returns whether it changed anything;
+        ``change=None`` only repairs (sets bad input aside and rewrites the valid entries).
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            logger.warning("Cannot %s: cache directory %s is unusable (%s); continuing without persisting",
+                           action, self.path.parent, exc)
+            return False
+        with self._locked(action) as locked:
+            if not locked:
+                return False
+            self._remove_stale_temp_files()
+            snap = self._read()
+            if snap.state == "newer":
+                logger.warning("Cannot %s: %s has schema %s, newer than %s; leaving it untouched",
+                               action, self.path, snap.schema, SCHEMA_VERSION)
+                return False
+            if snap.state == "unreadable":
+                logger.warning("Cannot %s: %s is unreadable (%s)", action, self.path, snap.problems[0])
+                return False
+            rewrite = False
+            if snap.state == "corrupt":
+                # Renamed away: no file is a valid empty cache, so only a change needs a write.
+                if not self._set_aside(rename=True):
+                    return False
+            elif snap.state == "partial":
+                if not self._set_aside(rename=False):
+                    return False
+                rewrite = True  # drop the bad entries from the live file
+            entries = snap.entries
+            if change is not None and change(entries):
+                rewrite = True
+            return self._write(entries, action) if rewrite else True
+
+    @contextlib.contextmanager
+    def _locked(self, action: str) -> Iterator[bool]:
+        if fcntl is None:  # pragma: no cover
+            yield True
+            return
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            logger.warning("Cannot %s: lock file %s is unusable (%s); continuing without persisting",
+                           action, self.lock_path, exc)
+            yield False
+            return
+        try:
+            acquired = self._acquire(fd, action)
+            try:
+                yield acquired
+            finally:
+                if acquired:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _acquire(self, fd: int, action: str) -> bool:
+        deadline = time.monotonic() + self.lock_timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # e.g. ENOLCK on a file system without flock
+                logger.warning("Cannot %s: locking %s failed (%s); continuing without persisting",
+                               action, self.lock_path, exc)
+                return False
+            if time.monotonic() >= deadline:
+                logger.warning("Cannot %s: %s stayed locked for %.1f s; continuing without persisting",
+                               action, self.lock_path, self.lock_timeout_s)
+                return False
+            time.sleep(_LOCK_POLL_S)
+
+    def _temp_prefix(self) -> str:
+        return f".{self.path.name}.tmp-"
+
+    def _remove_stale_temp_files(self) -> None:
+        # Only the lock holder creates temp files, so any found now belong to a dead writer.
+        with contextlib.suppress(OSError):
+            for stale in self.path.parent.glob(self._temp_prefix() + "*"):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+                    logger.info("Removed %s left by a writer that died mid-write", stale)
+
+    def _bad_path(self) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
+        candidate = self.path.with_name(f"{self.path.name}.bad-{stamp}")
+        n = 1
+        while candidate.exists():
+            candidate = self.path.with_name(f"{self.path.name}.bad-{stamp}-{n}")
+            n += 1
+        return candidate
+
+    def _set_aside(self, *, rename: bool) -> bool:
+        """Keep the current (bad) file as ``<name>.bad-<ts>``: renamed, or copied when ``rename`` is False."""
+        target = self._bad_path()
+        try:
+            if rename:
+                os.replace(self.path, target)
+            else:
+                with open(self.path, "rb") as src:
+                    raw = src.read(MAX_FILE_BYTES + 1)
+                self._atomic_write_bytes(target, raw)
+        except OSError as exc:
+            logger.warning("Could not keep the bad cache file %s aside as %s (%s); leaving it in place",
+                           self.path, target, exc)
+            return False
+        logger.warning("Kept the bad cache file aside as %s", target)
+        return True
+
+    def _write(self, entries: dict[str, dict[str, Any]], action: str) -> bool:
+        doc = {"schema": SCHEMA_VERSION, "entries": entries}
+        data = (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
+        try:
+            self._atomic_write_bytes(self.path, data)
+        except OSError as exc:
+            logger.warning("Cannot %s: writing %s failed (%s); continuing without persisting", action, self.path, exc)
+            return False
+        return True
+
+    def _atomic_write_bytes(self, target: Path, data: bytes) -> None:
+        tmp = target.parent / f"{self._temp_prefix()}{os.getpid()}-{time.monotonic_ns()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(target.parent)
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"cache key={key!r}: expected a non-empty str (a fingerprint key)")

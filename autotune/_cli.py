@@ -1,0 +1,269 @@
+"""``python -m autotune``: inspect, export, plot and clear tuning results.
+
+Works on the tuning cache (``--cache PATH``, else ``OFFLOAD_AUTOTUNE_CACHE``, else the user's
+cache directory) and on run directories written by :class:`autotune._trace.TraceWriter`
+(``--run DIR``). Imports neither the tuner nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from autotune import knobs
+from autotune._cache import SCHEMA_VERSION, TuningCache
+from autotune._trace import (
+    SUMMARY_JSON,
+    TRACE_JSONL,
+    TUNING_PNG,
+    plot_trace,
+    read_rows,
+    read_summary,
+    rows_to_csv,
+)
+
+__all__ = ["main"]
+
+_KEY_WIDTH = 12
+
+
+class CliError(Exception):
+    """A user error the CLI reports on stderr with exit status 1."""
+
+
+def _knobs_text(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={v}" for k, v in sorted(value.items()))
+    return "-" if value is None else str(value)
+
+
+def _speedup(entry: Mapping[str, Any]) -> float | None:
+    base, win = entry.get("baseline_median_s"), entry.get("winner_median_s")
+    if isinstance(base, (int, float)) and isinstance(win, (int, float)) and win > 0:
+        value = base / win
+        return value if math.isfinite(value) else None
+    return None
+
+
+def _created(entry: Mapping[str, Any]) -> str:
+    ts = entry.get("created_unix")
+    if not isinstance(ts, (int, float)):
+        return "-"
+    try:
+        return datetime.datetime.fromtimestamp(ts).isoformat(sep=" ", timespec="seconds")
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
+def _machine(entry: Mapping[str, Any]) -> str:
+    fp = entry.get("fingerprint")
+    if not isinstance(fp, Mapping):
+        return "-"
+    hw = fp.get("hardware") if isinstance(fp.get("hardware"), Mapping) else {}
+    acc = hw.get("accelerator") if isinstance(hw.get("accelerator"), Mapping) else {}
+    parts = [str(hw.get("cpu_model", "?")), f"{hw.get('affinity_cpus', '?')} cpus"]
+    if acc and acc.get("name") not in (None, "cpu"):
+        parts.append(f"{acc.get('count')}x {acc.get('name')}")
+    parts.append(f"{fp.get('local_world_size', '?')} local ranks")
+    return ", ".join(parts)
+
+
+def _select(entries: Mapping[str, Any], prefixes: Sequence[str]) -> dict[str, Any]:
+    if not prefixes:
+        return dict(entries)
+    chosen: dict[str, Any] = {}
+    for prefix in prefixes:
+        hits = [k for k in entries if k.startswith(prefix)]
+        if not hits:
+            raise CliError(f"no cache entry has a key starting with {prefix!r}")
+        if len(hits) > 1:
+            raise CliError(f"key prefix {prefix!r} is ambiguous: it matches {len(hits)} entries")
+        chosen[hits[0]] = entries[hits[0]]
+    return chosen
+
+
+def _table(rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+
+
+def _show(args: argparse.Namespace, out: TextIO) -> int:
+    if args.run is not None:
+        summary = read_summary(args.run)
+        if summary is None:
+            raise CliError(f"{Path(args.run) / SUMMARY_JSON} does not exist or is not a JSON object")
+        out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        return 0
+    cache = TuningCache(args.cache)
+    entries = _select(cache.entries(), args.keys)
+    if args.json or args.keys:
+        out.write(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+        return 0
+    out.write(f"cache: {cache.path} ({len(entries)} entries)\n")
+    bad = cache.bad_files()
+    if bad:
+        out.write(f"bad files kept aside: {', '.join(p.name for p in bad)}\n")
+    if not entries:
+        return 0
+    rows = [["KEY", "CREATED", "WINNER", "BASELINE", "SPEEDUP", "PROBES", "MACHINE"]]
+    for key, entry in sorted(entries.items(), key=lambda kv: kv[1].get("created_unix", 0)):
+        speedup = _speedup(entry)
+        rows.append([
+            key[:_KEY_WIDTH],
+            _created(entry),
+            _knobs_text(entry.get("winner")),
+            _knobs_text(entry.get("baseline")),
+            f"{speedup:.2f}x" if speedup is not None else "-",
+            str(entry.get("probe_steps", "-")),
+            _machine(entry),
+        ])
+    _table(rows, out)
+    return 0
+
+
+def _entry_row(key: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "key": key,
+        "created": _created(entry),
+        "created_unix": entry.get("created_unix"),
+        "winner": entry.get("winner"),
+        "baseline": entry.get("baseline"),
+        "winner_median_s": entry.get("winner_median_s"),
+        "baseline_median_s": entry.get("baseline_median_s"),
+        "speedup": _speedup(entry),
+        "probe_steps": entry.get("probe_steps"),
+        "candidates_measured": len(entry.get("measurements", [])),
+    }
+    if isinstance(entry.get("fingerprint"), Mapping):
+        row["fingerprint"] = entry["fingerprint"]
+    return row
+
+
+def _export(args: argparse.Namespace, out: TextIO) -> int:
+    if args.run is not None:
+        try:
+            rows = read_rows(args.run)
+        except OSError as exc:
+            raise CliError(f"cannot read {Path(args.run) / TRACE_JSONL}: {exc}") from None
+        if args.format == "csv":
+            rows_to_csv(rows, out)
+        else:
+            out.write(json.dumps(rows, indent=1) + "\n")
+        return 0
+    cache = TuningCache(args.cache)
+    entries = _select(cache.entries(), args.keys)
+    if args.format == "csv":
+        rows_to_csv([_entry_row(k, e) for k, e in sorted(entries.items())], out)
+    else:
+        out.write(json.dumps({"schema": SCHEMA_VERSION, "entries": entries}, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+def _plot(args: argparse.Namespace, out: TextIO) -> int:
+    run = Path(args.run_dir)
+    try:
+        rows = read_rows(run)
+    except OSError as exc:
+        raise CliError(f"cannot read {run / TRACE_JSONL}: {exc}") from None
+    if not rows:
+        raise CliError(f"{run / TRACE_JSONL} has no rows to plot")
+    target = Path(args.output) if args.output else run / TUNING_PNG
+    try:
+        plot_trace(rows, read_summary(run), target)
+    except ImportError:
+        raise CliError("plotting needs matplotlib: pip install 'offload-autotune[plot]'") from None
+    out.write(f"wrote {target}\n")
+    return 0
+
+
+def _clear(args: argparse.Namespace, out: TextIO) -> int:
+    cache = TuningCache(args.cache)
+    if args.keys:
+        removed = sum(cache.delete(key) for key in _select(cache.entries(), args.keys))
+    else:
+        removed = cache.clear()
+    out.write(f"removed {removed} entries from {cache.path}\n")
+    if args.bad:
+        for path in cache.bad_files():
+            path.unlink(missing_ok=True)
+            out.write(f"removed {path}\n")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--cache", metavar="PATH", default=argparse.SUPPRESS,
+        help=f"tuning cache file (default: ${knobs.CACHE_VAR} or the user cache directory)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="python -m autotune",
+        description="Inspect, export, plot and clear the online autotuner's cache and run traces.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    show = sub.add_parser("show", parents=[common], help="list cache entries, or one run's summary",
+                          description="List the cache entries (or print the ones named by key prefix as JSON), "
+                                      "or print a run directory's summary.json with --run.")
+    show.add_argument("keys", nargs="*", metavar="KEY", help="key prefixes to print in full")
+    show.add_argument("--json", action="store_true", help="print the entries as JSON")
+    show.add_argument("--run", metavar="DIR", help="print DIR/summary.json instead of the cache")
+    show.set_defaults(func=_show)
+
+    export = sub.add_parser("export", parents=[common], help="export cache entries or a run's trace rows",
+                            description="Write the cache entries (or, with --run, a run's trace rows) to "
+                                        "stdout or --output, as JSON or CSV.")
+    export.add_argument("keys", nargs="*", metavar="KEY", help="key prefixes to export (default: all)")
+    export.add_argument("--format", choices=("json", "csv"), default="json")
+    export.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
+    export.add_argument("--run", metavar="DIR", help="export DIR/trace.jsonl instead of the cache")
+    export.set_defaults(func=_export)
+
+    plot = sub.add_parser("plot", help="draw a run's tuning.png (needs matplotlib)",
+                          description="Draw step time per step of a run directory, coloured by candidate, "
+                                      "the winner marked.")
+    plot.add_argument("run_dir", metavar="DIR", help="run directory holding trace.jsonl")
+    plot.add_argument("--output", "-o", metavar="PNG", help=f"image path (default: DIR/{TUNING_PNG})")
+    plot.set_defaults(func=_plot)
+
+    clear = sub.add_parser("clear", parents=[common], help="remove cache entries",
+                           description="Remove the entries named by key prefix, or all entries.")
+    clear.add_argument("keys", nargs="*", metavar="KEY", help="key prefixes to remove (default: all)")
+    clear.add_argument("--bad", action="store_true", help="also delete corrupt files kept aside (*.bad-*)")
+    clear.set_defaults(func=_clear)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    args = _parser().parse_args(argv)
+    if not hasattr(args, "cache"):
+        args.cache = None
+    try:
+        if getattr(args, "output", None) and args.func is _export:
+            with open(args.output, "w", encoding="utf-8", newline="") as f:
+                return args.func(args, f)
+        return args.func(args, out)
+    except CliError as exc:
+        err.write(f"python -m autotune {args.command}: error: {exc}\n")
+        return 1
+    except OSError as exc:
+        err.write(f"python -m autotune {args.command}: error: {exc}\n")
+        return 1

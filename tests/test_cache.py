@@ -1,0 +1,340 @@
+"""TuningCache against real files and real processes: corruption, concurrency, killed writers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune import knobs
+from autotune._cache import SCHEMA_VERSION, CacheEntryError, TuningCache
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_entry(threads: int = 2, median: float = 0.5) -> dict:
+    return {
+        "winner": {"threads": threads, "chunk_numel": 1 << 20},
+        "baseline": {"threads": 1, "chunk_numel": 1 << 22},
+        "winner_median_s": median,
+        "baseline_median_s": 1.0,
+        "measurements": [
+            {"candidate": {"threads": 1, "chunk_numel": 1 << 22}, "samples": [1.0, 1.1, 0.9]},
+            {"candidate": {"threads": threads, "chunk_numel": 1 << 20}, "samples": [median, median]},
+        ],
+        "probe_steps": 12,
+        "created_unix": 1_700_000_000.0,
+        "fingerprint": {"hardware": {"cpu_model": "test"}, "local_world_size": 1},
+    }
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def cache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "autotune._cache" and r.levelno >= logging.WARNING]
+
+
+# ---------------------------------------------------------------------------------------------
+# Basics
+
+
+def test_roundtrip_and_file_format(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path / "sub" / "cache.json")
+    assert cache.get("k1") is None  # missing file: a plain miss
+    assert cache.put("k1", make_entry(2)) is True
+    assert cache.put("k2", make_entry(3)) is True
+    assert cache.get("k1") == make_entry(2)
+    assert cache.get("k2")["winner"]["threads"] == 3
+    doc = json.loads(cache.path.read_text())
+    assert doc["schema"] == SCHEMA_VERSION == 1
+    assert set(doc["entries"]) == {"k1", "k2"}
+    # get returns a copy: mutating it does not change what the cache serves
+    got = cache.get("k1")
+    got["winner"]["threads"] = 99
+    assert cache.get("k1")["winner"]["threads"] == 2
+    assert cache.put("k1", make_entry(4))  # overwrite
+    assert cache.get("k1")["winner"]["threads"] == 4
+
+
+def test_default_path_follows_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(knobs.CACHE_VAR, str(tmp_path / "env" / "c.json"))
+    cache = TuningCache()
+    assert cache.path == tmp_path / "env" / "c.json"
+    assert cache.put("k", make_entry())
+    assert (tmp_path / "env" / "c.json").exists()
+
+
+def test_delete_clear_entries(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path / "cache.json")
+    for i in range(3):
+        cache.put(f"k{i}", make_entry(i + 1))
+    assert set(cache.entries()) == {"k0", "k1", "k2"}
+    assert cache.delete("k1") is True
+    assert cache.delete("k1") is False
+    assert set(cache.entries()) == {"k0", "k2"}
+    assert cache.clear() == 2
+    assert cache.entries() == {}
+    assert json.loads(cache.path.read_text()) == {"schema": 1, "entries": {}}
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda e: e["winner"].update(threads=None),
+        lambda e: e["winner"].update(threads=[2]),
+        lambda e: e["winner"].update(threads=2**64),
+        lambda e: e.update(probe_steps=True),
+        lambda e: e.update(winner={}),
+        lambda e: e.update(winner_median_s=float("nan")),
+        lambda e: e.update(baseline_median_s=float("inf")),
+        lambda e: e.update(probe_steps=-1),
+        lambda e: e.update(measurements={"a": 1}),
+        lambda e: e["measurements"][0].update(samples=[1.0, "x"]),
+        lambda e: e.pop("created_unix"),
+        lambda e: e["fingerprint"].update(blob=object()),
+    ],
+)
+def test_put_rejects_malformed_entries(tmp_path: Path, mutate) -> None:
+    cache = TuningCache(tmp_path / "cache.json")
+    cache.put("good", make_entry())
+    before = cache.path.read_bytes()
+    entry = make_entry()
+    mutate(entry)
+    with pytest.raises(CacheEntryError):
+        cache.put("bad", entry)
+    assert cache.path.read_bytes() == before
+    with pytest.raises(TypeError):
+        cache.put("", make_entry())
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a warning and a miss, never a crash; the bad file is kept aside
+
+
+def _valid_doc_bytes() -> bytes:
+    return json.dumps({"schema": 1, "entries": {"k": make_entry(), "k2": make_entry(3)}}).encode()
+
+
+CORRUPT_FILES = {
+    "truncated": _valid_doc_bytes()[: len(_valid_doc_bytes()) // 2],
+    "empty": b"",
+    "non_json": b"threads = 4\nchunk = big\n",
+    "binary_garbage": bytes(range(256)) * 8,
+    "json_list": b'[{"schema": 1, "entries": {}}]',
+    "json_string": b'"hello"',
+    "schema_as_string": b'{"schema": "1", "entries": {}}',
+    "schema_missing": b'{"entries": {"k": {}}}',
+    "schema_zero": b'{"schema": 0, "entries": {}}',
+    "entries_as_list": b'{"schema": 1, "entries": []}',
+    "huge_integer_literal": b'{"schema": 1, "entries": {"k": {"probe_steps": ' + b"9" * 5000 + b"}}}",
+    "deep_nesting": b"[" * 100_000 + b"]" * 100_000,
+    "nan_schema": b'{"schema": NaN, "entries": {}}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT_FILES))
+def test_corrupt_file_is_a_miss_and_is_kept_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str) -> None:
+    path = tmp_path / "cache.json"
+    path.write_bytes(CORRUPT_FILES[name])
+    cache = TuningCache(path)
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("k") is None
+    assert any("corrupt" in m for m in cache_warnings(caplog)), cache_warnings(caplog)
+    bad = cache.bad_files()
+    assert len(bad) == 1 and bad[0].name.startswith("cache.json.bad-")
+    assert bad[0].read_bytes() == CORRUPT_FILES[name]  # kept exactly as found
+    assert not path.exists()
+    # the cache keeps working
+    assert cache.put("k", make_entry()) is True
+    assert cache.get("k") == make_entry()
+
+
+def test_corrupt_file_found_by_a_writer_is_kept_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "cache.json"
+    path.write_bytes(b"\x00\xff garbage")
+    cache = TuningCache(path)
+    with caplog.at_level(logging.WARNING):
+        assert cache.put("k", make_entry()) is True
+    assert [p.read_bytes() for p in cache.bad_files()] == [b"\x00\xff garbage"]
+    assert set(cache.entries()) == {"k"}
+
+
+def _partly_bad_file() -> tuple[bytes, set[str]]:
+    """A parseable cache file with one valid entry ("good") and many bad ones."""
+    bad_entries = {
+        "null_threads": {**make_entry(), "winner": {"threads": None}},
+        "dict_threads": {**make_entry(), "winner": {"threads": {"n": 2}}},
+        "bool_probe_steps": {**make_entry(), "probe_steps": True},
+        "huge_threads": {**make_entry(), "winner": {"threads": 2**70}},
+        "huge_probe_steps": {**make_entry(), "probe_steps": 10**400},
+        "list_knob": {**make_entry(), "winner": {"threads": [2]}},
+        "negative_probe_steps": {**make_entry(), "probe_steps": -3},
+        "string_median": {**make_entry(), "winner_median_s": "fast"},
+        "nan_median": {**make_entry(), "winner_median_s": "__NAN__"},
+        "inf_sample": {**make_entry(), "measurements": [{"candidate": {"threads": 1}, "samples": ["__INF__"]}]},
+        "not_a_dict": [1, 2, 3],
+        "missing_winner": {k: v for k, v in make_entry().items() if k != "winner"},
+    }
+    text = json.dumps({"schema": 1, "entries": {"good": make_entry(4), **bad_entries}})
+    # non-finite numbers: Python's json parses them, JSON forbids them
+    text = text.replace('"__NAN__"', "NaN").replace('"__INF__"', "1e999")
+    return text.encode(), set(bad_entries)
+
+
+def test_bad_entries_are_dropped_and_the_valid_ones_served(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    raw, bad_keys = _partly_bad_file()
+    path = tmp_path / "cache.json"
+    path.write_bytes(raw)
+    cache = TuningCache(path)
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("good") == make_entry(4)
+    assert any(f"{len(bad_keys)} bad entries" in m for m in cache_warnings(caplog)), cache_warnings(caplog)
+    for key in bad_keys:
+        assert cache.get(key) is None
+    # the original file is kept aside byte for byte; the live file holds the valid entry only
+    assert [p.read_bytes() for p in cache.bad_files()] == [raw]
+    assert json.loads(path.read_text()) == {"schema": 1, "entries": {"good": make_entry(4)}}
+
+
+def test_writer_merging_into_a_partly_bad_file_keeps_valid_entries(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw, _ = _partly_bad_file()
+    path = tmp_path / "cache.json"
+    path.write_bytes(raw)
+    cache = TuningCache(path)
+    with caplog.at_level(logging.WARNING):
+        assert cache.put("new", make_entry(2)) is True
+    assert cache_warnings(caplog)
+    assert set(json.loads(path.read_text())["entries"]) == {"good", "new"}
+    assert [p.read_bytes() for p in cache.bad_files()] == [raw]
+
+
+def test_newer_schema_is_ignored_and_never_overwritten(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "cache.json"
+    raw = json.dumps({"schema": 2, "entries": {"k": {"winner": {"threads": 2}}}, "future": True}).encode()
+    path.write_bytes(raw)
+    cache = TuningCache(path)
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("k") is None
+        assert cache.put("k2", make_entry()) is False
+        assert cache.clear() == 0
+    assert path.read_bytes() == raw
+    assert cache.bad_files() == []
+    assert any("newer" in m for m in cache_warnings(caplog))
+
+
+def test_unwritable_location_warns_and_continues(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    cache = TuningCache(blocker / "cache.json")  # fails for root too
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("k") is None
+        assert cache.put("k", make_entry()) is False
+        assert cache.entries() == {}
+    assert any("unusable" in m for m in cache_warnings(caplog))
+
+
+def test_cache_path_that_is_a_directory_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "cache.json"
+    path.mkdir()
+    cache = TuningCache(path)
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("k") is None
+        assert cache.put("k", make_entry()) is False
+    assert path.is_dir()
+    assert len(cache_warnings(caplog)) >= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Real processes
+
+
+def _writer(path: str, key: str, times: int) -> None:
+    cache = TuningCache(path, lock_timeout_s=60)
+    for i in range(times):
+        if not cache.put(key, make_entry(threads=1 + i)):
+            raise SystemExit(f"put {key} #{i} was not persisted")
+        if cache.get(key) is None:
+            raise SystemExit(f"own key {key} missing after put")
+
+
+def test_concurrent_writer_processes_merge(tmp_path: Path) -> None:
+    path = tmp_path / "cache.json"
+    TuningCache(path).put("preexisting", make_entry())
+    # fork: the children only touch files, and they skip re-importing the package (torch)
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    procs = [ctx.Process(target=_writer, args=(str(path), f"writer-{i}", 5)) for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * 8
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == 1
+    assert set(doc["entries"]) == {"preexisting", *(f"writer-{i}" for i in range(8))}
+    assert all(e["winner"]["threads"] == 5 for k, e in doc["entries"].items() if k.startswith("writer-"))
+    assert not list(tmp_path.glob(".cache.json.tmp-*"))
+
+
+_SLOW_WRITER = """
+import json, os, sys, time, pathlib
+from autotune import _cache
+ready = pathlib.Path(sys.argv[2])
+def half_then_hang(fd, data):
+    os.write(fd, data[: len(data) // 2])
+    ready.write_text("holding the lock with a half-written temp file")
+    time.sleep(600)
+_cache._write_all = half_then_hang
+_cache.TuningCache(sys.argv[1]).put("from-killed-writer", json.loads(sys.argv[3]))
+"""
+
+
+def test_writer_killed_mid_write_leaves_old_file_and_frees_the_lock(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "cache.json"
+    cache = TuningCache(path)
+    assert cache.put("old", make_entry(3))
+    old_bytes = path.read_bytes()
+    ready = tmp_path / "ready"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_WRITER, str(path), str(ready), json.dumps(make_entry(7))],
+        env=child_env(), cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert child.poll() is None, f"slow writer exited early with {child.returncode}"
+            assert time.monotonic() < deadline, "slow writer never reached the write"
+            time.sleep(0.05)
+        # while the child holds the lock, another writer times out, warns and skips
+        with caplog.at_level(logging.WARNING):
+            assert TuningCache(path, lock_timeout_s=0.2).put("blocked", make_entry()) is False
+        assert any("stayed locked" in m for m in cache_warnings(caplog))
+        # readers take no lock and still see the old file
+        assert cache.get("old") == make_entry(3)
+        assert list(tmp_path.glob(".cache.json.tmp-*")), "the child should have a half-written temp file"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    assert path.read_bytes() == old_bytes
+    # the kernel released the dead writer's lock: the next writer proceeds and cleans up
+    assert TuningCache(path, lock_timeout_s=5).put("after", make_entry(2)) is True
+    assert set(cache.entries()) == {"old", "after"}
+    assert not list(tmp_path.glob(".cache.json.tmp-*"))
+    assert cache.bad_files() == []

@@ -1,0 +1,177 @@
+"""``python -m autotune``: real subprocesses against a temporary cache, plus in-process details."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune import knobs
+from autotune._cache import TuningCache
+from autotune._cli import main
+from autotune._trace import TraceWriter
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def entry(threads: int, winner_s: float, cpu: str = "Test CPU 9000") -> dict:
+    return {
+        "winner": {"threads": threads, "chunk_numel": 1 << 20},
+        "baseline": {"threads": 1, "chunk_numel": 1 << 22},
+        "winner_median_s": winner_s,
+        "baseline_median_s": 1.0,
+        "measurements": [{"candidate": {"threads": threads, "chunk_numel": 1 << 20}, "samples": [winner_s] * 3}],
+        "probe_steps": 10 + threads,
+        "created_unix": 1_700_000_000.0 + threads,
+        "fingerprint": {"hardware": {"cpu_model": cpu, "affinity_cpus": 16}, "local_world_size": 2},
+    }
+
+
+KEY_A = "a" * 64
+KEY_B = "b" * 64
+
+
+@pytest.fixture
+def cache_path(tmp_path: Path) -> Path:
+    path = tmp_path / "cache" / "cache.json"
+    cache = TuningCache(path)
+    assert cache.put(KEY_A, entry(4, 0.5))
+    assert cache.put(KEY_B, entry(8, 0.25))
+    return path
+
+
+def run_cli(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop(knobs.CACHE_VAR, None)
+    if cache is not None:
+        env[knobs.CACHE_VAR] = str(cache)
+    return subprocess.run([sys.executable, "-m", "autotune", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def call(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(list(args), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# Real subprocesses
+
+
+def test_help() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("show", "export", "plot", "clear", "--cache"):
+        assert command in result.stdout
+
+
+def test_show_via_environment_variable(cache_path: Path) -> None:
+    result = run_cli("show", cache=cache_path)
+    assert result.returncode == 0, result.stderr
+    assert str(cache_path) in result.stdout and "(2 entries)" in result.stdout
+    assert KEY_A[:12] in result.stdout and KEY_B[:12] in result.stdout
+    assert "threads=8" in result.stdout and "4.00x" in result.stdout and "Test CPU 9000" in result.stdout
+
+
+def test_export_csv_via_flag(cache_path: Path) -> None:
+    result = run_cli("export", "--format", "csv", "--cache", str(cache_path))
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [r["key"] for r in rows] == [KEY_A, KEY_B]
+    assert [int(r["winner.threads"]) for r in rows] == [4, 8]
+    assert [float(r["speedup"]) for r in rows] == [pytest.approx(2.0), pytest.approx(4.0)]
+    assert rows[0]["fingerprint.hardware.cpu_model"] == "Test CPU 9000"
+
+
+def test_clear(cache_path: Path) -> None:
+    result = run_cli("clear", cache=cache_path)
+    assert result.returncode == 0, result.stderr
+    assert "removed 2 entries" in result.stdout
+    assert TuningCache(cache_path).entries() == {}
+    assert json.loads(cache_path.read_text()) == {"schema": 1, "entries": {}}
+
+
+# ---------------------------------------------------------------------------------------------
+# In process
+
+
+def test_show_key_prefix_prints_the_entry(cache_path: Path) -> None:
+    rc, out, _ = call("--cache", str(cache_path), "show", "bbb")
+    assert rc == 0
+    assert json.loads(out) == {KEY_B: entry(8, 0.25)}
+    rc, out, _ = call("show", "--json", "--cache", str(cache_path))
+    assert rc == 0 and set(json.loads(out)) == {KEY_A, KEY_B}
+
+
+def test_unknown_or_ambiguous_key_is_an_error(cache_path: Path) -> None:
+    TuningCache(cache_path).put("a" * 63 + "0", entry(2, 0.9))
+    rc, _, err = call("show", "zzz", "--cache", str(cache_path))
+    assert rc == 1 and "zzz" in err
+    rc, _, err = call("clear", "aaa", "--cache", str(cache_path))
+    assert rc == 1 and "ambiguous" in err
+    assert len(TuningCache(cache_path).entries()) == 3
+
+
+def test_export_json_to_file(cache_path: Path, tmp_path: Path) -> None:
+    target = tmp_path / "export.json"
+    rc, out, _ = call("export", "--cache", str(cache_path), "--output", str(target))
+    assert rc == 0 and out == ""
+    doc = json.loads(target.read_text())
+    assert doc["schema"] == 1 and doc["entries"][KEY_A] == entry(4, 0.5)
+
+
+def test_clear_one_key_and_bad_files(cache_path: Path) -> None:
+    bad = cache_path.with_name("cache.json.bad-20240101T000000")
+    bad.write_text("{broken")
+    rc, out, _ = call("show", "--cache", str(cache_path))
+    assert rc == 0 and bad.name in out
+    rc, out, _ = call("clear", "aaaa", "--bad", "--cache", str(cache_path))
+    assert rc == 0 and "removed 1 entries" in out
+    assert set(TuningCache(cache_path).entries()) == {KEY_B}
+    assert not bad.exists()
+
+
+def test_empty_and_corrupt_cache(tmp_path: Path) -> None:
+    rc, out, _ = call("show", "--cache", str(tmp_path / "none.json"))
+    assert rc == 0 and "(0 entries)" in out
+    path = tmp_path / "c.json"
+    path.write_bytes(b"\xff\xfe not json")
+    rc, out, _ = call("export", "--format", "csv", "--cache", str(path))
+    assert rc == 0 and out.strip() == ""  # a miss, never a crash
+    assert TuningCache(path).bad_files()
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    with TraceWriter(run, plot=False) as writer:
+        for step in range(6):
+            writer.add_step({"step": step, "phase": "probe", "candidate": {"threads": 1 + step % 2},
+                             "node_time_s": 0.1 / (1 + step % 2), "decision": None})
+        writer.write_summary({"baseline": {"threads": 1}, "winner": {"threads": 2}, "probe_steps": 6,
+                              "cache_hit": False, "baseline_median_s": 0.1, "winner_median_s": 0.05})
+    return run
+
+
+def test_run_directory_show_export_plot(run_dir: Path, tmp_path: Path) -> None:
+    rc, out, _ = call("show", "--run", str(run_dir))
+    assert rc == 0 and json.loads(out)["speedup"] == pytest.approx(2.0)
+    rc, out, _ = call("export", "--run", str(run_dir), "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert rc == 0 and [int(r["candidate.threads"]) for r in rows] == [1, 2, 1, 2, 1, 2]
+    rc, out, _ = call("export", "--run", str(run_dir))
+    assert rc == 0 and len(json.loads(out)) == 6
+    rc, _, err = call("show", "--run", str(tmp_path / "missing"))
+    assert rc == 1 and "summary.json" in err
+    pytest.importorskip("matplotlib", reason="plot needs matplotlib (the [plot] extra)")
+    png = tmp_path / "out.png"
+    rc, out, _ = call("plot", str(run_dir), "-o", str(png))
+    assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
