@@ -1,0 +1,176 @@
+"""Run a test function in N real processes joined by a gloo default group.
+
+Usage from a test (the target must be a module-level function of an importable test module)::
+
+    from _dist_util import run_workers
+
+    def _worker(rank: int, world_size: int, *, steps: int) -> dict:
+        ...                                   # torch.distributed is initialised (gloo)
+        return {"anything": "JSON-able"}
+
+    def test_something():
+        results = run_workers(_worker, world_size=2, kwargs={"steps": 10}, timeout_s=60)
+        assert all(r.ok for r in results), [r.describe() for r in results]
+
+Each worker is ``python tests/_dist_util.py SPEC RANK`` with torchrun's environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) on a free
+port of 127.0.0.1. Its return value (or exception) comes back in a :class:`WorkerResult`; its
+stderr (logging goes there) too. Workers still running at ``timeout_s``, or once every rank of
+``wait_ranks`` has finished, are killed, so a test never hangs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["WorkerResult", "free_port", "run_workers"]
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    returncode: int | None
+    """Exit status; None if the worker was killed (timeout or ``wait_ranks``)."""
+    ok: bool
+    """The target returned normally."""
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    stderr: str = ""
+    killed: bool = False
+
+    def describe(self) -> str:
+        head = f"rank {self.rank}: returncode={self.returncode} ok={self.ok} killed={self.killed}"
+        if self.error:
+            head += f"\n  {self.error_type}: {self.error}"
+        return f"{head}\n  --- stderr (tail) ---\n{self.stderr[-3000:]}"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(target: str, world_size: int, kwargs: dict[str, Any], timeout_s: float,
+            wait_ranks: Sequence[int] | None, log_level: str, workdir: Path) -> list[WorkerResult]:
+    port = free_port()
+    spec = {"target": target, "world_size": world_size, "kwargs": kwargs, "log_level": log_level,
+            "workdir": str(workdir)}
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        )
+        stderr = open(workdir / f"stderr.{rank}", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(rank)],
+            cwd=REPO_ROOT, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True,
+        ))
+        stderr.close()
+    deadline = time.monotonic() + timeout_s
+    waited = range(world_size) if wait_ranks is None else wait_ranks
+    while time.monotonic() < deadline and any(procs[r].poll() is None for r in waited):
+        time.sleep(0.05)
+    killed = set()
+    for rank, proc in enumerate(procs):
+        if proc.poll() is None:
+            killed.add(rank)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    results = []
+    for rank, proc in enumerate(procs):
+        out = workdir / f"result.{rank}.json"
+        data = json.loads(out.read_text()) if out.exists() else {}
+        results.append(WorkerResult(
+            rank=rank,
+            returncode=None if rank in killed else proc.returncode,
+            ok=bool(data.get("ok")),
+            value=data.get("value"),
+            error_type=data.get("error_type"),
+            error=data.get("error"),
+            traceback=data.get("traceback"),
+            stderr=(workdir / f"stderr.{rank}").read_text(errors="replace"),
+            killed=rank in killed,
+        ))
+    return results
+
+
+def run_workers(
+    target: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+    wait_ranks: Sequence[int] | None = None,
+    log_level: str = "INFO",
+) -> list[WorkerResult]:
+    """Run ``target(rank=, world_size=, **kwargs)`` in ``world_size`` processes; results by rank.
+
+    ``kwargs`` must be JSON-able. ``wait_ranks``: stop waiting (and kill the rest) once these ranks
+    have exited, e.g. when another rank is meant to hang. Retries once on a port collision.
+    """
+    name = f"{target.__module__}:{target.__qualname__}"
+    for attempt in range(2):
+        with tempfile.TemporaryDirectory(prefix="dist-test-") as tmp:
+            results = _launch(name, world_size, dict(kwargs or {}), timeout_s, wait_ranks, log_level, Path(tmp))
+        collided = any("address already in use" in (r.stderr + (r.error or "")).lower() for r in results)
+        if not collided or attempt == 1:
+            return results
+    raise AssertionError("unreachable")
+
+
+def _worker_main(spec_path: str, rank_text: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world_size = int(rank_text), int(spec["world_size"])
+    workdir = Path(spec["workdir"])
+    logging.basicConfig(level=spec["log_level"], stream=sys.stderr,
+                        format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
+    result: dict[str, Any]
+    try:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        module_name, _, qualname = spec["target"].partition(":")
+        fn: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        value = fn(rank=rank, world_size=world_size, **spec["kwargs"])
+        result = {"ok": True, "value": value}
+    except BaseException as exc:  # report everything, including SystemExit from the target
+        result = {"ok": False, "error_type": type(exc).__name__, "error": str(exc),
+                  "traceback": traceback.format_exc()}
+    tmp = workdir / f"result.{rank}.json.tmp"
+    tmp.write_text(json.dumps(result, default=repr))
+    tmp.replace(workdir / f"result.{rank}.json")
+    sys.stderr.flush()
+    # Skip interpreter teardown: a peer may be gone, and destroying its process groups could block.
+    os._exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,170 @@
+"""The tuner across real processes: two ranks joined by gloo, fake step times, no big tensors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import pytest
+
+from _dist_util import run_workers
+
+pytestmark = pytest.mark.slow
+
+THREADS = (1, 2, 4, 8)
+CHUNKS = (1 << 20, 1 << 22)
+BASELINE = {"threads": 8, "chunk_numel": 1 << 20}
+
+
+def _space(chunks: tuple[int, ...] = CHUNKS) -> Any:
+    from autotune._space import Knob, SearchSpace
+
+    return SearchSpace((Knob("threads", THREADS), Knob("chunk_numel", chunks, prefer="high")))
+
+
+def _cost(rank: int, setting: dict[str, Any]) -> float:
+    """Rank 0 alone would pick 8 threads, rank 1 alone 1 thread; the node (max) optimum is 4 threads."""
+    threads, chunk = setting["threads"], setting["chunk_numel"]
+    base = 1.0 / threads + 0.1 if rank == 0 else 0.3 + 0.05 * threads
+    return base * (0.95 if chunk == 1 << 22 else 1.0)
+
+
+def _node_optimum() -> dict[str, Any]:
+    candidates = _space().candidates()
+    return min(candidates, key=lambda s: max(_cost(0, s), _cost(1, s)))
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, stop_at: int | None = None,
+          stop: str = "", slow_from: int | None = None) -> dict[str, Any]:
+    from autotune._tuner import OnlineTuner, StepSample
+
+    applied: list[tuple[int, dict[str, Any]]] = []
+    tuner: Any = None
+
+    def apply(setting: dict[str, Any]) -> None:
+        applied.append((tuner.summary()["steps"] if tuner is not None and tuner.state != "new" else 0, setting))
+
+    tuner = OnlineTuner(space, baseline=BASELINE, apply=apply, config=config, workload={"params": 1000},
+                        cache=cache)
+    tuner.start()
+    states = []
+    for step in range(steps):
+        if step == stop_at:
+            if stop == "exit":
+                os._exit(3)
+            if stop == "hang":
+                time.sleep(120)
+        t = _cost(rank, tuner.current) * (3.0 if slow_from is not None and step >= slow_from else 1.0)
+        tuner.observe(StepSample(time_s=t, stages={"step_s": t}))
+        states.append(tuner.state)
+    summary = tuner.summary()
+    tuner.close()
+    return {"applied": applied, "states": states, "summary": summary}
+
+
+def _worker_agree(rank: int, world_size: int, *, cache_path: str) -> dict[str, Any]:
+    from autotune._cache import TuningCache
+    from autotune._tuner import AutotuneConfig
+
+    records = _Records()
+    logging.getLogger("autotune").addHandler(records)
+    logging.getLogger("autotune").setLevel(logging.DEBUG)
+    config = AutotuneConfig(probe_steps=48, timeout_s=30.0, drift_window=4, drift_patience=2)
+    cache = TuningCache(cache_path) if rank == 0 else None
+    # Probing ends after 44 steps; from step 48 on rank 1 alone runs 3x slower (drift).
+    first = _tune(rank, space=_space(), config=config, steps=60, cache=cache, slow_from=48 if rank == 1 else None)
+    second = _tune(rank, space=_space(), config=config, steps=8, cache=cache)
+    return {"first": first, "second": second, "log": records.messages}
+
+
+def _comparable(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k not in ("rank", "overhead_s")}
+
+
+def test_ranks_apply_the_same_candidates_and_agree_on_the_node_optimum(tmp_path):
+    results = run_workers(_worker_agree, 2, kwargs={"cache_path": str(tmp_path / "cache.json")}, timeout_s=90)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results)
+    r0, r1 = (r.value for r in results)
+    first0, first1 = r0["first"], r1["first"]
+    # Same settings applied at the same steps, same states, same decision on both ranks.
+    assert first0["applied"] == first1["applied"]
+    assert len(first0["applied"]) > 4
+    assert first0["states"] == first1["states"]
+    assert _comparable(first0["summary"]) == _comparable(first1["summary"])
+    summary = first0["summary"]
+    assert summary["state"] == "locked"
+    assert summary["sampler"] == "grid"
+    assert summary["local_world_size"] == 2
+    assert summary["probe_steps"] == 44
+    # Rank 0's own steps never slowed down: it learns of rank 1's drift through the max-reduce.
+    assert summary["drift_events"] == 1 and summary["reprobes"] == 0
+    # The slow rank sets the pace: the node time is the max over ranks, so neither rank's own
+    # optimum (8 threads for rank 0, 1 thread for rank 1) wins, but the node's.
+    assert summary["winner"] == _node_optimum() == {"threads": 4, "chunk_numel": 1 << 22}
+    for m in summary["measurements"]:
+        expected = max(_cost(0, m["candidate"]), _cost(1, m["candidate"]))
+        assert m["samples"] == pytest.approx([expected] * m["n"])
+    # Every rank logs the decision; rank 0 alone logs the per-candidate lines and the table.
+    assert any("locked" in line for line in r0["log"]) and any("locked" in line for line in r1["log"])
+    per_candidate = re.compile(r"OnlineTuner: candidate \d+ of 8: ")
+    assert sum(bool(per_candidate.match(line)) for line in r0["log"]) == len(_space())
+    assert not any(per_candidate.match(line) for line in r1["log"])
+    # Second tuner: rank 0's cache hit is shared, nobody probes, both lock the cached winner.
+    second0, second1 = r0["second"]["summary"], r1["second"]["summary"]
+    assert _comparable(second0) == _comparable(second1)
+    assert second0["cache_hit"] is True and second0["cache_status"] == "hit"
+    assert second0["probe_steps"] == 0 and second0["state"] == "locked"
+    assert second0["winner"] == summary["winner"]
+    assert r0["second"]["applied"] == r1["second"]["applied"] == [[0, summary["winner"]]]
+
+
+def _worker_mismatch(rank: int, world_size: int) -> dict[str, Any]:
+    from autotune._tuner import AutotuneConfig
+
+    # Same static plan, but rank 1 derived a different chunk ladder (e.g. from a different model).
+    chunks = CHUNKS if rank == 0 else CHUNKS + (1 << 24,)
+    return _tune(rank, space=_space(chunks), config=AutotuneConfig(timeout_s=30.0), steps=3)
+
+
+def test_mismatched_spaces_fail_with_a_clear_error_on_every_rank():
+    results = run_workers(_worker_mismatch, 2, timeout_s=60)
+    for r in results:
+        assert not r.ok and not r.killed, r.describe()
+        assert r.error_type == "AgreementMismatch", r.describe()
+        assert "OnlineTuner" in r.error and "search space" in r.error
+        assert "local rank 0" in r.error and "local rank 1" in r.error
+
+
+def _worker_stops(rank: int, world_size: int, *, victim: int, stop: str) -> dict[str, Any]:
+    from autotune._tuner import AutotuneConfig
+
+    return _tune(rank, space=_space(), config=AutotuneConfig(timeout_s=5.0), steps=20,
+                 stop_at=5 if rank == victim else None, stop=stop)
+
+
+@pytest.mark.parametrize(("victim", "stop"), [(1, "exit"), (0, "exit"), (1, "hang")])
+def test_a_rank_that_stops_answering_fails_the_other_with_a_named_error(victim, stop):
+    survivor = 1 - victim
+    results = run_workers(_worker_stops, 2, kwargs={"victim": victim, "stop": stop}, timeout_s=60,
+                          wait_ranks=[survivor])
+    alive = results[survivor]
+    assert not alive.killed and not alive.ok, alive.describe()
+    assert alive.error_type == "AgreementTimeout", alive.describe()
+    assert "OnlineTuner" in alive.error and "step 5" in alive.error, alive.error
+    assert f"local rank(s) {victim} " in alive.error, alive.error
+    if stop == "exit":
+        assert results[victim].returncode == 3
+    else:
+        assert "within 5 s" in alive.error and results[victim].killed

@@ -1,0 +1,612 @@
+"""Tuner logic with fake step times (single process): search, budget, lock-in, cache, drift."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+import logging
+import math
+import random
+import sys
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from autotune import _measurement, _space
+from autotune._measurement import Measurement, gain_threshold, significantly_faster
+from autotune._probe import choose, plan_budget
+from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
+from autotune._tuner import AutotuneConfig, OnlineTuner, StepSample
+
+THREADS = (1, 2, 4, 8)
+CHUNKS = (1 << 20, 1 << 21, 1 << 22)
+BASELINE = {"threads": 8, "chunk_numel": 1 << 20}
+
+
+def make_space(threads: tuple[int, ...] = THREADS, chunks: tuple[int, ...] = CHUNKS) -> SearchSpace:
+    return SearchSpace((Knob("threads", threads), Knob("chunk_numel", chunks, prefer="high")))
+
+
+Cost = Callable[[dict[str, Any]], float]
+
+
+class Client:
+    """Stands in for the optimizer: applies settings and reports fake step times for them."""
+
+    def __init__(self, cost: Cost, *, noise: float = 0.0, seed: int = 0, switch_penalty: float = 0.0) -> None:
+        self.cost = cost
+        self.noise = noise
+        self.rng = random.Random(seed)
+        self.switch_penalty = switch_penalty
+        self.current: dict[str, Any] | None = None
+        self.applied: list[tuple[int, dict[str, Any]]] = []
+        self.states: list[str] = []
+        self.steps = 0
+        self._switched = False
+
+    def apply(self, setting: dict[str, Any]) -> None:
+        self.applied.append((self.steps, dict(setting)))
+        self.current = dict(setting)
+        self._switched = True
+
+    def run(self, tuner: OnlineTuner, steps: int, *, until_locked: bool = False) -> None:
+        for _ in range(steps):
+            assert self.current is not None
+            t = self.cost(self.current) * (1.0 + self.rng.gauss(0.0, self.noise)) if self.noise else self.cost(self.current)
+            if self._switched:
+                t += self.switch_penalty
+                self._switched = False
+            self.states.append(tuner.state)
+            self.steps += 1
+            tuner.observe(StepSample(time_s=max(t, 0.0), stages={"step_s": t}, spans=(("adam_kernel", 0, 0.0, t),)))
+            if until_locked and tuner.state == "locked":
+                return
+
+
+class FakeCache:
+    def __init__(self, entries: dict[str, Any] | None = None) -> None:
+        self.entries = dict(entries or {})
+        self.puts: list[tuple[str, dict[str, Any]]] = []
+
+    def get(self, key: str) -> Any:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        self.puts.append((key, entry))
+        self.entries[key] = entry
+
+
+class FakeTrace:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.spans: list[tuple[int, int, Any]] = []
+        self.summaries: list[dict[str, Any]] = []
+
+    def add_step(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def add_spans(self, rank: int, step: int, spans: Any) -> None:
+        self.spans.append((rank, step, spans))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        self.summaries.append(summary)
+
+
+def fake_fingerprint(*, workload: Any, space: SearchSpace, local_world_size: int) -> Any:
+    return SimpleNamespace(key=f"key-{space.digest()}-{local_world_size}", details={"space": space.to_dict()})
+
+
+def make_tuner(client: Client, *, space: SearchSpace | None = None, baseline: dict[str, Any] | None = None,
+               **kwargs: Any) -> OnlineTuner:
+    config = kwargs.pop("config", AutotuneConfig())
+    tuner = OnlineTuner(space or make_space(), baseline=baseline or BASELINE, apply=client.apply, config=config,
+                        workload={"params": 1000}, clock=itertools.count().__next__,
+                        fingerprint=fake_fingerprint, **kwargs)
+    tuner.start()
+    return tuner
+
+
+def valley(best: dict[str, Any], *, gap: float = 0.3) -> Cost:
+    """1.0 at ``best``; every knob step away (in ladder position) costs ``gap`` more."""
+    space = make_space()
+
+    def cost(setting: dict[str, Any]) -> float:
+        return 1.0 + gap * sum(
+            abs(knob.values.index(setting[knob.name]) - knob.values.index(best[knob.name])) for knob in space.knobs
+        )
+
+    return cost
+
+
+def table(values: dict[tuple[int, int], float], default: float = 2.0) -> Cost:
+    return lambda s: values.get((s["threads"], s["chunk_numel"]), default)
+
+
+# --- search space ---------------------------------------------------------------------------
+
+
+def test_space_doctests_pass():
+    for module in (_space, _measurement):
+        assert doctest.testmod(module).failed == 0
+
+
+def test_geometric_ladder_keeps_bounds_and_the_plan_value():
+    assert geometric_ladder(1, 30, include=(12,)) == (1, 2, 4, 8, 12, 16, 30)
+    assert geometric_ladder(1, 1) == (1,)
+    thinned = geometric_ladder(1, 64, include=(24,), max_count=5)
+    assert len(thinned) == 5 and {1, 24, 64} <= set(thinned)
+    with pytest.raises(ValueError, match="outside"):
+        geometric_ladder(1, 8, include=(9,))
+    with pytest.raises(ValueError, match="max_count"):
+        geometric_ladder(1, 64, include=(3, 24), max_count=3)
+    with pytest.raises(ValueError, match="hi"):
+        geometric_ladder(4, 2)
+
+
+def test_powers_of_two_between_bounds_capped_by_count():
+    assert powers_of_two(1 << 20, (1 << 22) + 5) == (1 << 20, 1 << 21, 1 << 22)
+    assert powers_of_two(3, 3) == ()
+    capped = powers_of_two(1 << 20, 1 << 30, max_count=4)
+    assert len(capped) == 4 and capped[0] == 1 << 20 and capped[-1] == 1 << 30
+    assert powers_of_two(1, 8, max_count=1) == (8,)
+    with pytest.raises(ValueError, match="max_count"):
+        powers_of_two(1, 8, max_count=0)
+
+
+def test_space_membership_is_type_strict_and_digest_is_stable():
+    space = make_space()
+    assert len(space) == 12 and len(space.candidates()) == 12
+    assert space.contains({"threads": 2, "chunk_numel": 1 << 21})
+    for bad in ({"threads": 16, "chunk_numel": 1 << 20}, {"threads": "2", "chunk_numel": 1 << 20},
+                {"threads": True, "chunk_numel": 1 << 20}, {"threads": 2.0, "chunk_numel": 1 << 20},
+                {"threads": 2}, {"threads": 2, "chunk_numel": 1 << 20, "x": 1}, [2, 1 << 20], None):
+        assert not space.contains(bad), bad
+        assert space.why_not(bad)
+    shuffled = SearchSpace((Knob("threads", (8, 1, 4, 2)), Knob("chunk_numel", CHUNKS[::-1], prefer="high")))
+    assert shuffled == space and shuffled.digest() == space.digest()
+    assert SearchSpace.from_dict(space.to_dict()) == space
+    assert space.preference({"threads": 1, "chunk_numel": 1 << 22}) < space.preference({"threads": 1, "chunk_numel": 1 << 20})
+    for knobs, match in ((((Knob("a", (1,)), Knob("a", (2,)))), "duplicates"), ((), "at least one")):
+        with pytest.raises(ValueError, match=match):
+            SearchSpace(knobs)
+    with pytest.raises(ValueError, match="one type per knob"):
+        Knob("threads", (1, 2.0))
+    with pytest.raises(ValueError, match="duplicates"):
+        Knob("threads", (1, 1))
+
+
+# --- measurement and the lock-in rule -------------------------------------------------------
+
+
+def test_measurement_statistics_match_numpy():
+    rng = random.Random(3)
+    for n in (1, 2, 5, 8):
+        samples = [rng.uniform(0.5, 1.5) for _ in range(n)]
+        m = Measurement(samples)
+        q25, q50, q75 = np.quantile(samples, [0.25, 0.5, 0.75])
+        assert m.n == n and m.median == pytest.approx(q50) and m.iqr == pytest.approx(q75 - q25)
+    assert "median" in str(Measurement([1.0, 1.1], "x")) and "n=2" in str(Measurement([1.0, 1.1]))
+    for bad in ([], [float("nan")], [-1.0], [True], "1"):
+        with pytest.raises(ValueError):
+            Measurement(bad)
+
+
+def test_gain_must_beat_noise_and_minimum_margin():
+    base = Measurement([1.0, 1.0, 1.0])
+    assert significantly_faster(Measurement([0.9, 0.9, 0.9]), base)
+    assert not significantly_faster(Measurement([0.99, 0.99, 0.99]), base)  # under min_gain
+    noisy = Measurement([0.6, 0.9, 1.2])  # 10 % faster median, but IQR 0.3
+    assert gain_threshold(base, noisy) == pytest.approx(0.3)
+    assert not significantly_faster(noisy, base)
+
+
+def test_choose_breaks_ties_deterministically():
+    space, config = make_space(), AutotuneConfig()
+    base = space.key(BASELINE)
+    fast = Measurement([0.5, 0.5, 0.5])
+    ms = {base: Measurement([1.0] * 3), (4, 1 << 22): fast, (2, 1 << 21): fast, (2, 1 << 22): fast}
+    assert choose(space, base, ms, config)[0] == (2, 1 << 22)  # fewer threads, then larger chunk
+    ms[base] = Measurement([0.501, 0.501, 0.501])
+    winner, reason = choose(space, base, ms, config)
+    assert winner == base and "as fast as" in reason  # the static plan stays when tied
+
+
+# --- configuration --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"probe_steps": 0}, "probe_steps"), ({"warmup_steps": -1}, "warmup_steps"),
+    ({"measure_steps": 0}, "measure_steps"), ({"min_gain": math.nan}, "min_gain"),
+    ({"timeout_s": 0}, "timeout_s"), ({"drift_factor": 1.0}, "drift_factor"),
+    ({"force_retune": "yes"}, "force_retune"), ({"probe_steps": 7}, "probe_steps"),
+    ({"tie_tolerance": 0.05}, "tie_tolerance"), ({"seed": 1.5}, "seed"),
+])
+def test_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"AutotuneConfig.{field}="):
+        AutotuneConfig(**kwargs)
+
+
+def test_inputs_are_validated():
+    client = Client(valley(BASELINE))
+    with pytest.raises(ValueError, match="baseline"):
+        OnlineTuner(make_space(), baseline={"threads": 16, "chunk_numel": 1 << 20}, apply=client.apply)
+    tuner = OnlineTuner(make_space(), baseline=BASELINE, apply=client.apply)
+    with pytest.raises(RuntimeError, match="before start"):
+        tuner.observe(StepSample(time_s=1.0))
+    for bad in (math.nan, -1.0, "1", True):
+        with pytest.raises(ValueError, match="time_s"):
+            StepSample(time_s=bad)
+
+
+# --- search ---------------------------------------------------------------------------------
+
+
+def test_certain_winner_found_with_grid_and_settings_change_only_between_steps():
+    best = {"threads": 4, "chunk_numel": 1 << 22}
+    client = Client(valley(best))
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80))
+    assert client.applied == [(0, BASELINE)]  # start() applies the static plan
+    client.run(tuner, 100)
+    s = tuner.summary()
+    assert s["state"] == "locked" and s["sampler"] == "grid" and s["winner"] == best
+    assert s["speedup"] == pytest.approx(valley(best)(BASELINE) / 1.0)
+    assert s["probe_steps"] == 12 * 4 + 3 * 2 * 2 <= 80
+    assert len(s["measurements"]) == 12  # every candidate measured once
+    assert s["measurements"][0]["candidate"] == BASELINE  # the static plan first
+    # One apply per change of setting, none after lock-in; the step after the last probe runs the winner.
+    settings = [setting for _, setting in client.applied]
+    assert all(a != b for a, b in itertools.pairwise(settings))
+    assert client.applied[-1] == (s["probe_steps"], best)
+    assert client.states[s["probe_steps"]:] == ["locked"] * (100 - s["probe_steps"])
+
+
+def test_warmup_steps_are_discarded():
+    best = {"threads": 2, "chunk_numel": 1 << 21}
+    client = Client(valley(best), switch_penalty=50.0)  # the first step after any switch is very slow
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80))
+    client.run(tuner, 80)
+    s = tuner.summary()
+    assert s["winner"] == best
+    assert all(sample < 50.0 for m in s["measurements"] for sample in m["samples"])
+
+
+def test_finalists_are_remeasured_interleaved():
+    client = Client(valley({"threads": 4, "chunk_numel": 1 << 22}))
+    trace = FakeTrace()
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80, final_rounds=2), trace=trace)
+    client.run(tuner, 80)
+    finals = [(row["phase"], tuner.space.key(row["candidate"])) for row in trace.rows if row["phase"].startswith("final")]
+    finalists = [tuner.space.key(c) for c in tuner.summary()["finalists"]]
+    assert finalists[0] == tuner.space.key(BASELINE) and len(set(finalists)) == 3
+    expected = [(phase, key) for _ in range(2) for key in finalists for phase in ("final_warmup", "final")]
+    assert finals == expected
+    winner = tuner.summary()["winner"]
+    assert next(m for m in tuner.summary()["measurements"] if m["candidate"] == winner)["n"] == 3 + 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_noise_still_picks_the_right_winner(seed):
+    best = {"threads": 2, "chunk_numel": 1 << 22}
+    costs = {(2, 1 << 22): 0.80, (4, 1 << 22): 0.94, (2, 1 << 21): 0.95}
+    client = Client(table(costs, default=1.2), noise=0.03, seed=seed)
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80, seed=seed))
+    client.run(tuner, 80)
+    assert tuner.summary()["winner"] == best
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_ties_break_to_fewer_threads_then_larger_chunks(seed):
+    fast = 0.5
+    costs = {(2, 1 << 21): fast, (2, 1 << 22): fast, (4, 1 << 22): fast, (8, 1 << 20): 1.0}
+    client = Client(table(costs, default=0.9))
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80, seed=seed))
+    client.run(tuner, 80)
+    assert tuner.summary()["winner"] == {"threads": 2, "chunk_numel": 1 << 22}
+
+
+def test_do_no_harm_keeps_the_static_plan_for_a_one_percent_gain(caplog):
+    costs = {(8, 1 << 20): 1.0, (4, 1 << 21): 0.99}
+    client = Client(table(costs, default=1.3))
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80))
+        client.run(tuner, 80)
+    s = tuner.summary()
+    assert s["state"] == "locked" and s["winner"] == BASELINE and s["kept_baseline"] is True
+    assert "not clearly faster" in s["reason"]
+    assert client.current == BASELINE
+    text = caplog.text
+    assert "candidate 12 of 12" in text and "locked in threads=8 chunk_numel=1048576 (the static plan)" in text
+
+
+def test_budget_plan_never_exceeds_the_budget():
+    for n, probe, warm, k, fin, rounds in itertools.product(
+        range(1, 40, 3), (8, 13, 40, 64), (0, 1, 2), (1, 3), (0, 2, 3, 5), (0, 1, 2)
+    ):
+        if probe < 2 * (warm + k):
+            continue
+        config = AutotuneConfig(probe_steps=probe, warmup_steps=warm, measure_steps=k, finalists=fin,
+                                final_rounds=rounds, min_gain=0.03)
+        plan = plan_budget(n, config)
+        assert plan.steps <= probe, (n, config, plan)
+        assert plan.sampler == ("none" if n == 1 else "grid" if plan.explore == n else "tpe")
+
+
+def test_budget_never_exceeded_over_random_spaces():
+    rng = random.Random(11)
+    samplers = set()
+    for case in range(24):
+        knobs = tuple(
+            Knob(f"k{i}", tuple(sorted(rng.sample(range(1, 50), rng.randint(1, 5)))), prefer=rng.choice(("low", "high")))
+            for i in range(rng.randint(1, 3))
+        )
+        space = SearchSpace(knobs)
+        warm, k = rng.randint(0, 2), rng.randint(1, 4)
+        config = AutotuneConfig(probe_steps=rng.randint(2 * (warm + k), 50), warmup_steps=warm, measure_steps=k,
+                                finalists=rng.randint(0, 4), final_rounds=rng.randint(0, 2), seed=case)
+        weights = {knob.name: rng.uniform(-1, 1) for knob in knobs}
+        baseline = {knob.name: rng.choice(knob.values) for knob in knobs}
+        client = Client(lambda s, w=weights: 2.0 + sum(w[n] * math.log(v) for n, v in s.items()) / 10, noise=0.05,
+                        seed=case)
+        tuner = make_tuner(client, space=space, baseline=baseline, config=config)
+        client.run(tuner, config.probe_steps + 5)
+        s = tuner.summary()
+        assert s["state"] == "locked", (case, s)
+        assert s["probe_steps"] == client.states.count("probing") <= config.probe_steps, (case, config, s)
+        assert space.contains(s["winner"]) and all(space.contains(a) for _, a in client.applied)
+        samplers.add(s["sampler"])
+    assert {"grid", "tpe"} <= samplers
+
+
+def test_tpe_drives_a_space_too_big_for_the_budget():
+    space = make_space(threads=(1, 2, 3, 4, 6, 8, 12, 16), chunks=tuple(1 << p for p in range(18, 24)))
+    baseline = {"threads": 16, "chunk_numel": 1 << 18}
+    client = Client(lambda s: 1.0 + abs(math.log2(s["threads"] / 6)) * 0.2 + abs(math.log2(s["chunk_numel"]) - 22) * 0.05)
+    tuner = make_tuner(client, space=space, baseline=baseline)
+    client.run(tuner, 60)
+    s = tuner.summary()
+    plan = plan_budget(len(space), AutotuneConfig())
+    assert s["sampler"] == plan.sampler == "tpe" and len(space) == 48
+    assert len(s["measurements"]) == plan.explore and s["probe_steps"] <= 40
+    assert s["measurements"][0]["candidate"] == baseline
+    assert s["winner"] != baseline and s["winner_median_s"] < s["baseline_median_s"]
+
+
+def test_optuna_logging_is_silenced_and_restored():
+    optuna = pytest.importorskip("optuna")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.INFO)
+    logging.getLogger("optuna").addHandler(handler)
+    try:
+        client = Client(valley({"threads": 2, "chunk_numel": 1 << 21}))
+        tuner = make_tuner(client, config=AutotuneConfig(probe_steps=20))
+        client.run(tuner, 25)
+        assert tuner.summary()["sampler"] == "tpe"
+        assert optuna.logging.get_verbosity() == optuna.logging.INFO
+        assert [r for r in records if r.levelno < logging.WARNING] == []
+    finally:
+        logging.getLogger("optuna").removeHandler(handler)
+        optuna.logging.set_verbosity(previous)
+
+
+def test_single_candidate_space_locks_at_start_without_optuna(monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # any import of optuna now fails
+    client = Client(lambda s: 1.0)
+    tuner = make_tuner(client, space=make_space(threads=(8,), chunks=(1 << 20,)))
+    assert tuner.state == "locked"
+    client.run(tuner, 5)
+    s = tuner.summary()
+    assert s["probe_steps"] == 0 and s["winner"] == BASELINE and client.applied == [(0, BASELINE)]
+
+
+def test_single_candidate_drift_watch_uses_the_first_window_as_reference(caplog):
+    factor = {"now": 1.0}
+    client = Client(lambda s: factor["now"])
+    config = AutotuneConfig(drift_window=2, drift_patience=1, drift_reprobe=True)
+    tuner = make_tuner(client, space=make_space(threads=(8,), chunks=(1 << 20,)), config=config)
+    client.run(tuner, 6)
+    factor["now"] = 2.0
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        client.run(tuner, 2)
+    assert "keeping it" in caplog.text and tuner.summary()["drift_events"] == 1 and tuner.state == "locked"
+
+
+def test_a_failing_trace_never_stops_tuning(caplog):
+    class BrokenTrace(FakeTrace):
+        def add_step(self, row: dict[str, Any]) -> None:
+            raise OSError("disk full")
+
+    client = Client(valley({"threads": 4, "chunk_numel": 1 << 22}))
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        tuner = make_tuner(client, trace=BrokenTrace(), config=AutotuneConfig(probe_steps=80))
+        client.run(tuner, 80)
+    assert "trace disabled" in caplog.text and tuner.summary()["winner"] == {"threads": 4, "chunk_numel": 1 << 22}
+
+
+def test_trace_gets_one_row_per_probe_step_and_the_summary():
+    client = Client(valley({"threads": 4, "chunk_numel": 1 << 22}))
+    trace = FakeTrace()
+    tuner = make_tuner(client, trace=trace, config=AutotuneConfig(probe_steps=80))
+    client.run(tuner, 80)
+    s = tuner.summary()
+    assert len(trace.rows) == s["probe_steps"] == len(trace.spans)
+    row = trace.rows[0]
+    assert row["step"] == 0 and row["phase"] == "warmup" and row["candidate"] == BASELINE
+    assert row["node_time_s"] == row["ranks"][0]["time_s"] and "step_s" in row["ranks"][0]
+    assert trace.rows[-1]["decision"] == "locked threads=4 chunk_numel=4194304"
+    assert [t["state"] for t in trace.summaries] == ["locked"] and trace.summaries[0]["winner"] == s["winner"]
+
+
+# --- cache ----------------------------------------------------------------------------------
+
+
+def cached_entry(winner: dict[str, Any], winner_median_s: float = 1.0, baseline_median_s: float = 1.5) -> dict[str, Any]:
+    return {"winner": winner, "baseline": BASELINE, "winner_median_s": winner_median_s,
+            "baseline_median_s": baseline_median_s, "measurements": [], "probe_steps": 30,
+            "created_unix": 0.0, "fingerprint": {}}
+
+
+def cache_for(entry: Any) -> FakeCache:
+    return FakeCache({fake_fingerprint(workload=None, space=make_space(), local_world_size=1).key: entry})
+
+
+def test_cache_hit_skips_probing_and_never_imports_optuna(monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    winner = {"threads": 4, "chunk_numel": 1 << 22}
+    client = Client(valley(winner))
+    cache = cache_for(cached_entry(winner, winner_median_s=1.0))
+    tuner = make_tuner(client, cache=cache)
+    assert tuner.state == "checking" and client.applied == [(0, winner)]
+    client.run(tuner, 10)
+    s = tuner.summary()
+    assert s["state"] == "locked" and s["cache_hit"] and s["cache_status"] == "hit"
+    assert s["probe_steps"] == 0 and s["check_steps"] == 1 + 3 and s["winner"] == winner
+    assert client.applied == [(0, winner)] and cache.puts == []
+
+
+@pytest.mark.parametrize("winner", [
+    {"threads": 64, "chunk_numel": 1 << 20},          # more threads than the plan allows
+    {"threads": 2, "chunk_numel": 1 << 30},           # chunk size out of range
+    {"threads": "2", "chunk_numel": 1 << 20},         # wrong types
+    {"threads": True, "chunk_numel": 1 << 20},
+    {"threads": 2.0, "chunk_numel": 1 << 20},
+    {"threads": 2},
+    [2, 1 << 20],
+])
+def test_hostile_cached_winner_warns_and_retunes(winner, caplog):
+    client = Client(valley({"threads": 2, "chunk_numel": 1 << 21}))
+    cache = cache_for(cached_entry(winner))
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=80))
+    assert "ignoring the cached choice" in caplog.text
+    client.run(tuner, 80)
+    s = tuner.summary()
+    assert s["cache_status"] == "invalid" and not s["cache_hit"] and s["probe_steps"] > 0
+    assert s["winner"] == {"threads": 2, "chunk_numel": 1 << 21}
+    assert all(make_space().contains(a) for _, a in client.applied)
+    assert len(cache.puts) == 1 and cache.puts[0][1]["winner"] == s["winner"]
+
+
+@pytest.mark.parametrize("entry", ["garbage", cached_entry({"threads": 2, "chunk_numel": 1 << 21}, -1.0),
+                                   cached_entry({"threads": 2, "chunk_numel": 1 << 21}, math.inf),
+                                   cached_entry({"threads": 2, "chunk_numel": 1 << 21}, 1.0, "fast")])
+def test_hostile_cached_entry_warns_and_retunes(entry, caplog):
+    client = Client(valley({"threads": 2, "chunk_numel": 1 << 21}))
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        tuner = make_tuner(client, cache=cache_for(entry))
+    assert "ignoring the cached choice" in caplog.text and tuner.state == "probing"
+
+
+def test_cached_choice_clearly_slower_on_recheck_is_retuned(caplog):
+    stale = {"threads": 1, "chunk_numel": 1 << 20}
+    best = {"threads": 4, "chunk_numel": 1 << 22}
+    client = Client(valley(best))  # the cached choice now costs 2.5 s, recorded 1.0 s
+    cache = cache_for(cached_entry(stale, winner_median_s=1.0))
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=80))
+        client.run(tuner, 100)
+    s = tuner.summary()
+    assert "clearly slower than recorded" in caplog.text
+    assert s["cache_status"] == "stale" and s["cache_hit"] and s["check_steps"] == 4 and s["probe_steps"] > 0
+    assert s["winner"] == best and cache.puts[-1][1]["winner"] == best
+    assert client.applied[:2] == [(0, stale), (4, BASELINE)]  # re-probing starts from the static plan
+
+
+def test_force_retune_ignores_a_valid_cached_choice():
+    winner = {"threads": 4, "chunk_numel": 1 << 22}
+    client = Client(valley({"threads": 2, "chunk_numel": 1 << 21}))
+    cache = cache_for(cached_entry(winner))
+    tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=80, force_retune=True))
+    client.run(tuner, 80)
+    s = tuner.summary()
+    assert s["cache_status"] == "forced" and s["probe_steps"] > 0 and s["winner"] == {"threads": 2, "chunk_numel": 1 << 21}
+    assert len(cache.puts) == 1
+
+
+def test_real_cache_file_round_trip(tmp_path, monkeypatch):
+    from autotune._cache import TuningCache
+
+    best = {"threads": 2, "chunk_numel": 1 << 22}
+    first = Client(valley(best))
+    tuner = make_tuner(first, cache=TuningCache(tmp_path / "cache.json"), config=AutotuneConfig(probe_steps=80))
+    first.run(tuner, 80)
+    assert tuner.summary()["cache_status"] == "miss" and tuner.summary()["winner"] == best
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    second = Client(valley(best))
+    again = make_tuner(second, cache=TuningCache(tmp_path / "cache.json"))
+    second.run(again, 10)
+    s = again.summary()
+    assert s["cache_hit"] and s["probe_steps"] == 0 and s["winner"] == best and second.applied == [(0, best)]
+
+
+# --- drift watch ----------------------------------------------------------------------------
+
+
+def test_drift_is_reported_and_reprobed(caplog):
+    before = {"threads": 4, "chunk_numel": 1 << 22}
+    after = {"threads": 1, "chunk_numel": 1 << 20}
+    cost = {"now": valley(before)}
+    client = Client(lambda s: cost["now"](s))
+    config = AutotuneConfig(probe_steps=80, drift_window=4, drift_patience=2, drift_reprobe=True)
+    tuner = make_tuner(client, config=config)
+    client.run(tuner, 70)
+    assert tuner.summary()["winner"] == before and tuner.summary()["drift_events"] == 0
+    cost["now"] = valley(after)  # the machine changed under the locked setting
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        client.run(tuner, 8)
+    assert "runs slower than measured" in caplog.text and "re-probing" in caplog.text
+    assert tuner.state == "probing" and client.current == BASELINE
+    client.run(tuner, 70)
+    s = tuner.summary()
+    assert s["drift_events"] == 1 and s["reprobes"] == 1 and s["winner"] == after
+    assert s["probe_steps"] <= 2 * config.probe_steps
+
+
+def test_drift_without_reprobe_only_logs_and_stable_steps_never_drift(caplog):
+    best = {"threads": 4, "chunk_numel": 1 << 22}
+    factor = {"now": 1.0}
+    client = Client(lambda s: valley(best)(s) * factor["now"], noise=0.01)
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80, drift_window=4, drift_patience=2))
+    client.run(tuner, 120)
+    assert tuner.summary()["drift_events"] == 0
+    factor["now"] = 2.0
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        client.run(tuner, 8)
+    assert "keeping it" in caplog.text
+    assert tuner.state == "locked" and tuner.summary()["drift_events"] == 1 and client.current == best
+
+
+# --- internals ------------------------------------------------------------------------------
+
+
+def test_sampler_that_repeats_itself_still_yields_every_candidate_once(monkeypatch):
+    from autotune import _probe
+
+    monkeypatch.setattr(_probe, "MAX_REPEATED_ASKS", 1)  # fall back after the first repeat
+    space = make_space(threads=(1, 2, 4, 8), chunks=(1 << 20,))
+    plan = _probe.BudgetPlan("tpe", 4, 0, 0, 16)
+    for seed in range(4):
+        order = _probe._OptunaOrder(space, (8, 1 << 20), plan, seed)
+        measured: dict[Any, float] = {}
+        for _ in range(len(space)):
+            key = order.ask(measured)
+            assert key is not None and key not in measured
+            measured[key] = float(key[0])
+            order.tell(key, measured[key], measured=len(measured))
+        assert next(iter(measured)) == (8, 1 << 20)
+        assert order.ask(measured) is None
+
+
+def test_single_process_agreement_needs_no_process_group():
+    from autotune._agree import LocalAgreement, make_agreement
+
+    agreement = make_agreement(None, timeout_s=1.0)
+    assert isinstance(agreement, LocalAgreement)
+    assert agreement.all_gather({"a": 1}, step=0, what="x") == [{"a": 1}]
+    assert agreement.broadcast(3, step=0, what="x") == 3 and agreement.max_float(2, step=0, what="x") == 2.0
+    with pytest.raises(ValueError, match="expected None, a gloo ProcessGroup or an Agreement"):
+        make_agreement("nccl", timeout_s=1.0)
