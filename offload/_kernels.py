@@ -1,0 +1,78 @@
+"""AdamW kernels on one chunk of host slabs.
+
+The only kernel today is torch's fused CPU AdamW (``torch._fused_adamw_``). It is a private torch
+op, so it is called from exactly one function, :func:`fused_adamw_`, which mirrors the step-count
+handling of ``torch/optim/adam.py::_fused_adam``: the fp32 step tensors are incremented with
+``torch._foreach_add_(steps, 1)`` right before the fused call, and a CPU ``lr`` tensor is passed
+through unchanged. With the same inputs the result is bitwise equal to
+``torch.optim.AdamW(fused=True)`` on the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Hyper", "fused_adamw_", "new_step_tensor"]
+
+
+@dataclass(frozen=True, slots=True)
+class Hyper:
+    """AdamW hyper-parameters of one param group, read when a chunk is launched."""
+
+    lr: float | Tensor
+    beta1: float
+    beta2: float
+    weight_decay: float
+    eps: float
+
+
+def new_step_tensor(value: float = 0.0) -> Tensor:
+    """A step counter shaped and typed like torch's fused AdamW keeps it (0-d fp32), on the host."""
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def fused_adamw_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    *,
+    steps_to_increment: Sequence[Tensor],
+    hyper: Hyper,
+) -> None:
+    """One decoupled-weight-decay Adam update of host fp32 tensors, in place.
+
+    ``state_steps[i]`` is the step tensor of the parameter ``params[i]`` is a view of; a chunk may
+    hold several views of one parameter across calls, so only ``steps_to_increment`` (each
+    parameter's step tensor, once per optimizer step) is incremented here, before the update,
+    exactly as ``_fused_adam`` does with ``torch._foreach_add_(device_state_steps, 1)``.
+    """
+    if not params:
+        return
+    if steps_to_increment:
+        torch._foreach_add_(list(steps_to_increment), 1)
+    lr = hyper.lr
+    if isinstance(lr, Tensor) and lr.device.type != "cpu":
+        lr = lr.to("cpu")
+    torch._fused_adamw_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [],  # max_exp_avg_sqs: amsgrad is not supported
+        list(state_steps),
+        amsgrad=False,
+        lr=lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )

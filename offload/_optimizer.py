@@ -1,0 +1,738 @@
+"""``CPUOffloadAdamW``: argument validation, param groups, state_dict, backward hooks.
+
+The math lives in :mod:`offload._kernels`, the slabs and chunking in :mod:`offload._slabs`, the
+worker thread and transports in :mod:`offload._pipeline`. This module decides *which* chunk runs
+*when* (at ``step()``, or early during backward with ``overlap_backward=True``) and turns the
+worker's stage records into :class:`~offload.StepStats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
+from copy import deepcopy
+from dataclasses import dataclass, replace
+from itertools import chain
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from offload._kernels import Hyper, new_step_tensor
+from offload._pipeline import (
+    ChunkJob,
+    CudaTransport,
+    HostTransport,
+    Item,
+    Pipeline,
+    StageRecord,
+    Transport,
+)
+from offload._settings import OffloadSettings, StageSpan, StepStats
+from offload._slabs import Chunk, HostSlabs, plan_chunks
+from offload._threads import plan_cpu_threads
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CPUOffloadAdamW"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STAGES = ("d2h", "adam_kernel", "materialize")
+#: Options of torch.optim.AdamW this optimizer does not implement, with the only accepted values.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "amsgrad": (False,),
+    "maximize": (False,),
+    "capturable": (False,),
+    "differentiable": (False,),
+    "foreach": (None, False),
+    "fused": (None, True),
+    "decoupled_weight_decay": (True,),
+}
+
+
+def _check_options(where: str, options: dict[str, Any]) -> None:
+    for name, accepted in _UNSUPPORTED.items():
+        if name not in options:
+            continue
+        value = options[name]
+        if value not in accepted:
+            raise ValueError(
+                f"CPUOffloadAdamW does not support {name}={value!r}{where}: expected one of "
+                f"{accepted} (the step always runs torch's fused CPU AdamW kernel)"
+            )
+
+
+def _scalar(name: str, value: Any) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name}={value!r}: expected a float or a 1-element tensor")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r}: expected a float")
+    return float(value)
+
+
+def _check_hyper(where: str, group: dict[str, Any]) -> None:
+    lr = _scalar("lr", group["lr"])
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"lr={group['lr']!r}{where}: expected a finite float >= 0")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas={betas!r}{where}: expected a pair (beta1, beta2)")
+    for i, b in enumerate(betas):
+        v = _scalar(f"betas[{i}]", b)
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"betas[{i}]={b!r}{where}: expected 0 <= beta < 1")
+    eps = _scalar("eps", group["eps"])
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"eps={group['eps']!r}{where}: expected a finite float >= 0")
+    wd = _scalar("weight_decay", group["weight_decay"])
+    if not (math.isfinite(wd) and wd >= 0.0):
+        raise ValueError(
+            f"weight_decay={group['weight_decay']!r}{where}: expected a finite float >= 0"
+        )
+
+
+def _hyper(group: dict[str, Any]) -> Hyper:
+    """The group's hyper-parameters now (an lr scheduler may have changed them since the last step)."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        lr = lr.detach().to("cpu").reshape(()).clone()
+    beta1, beta2 = (_scalar("betas", b) for b in group["betas"])
+    return Hyper(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=_scalar("weight_decay", group["weight_decay"]),
+        eps=_scalar("eps", group["eps"]),
+    )
+
+
+@dataclass(slots=True)
+class _Launch:
+    """A chunk started during backward, and the gradients it read."""
+
+    job: ChunkJob
+    grads: dict[int, tuple[Tensor | None, int]]
+    """For every parameter of the chunk: its gradient object at launch and that gradient's version."""
+
+
+class _Overlap:
+    """Starts a chunk's d2h + kernel during backward once all its gradients are final.
+
+    The first backward is a calibration: nothing starts early, and the hook firings per parameter
+    (outside ``accumulating()``) are counted. Later, a chunk starts when every parameter in it has
+    fired as often as counted. A chunk with a parameter that did not fire during calibration never
+    starts early (it runs in ``step()``). Counts are re-learned from any backward whose counts
+    differ. ``step()`` verifies that no gradient of an early chunk changed after its launch.
+    """
+
+    def __init__(self, num_params: int, launch: Callable[[Chunk], _Launch | None]) -> None:
+        self._lock = threading.Lock()
+        self._launch_fn = launch
+        self._n = num_params
+        self._fired = [0] * num_params
+        self._expected: list[int] | None = None
+        self._accumulating = 0
+        self._chunks: tuple[Chunk, ...] = ()
+        self._chunks_of: list[list[int]] = [[] for _ in range(num_params)]
+        self._eligible: list[bool] = []
+        self._pending: list[int] = []
+        self._launched: dict[int, _Launch] = {}
+
+    def set_chunks(self, chunks: tuple[Chunk, ...]) -> None:
+        with self._lock:
+            self._chunks = chunks
+            self._chunks_of = [[] for _ in range(self._n)]
+            for c in chunks:
+                for slot in {v.slot for v in c.views}:
+                    self._chunks_of[slot].append(c.index)
+            self._reset_pending()
+
+    def _reset_pending(self) -> None:
+        exp = self._expected
+        self._eligible, self._pending = [], []
+        for c in self._chunks:
+            slots = {v.slot for v in c.views}
+            self._eligible.append(exp is not None and all(exp[s] > 0 for s in slots))
+            self._pending.append(len(slots))
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        with self._lock:
+            self._accumulating += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._accumulating -= 1
+
+    def has_launched(self) -> bool:
+        with self._lock:
+            return bool(self._launched)
+
+    def on_grad(self, slot: int) -> None:
+        with self._lock:
+            if self._accumulating:
+                return
+            self._fired[slot] += 1
+            exp = self._expected
+            if exp is None or self._fired[slot] != exp[slot]:
+                return
+            for c in self._chunks_of[slot]:
+                if not self._eligible[c]:
+                    continue
+                self._pending[c] -= 1
+                if self._pending[c] == 0:
+                    launch = self._launch_fn(self._chunks[c])
+                    if launch is not None:
+                        self._launched[c] = launch
+
+    def end_window(self) -> dict[int, _Launch]:
+        """At ``step()``: stop early launches for this step, learn counts, return the launches."""
+        with self._lock:
+            launched, self._launched = self._launched, {}
+            fired, self._fired = self._fired, [0] * self._n
+            if any(fired) and fired != self._expected:
+                if self._expected is not None:
+                    logger.debug(
+                        "overlap_backward: gradient hook counts changed; re-learned "
+                        "(chunks with changed parameters start in step() until then)"
+                    )
+                self._expected = fired
+            self._reset_pending()
+            return launched
+
+
+def _grad_hook(overlap_ref: weakref.ref[_Overlap], slot: int, _param: Tensor) -> None:
+    overlap = overlap_ref()
+    if overlap is not None:
+        overlap.on_grad(slot)
+
+
+class _StatsBuilder:
+    """Turns stage records into StepStats when first read (CUDA times need their events)."""
+
+    def __init__(self, records: list[StageRecord], t0: float, **fields: Any) -> None:
+        self._records, self._t0, self._fields = records, t0, fields
+        self._stats: StepStats | None = None
+
+    def build(self) -> StepStats:
+        if self._stats is None:
+            sums = dict.fromkeys(_STAGES, 0.0)
+            spans = []
+            for r in self._records:
+                r.finalize()
+                sums[r.stage] += r.busy_s
+                spans.append(StageSpan(r.stage, r.chunk, r.start - self._t0, r.end - self._t0))
+            spans.sort(key=lambda s: (s.start_s, s.chunk))
+            self._stats = StepStats(
+                d2h_s=sums["d2h"],
+                adam_kernel_s=sums["adam_kernel"],
+                materialize_s=sums["materialize"],
+                spans=tuple(spans),
+                **self._fields,
+            )
+            self._records = []
+        return self._stats
+
+
+class CPUOffloadAdamW(Optimizer):
+    """AdamW whose fp32 master weights and moments live in host memory; the step runs on the CPU.
+
+    Bitwise equal to ``torch.optim.AdamW(fused=True)`` on fp32 parameters, and to a mixed-precision
+    reference (fp32 master updated by that optimizer from the upcast gradient, cast back) on bf16
+    or fp16 parameters, whatever the settings. The model's parameters stay where they are (CPU or
+    one CUDA device) in their own dtype; ``step()`` updates them in place.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        settings: speed knobs (threads, chunk size); ``threads=None`` uses this rank's
+            ``plan_cpu_threads()``, resolved once here (``apply_settings`` with ``threads=None``
+            reuses that count). Change them later with :meth:`apply_settings`.
+        overlap_backward: start each chunk's d2h and kernel during backward, as soon as all its
+            gradients are final (the model's weights are still written only in ``step()``). Every
+            backward outside :meth:`accumulating` then commits to the next ``step()``: gradients
+            must not be modified between backward and ``step()`` (no gradient clipping, no
+            ``GradScaler.unscale_``, no ``zero_grad()``); ``step()`` raises ``RuntimeError`` if one
+            was. Use ``with opt.accumulating():`` for all micro-batches but the last.
+        amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
+            compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
+            ``ValueError``.
+        autotune: not wired yet; a truthy value raises ``NotImplementedError``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        settings: OffloadSettings | None = None,
+        overlap_backward: bool = False,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        autotune: Any = False,
+    ) -> None:
+        if autotune:
+            raise NotImplementedError(
+                "CPUOffloadAdamW(autotune=...) is not wired yet (offload/_autotune.py)"
+            )
+        if settings is not None and not isinstance(settings, OffloadSettings):
+            raise TypeError(f"settings={settings!r}: expected an OffloadSettings or None")
+        options = {
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "foreach": foreach,
+            "fused": fused,
+        }
+        _check_options("", options)
+        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+            betas = (_scalar("betas[0]", betas[0]), _scalar("betas[1]", betas[1]))
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        defaults.update({"amsgrad": False, "maximize": False, "foreach": None})
+        defaults.update({"capturable": False, "differentiable": False, "fused": None})
+        _check_hyper("", defaults)
+        self._constructed = False
+        super().__init__(params, defaults)
+        self._constructed = True
+
+        self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._device = self._check_params(self._params)
+        self._slot_of: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
+        self._slabs = HostSlabs([[p.shape for p in g["params"]] for g in self.param_groups])
+
+        settings = settings if settings is not None else OffloadSettings()
+        self._planned_threads = (
+            settings.threads if settings.threads is not None else plan_cpu_threads().threads
+        )
+        self._settings = replace(settings, threads=self._planned_threads)
+        self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
+
+        transport: Transport
+        if self._device.type == "cuda":
+            transport = CudaTransport(self._device)
+        else:
+            transport = HostTransport()
+        self._pipeline = Pipeline(self._slabs, transport, name=f"offload-adamw-{id(self):x}")
+        self._in_step = False
+        self._stats: _StatsBuilder | None = None
+        self._early_launches_last_step = 0
+
+        self._overlap: _Overlap | None = None
+        self._hook_handles: list[Any] = []
+        if overlap_backward:
+            self._overlap = _Overlap(len(self._params), self._launch_via(weakref.ref(self)))
+            self._overlap.set_chunks(self._chunks)
+            ref = weakref.ref(self._overlap)
+            for slot, p in enumerate(self._params):
+                self._hook_handles.append(
+                    p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, slot))
+                )
+
+        #: The online tuner (``offload/_autotune.py``), or None.
+        self.tuner: Any = None
+        logger.debug(
+            "CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",
+            len(self._params),
+            len(self._chunks),
+            self._slabs.nbytes / 2**20,
+            self._device,
+            self._settings,
+        )
+
+    # ---------------------------------------------------------------- construction checks
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_constructed", True):
+            raise NotImplementedError(
+                "CPUOffloadAdamW.add_param_group after construction is not supported: the host "
+                "slabs are laid out once; pass every param group to the constructor"
+            )
+        where = f" in param group {len(self.param_groups)}"
+        _check_options(where, param_group)
+        merged = {**self.defaults, **param_group}
+        _check_hyper(where, merged)
+        if isinstance(param_group.get("betas"), (tuple, list)) and len(param_group["betas"]) == 2:
+            param_group = dict(param_group)
+            param_group["betas"] = tuple(_scalar("betas", b) for b in param_group["betas"])
+        params = param_group["params"]
+        plist = [params] if isinstance(params, Tensor) else list(params)
+        tensors = [p[1] if isinstance(p, tuple) else p for p in plist]
+        if len({id(p) for p in tensors}) != len(tensors):
+            raise ValueError(f"a parameter appears twice{where}")
+        super().add_param_group({**param_group, "params": plist})
+
+    @staticmethod
+    def _check_params(params: list[Tensor]) -> torch.device:
+        if not params:
+            raise ValueError("CPUOffloadAdamW got an empty parameter list")
+        device = params[0].device
+        for i, p in enumerate(params):
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(f"parameter {i} has layout {p.layout}: expected torch.strided")
+            if not p.is_floating_point():
+                raise ValueError(
+                    f"parameter {i} has dtype {p.dtype}: expected a floating point dtype"
+                )
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise ValueError(
+                    f"parameter {i} has dtype {p.dtype}: expected one of {_SUPPORTED_DTYPES}"
+                )
+            if p.device != device:
+                raise ValueError(
+                    f"parameter {i} is on {p.device} but parameter 0 is on {device}: expected "
+                    "every parameter on one device"
+                )
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"parameters are on {device}: expected cpu or cuda")
+        return device
+
+    # ---------------------------------------------------------------- public surface
+    @property
+    def settings(self) -> OffloadSettings:
+        """The settings in force (``threads`` resolved to an int)."""
+        return self._settings
+
+    def apply_settings(self, settings: OffloadSettings) -> None:
+        """Change threads / chunk size between steps; never changes the math."""
+        if not isinstance(settings, OffloadSettings):
+            raise TypeError(f"settings={settings!r}: expected an OffloadSettings")
+        self._check_idle("apply_settings()")
+        if settings.threads is None:
+            settings = replace(settings, threads=self._planned_threads)
+        if settings.chunk_numel != self._settings.chunk_numel:
+            self._chunks = plan_chunks(list(self._slabs.slots), settings.chunk_numel)
+            if self._overlap is not None:
+                self._overlap.set_chunks(self._chunks)
+        self._settings = settings
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """Stage times of the last ``step()`` (None before the first)."""
+        return None if self._stats is None else self._stats.build()
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Gradient accumulation with ``overlap_backward=True`` (like DDP's ``no_sync``).
+
+        Run every micro-batch's backward but the last inside this context: its hooks start
+        nothing. The last backward, outside it, starts the chunks. Without overlap it does nothing.
+        """
+        if self._overlap is None:
+            yield
+            return
+        with self._overlap.accumulating():
+            yield
+
+    def close(self) -> None:
+        """Stop the worker thread and remove the backward hooks (also done on garbage collection)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+        self._pipeline.close()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_idle("zero_grad()")
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout; per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``, ``master_param``.
+
+        Tensors are live views of the host slabs (like torch's optimizers, which return their
+        state tensors by reference): copy or save them before the next ``step()``.
+        """
+        self._check_idle("state_dict()")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy a state dict (from this class, or ``torch.optim.AdamW``) into the host slabs.
+
+        Without ``master_param`` (a torch AdamW state), the master is the current parameter.
+        """
+        self._check_idle("load_state_dict()")
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups: expected {len(groups)}"
+            )
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(
+                    f"loaded state dict's param group {i} has {len(sg['params'])} parameters: "
+                    f"expected {len(g['params'])}"
+                )
+            where = f" in loaded param group {i}"
+            _check_options(where, sg)
+            _check_hyper(where, {**self.defaults, **sg})
+        id_map = dict(
+            zip(
+                chain.from_iterable(g["params"] for g in saved_groups),
+                chain.from_iterable(g["params"] for g in groups),
+            )
+        )
+        entries: list[tuple[int, dict[str, Any]]] = []
+        for key, value in state_dict["state"].items():
+            if key not in id_map:
+                raise ValueError(f"loaded state dict has state for unknown parameter id {key!r}")
+            slot = self._slot_of[id(id_map[key])]
+            numel = self._slabs.slots[slot].numel
+            for name in ("step", "exp_avg", "exp_avg_sq"):
+                if name not in value:
+                    raise ValueError(f"loaded state of parameter id {key!r} has no {name!r}")
+            for name in ("exp_avg", "exp_avg_sq", "master_param"):
+                if name in value and value[name].numel() != numel:
+                    raise ValueError(
+                        f"loaded {name} of parameter id {key!r} has {value[name].numel()} "
+                        f"elements: expected {numel}"
+                    )
+            entries.append((slot, value))
+
+        new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        with torch.no_grad():
+            for slot, value in entries:
+                p = self._params[slot]
+                master = value.get("master_param", p)
+                self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
+                self._slabs.flat("exp_avg", slot).copy_(value["exp_avg"].detach().reshape(-1))
+                self._slabs.flat("exp_avg_sq", slot).copy_(
+                    value["exp_avg_sq"].detach().reshape(-1)
+                )
+                step = value["step"]
+                step = (
+                    step.detach().to("cpu", torch.float32).reshape(()).clone()
+                    if isinstance(step, Tensor)
+                    else new_step_tensor(float(step))
+                )
+                new_state[p] = self._state_entry(slot, step)
+        self.state = new_state
+
+        new_groups = []
+        for g, sg in zip(groups, saved_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+            for k, v in self.defaults.items():
+                sg.setdefault(k, v)
+            new_groups.append(sg)
+        self.param_groups = new_groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ---------------------------------------------------------------- step
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One AdamW step over every parameter with a gradient (others keep their state)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._in_step:
+            raise RuntimeError("CPUOffloadAdamW.step() is already running")
+        self._in_step = True
+        try:
+            with torch.no_grad():
+                self._step()
+        finally:
+            self._in_step = False
+        # ---- Tuner observation point: the one place a tuner sees each step's StepStats. ----
+        # offload/_autotune.py wires a tuner here (it may call apply_settings between steps).
+        if self.tuner is not None:
+            self.tuner.observe(self.last_stats)
+        return loss
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        launched = self._overlap.end_window() if self._overlap is not None else {}
+        self._early_launches_last_step = len(launched)
+        if launched:
+            self._verify_launches(launched)
+
+        try:
+            grads = self._collect_grads()
+        except BaseException:
+            if launched:
+                self._pipeline.drain()  # early chunks of the aborted step must not leak into the next
+            raise
+
+        event = None
+        if self._device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+        threads = self._settings.threads
+        assert threads is not None
+        numel = chunks_run = 0
+        for chunk in self._chunks:
+            early = launched.get(chunk.index)
+            if early is not None:
+                job = ChunkJob(chunk.index, early.job.items, early.job.hyper, threads, False, True)
+            else:
+                items = self._items(chunk, grads)
+                if not items:
+                    continue
+                hyper = _hyper(self.param_groups[chunk.group])
+                job = ChunkJob(chunk.index, items, hyper, threads, True, True, ready_event=event)
+            job.write_event = event
+            numel += sum(it.view.numel for it in job.items)
+            chunks_run += 1
+            self._pipeline.submit(job)
+        result = self._pipeline.drain()
+        if result.error is not None:
+            raise result.error
+        if result.last_h2d_event is not None:
+            torch.cuda.current_stream(self._device).wait_event(result.last_h2d_event)
+        t1 = time.perf_counter()
+        self._stats = _StatsBuilder(
+            result.records,
+            t0,
+            step_s=t1 - t0,
+            drain_s=result.wait_s,
+            threads=threads,
+            chunk_numel=self._settings.chunk_numel,
+            num_chunks=chunks_run,
+            numel=numel,
+        )
+
+    def _collect_grads(self) -> dict[int, Tensor]:
+        """The gradients of this step by slot; initialises the state of new parameters."""
+        grads: dict[int, Tensor] = {}
+        for slot, p in enumerate(self._params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"parameter {slot} has a sparse gradient: CPUOffloadAdamW supports dense only"
+                )
+            if g.device != p.device or g.shape != p.shape:
+                raise RuntimeError(
+                    f"parameter {slot} ({tuple(p.shape)} on {p.device}) has a gradient of shape "
+                    f"{tuple(g.shape)} on {g.device}: expected the parameter's shape and device"
+                )
+            if not self.state[p]:
+                self._init_state(slot, p)
+            grads[slot] = g
+        return grads
+
+    def _init_state(self, slot: int, p: Tensor) -> None:
+        self._slabs.flat("master", slot).copy_(p.detach().reshape(-1))
+        self._slabs.flat("exp_avg", slot).zero_()
+        self._slabs.flat("exp_avg_sq", slot).zero_()
+        self.state[p].update(self._state_entry(slot, new_step_tensor()))
+
+    def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]:
+        return {
+            "step": step,
+            "exp_avg": self._slabs.shaped("exp_avg", slot),
+            "exp_avg_sq": self._slabs.shaped("exp_avg_sq", slot),
+            "master_param": self._slabs.shaped("master", slot),
+        }
+
+    def _items(self, chunk: Chunk, grads: dict[int, Tensor]) -> list[Item]:
+        items = []
+        for v in chunk.views:
+            g = grads.get(v.slot)
+            if g is None:
+                continue
+            p = self._params[v.slot]
+            items.append(Item(v, p, g, g._version, self.state[p]["step"]))
+        return items
+
+    def _check_idle(self, what: str) -> None:
+        if self._in_step:
+            raise RuntimeError(f"CPUOffloadAdamW.{what} called while step() is running")
+        if self._overlap is not None and self._overlap.has_launched():
+            raise RuntimeError(
+                f"CPUOffloadAdamW.{what} called after backward() started chunks early "
+                "(overlap_backward=True) and before step(): finish the step first"
+            )
+
+    # ---------------------------------------------------------------- overlap_backward
+    @staticmethod
+    def _launch_via(ref: weakref.ref[CPUOffloadAdamW]) -> Callable[[Chunk], _Launch | None]:
+        def launch(chunk: Chunk) -> _Launch | None:
+            opt = ref()
+            return None if opt is None else opt._launch_early(chunk)
+
+        return launch
+
+    def _launch_early(self, chunk: Chunk) -> _Launch | None:
+        """Called from a backward hook (under the overlap lock): submit the chunk's d2h + kernel."""
+        grads: dict[int, tuple[Tensor | None, int]] = {}
+        for slot in {v.slot for v in chunk.views}:
+            p = self._params[slot]
+            g = p.grad
+            if g is None or g.is_sparse or not self.state.get(p):
+                return None  # not launchable early; step() runs it
+            grads[slot] = (g, g._version)
+        event = None
+        if self._device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+        items = [
+            Item(v, self._params[v.slot], grads[v.slot][0], grads[v.slot][1],
+                 self.state[self._params[v.slot]]["step"])
+            for v in chunk.views
+        ]
+        job = ChunkJob(
+            chunk.index,
+            items,
+            _hyper(self.param_groups[chunk.group]),
+            self._settings.threads or 1,
+            update=True,
+            materialize=False,
+            check_versions=True,
+            ready_event=event,
+        )
+        self._pipeline.submit(job)
+        return _Launch(job, grads)
+
+    def _verify_launches(self, launched: dict[int, _Launch]) -> None:
+        stale = []
+        for c, launch in sorted(launched.items()):
+            for slot, (g, version) in launch.grads.items():
+                now = self._params[slot].grad
+                if now is not g or (now is not None and now._version != version):
+                    stale.append((c, slot))
+        if not stale:
+            return
+        result = self._pipeline.drain()
+        mutated = sorted(c for c, launch in launched.items() if launch.job.kernel_ran)
+        chunk, slot = stale[0]
+        p = self._params[slot]
+        raise RuntimeError(
+            f"CPUOffloadAdamW(overlap_backward=True): the gradient of parameter {slot} (shape "
+            f"{tuple(p.shape)}) changed after its chunk {chunk} started during backward (e.g. "
+            "gradient clipping, GradScaler.unscale_, zero_grad(), or a second backward() outside "
+            "opt.accumulating()). "
+            + (
+                f"The optimizer state of the early chunk(s) {mutated} was already advanced by "
+                "this step: restore the optimizer from a checkpoint. "
+                if mutated
+                else "No optimizer state was changed (the kernels had not run yet). "
+            )
+            + "The model's parameters were not written. Use opt.accumulating() for gradient "
+            "accumulation, or overlap_backward=False to modify gradients before step()."
+        ) from result.error

@@ -1,0 +1,473 @@
+"""The chunked step: a persistent worker thread running d2h / adam_kernel / materialize per chunk.
+
+One worker thread per optimizer takes :class:`ChunkJob` s from a FIFO queue. A job runs, in
+order, some of: ``d2h`` (gradients to the host fp32 grad slab, upcast), ``adam_kernel`` (fused
+AdamW on the chunk's slab views) and ``materialize`` (fp32 master downcast into the model's
+parameters). :meth:`Pipeline.drain` waits until every job submitted so far is done and returns
+their stage records and the first error.
+
+All CPU work of the worker runs under ``thread_limit(job.threads)``, entered when a job needs a
+different count and left at the end of each step (the barrier). torch's intra-op thread count is
+per OS thread (OpenMP ICVs are per thread). Checked on torch 2.13 CPU (OpenMP backend):
+``torch.set_num_threads(n)`` called in the worker makes the worker's kernels use n threads (1 or 2
+busy threads seen in /proc per-thread CPU time) and leaves the main thread's count unchanged, but
+it also sets the default that threads created later start with, hence the restore.
+
+Transports: :class:`HostTransport` (parameters on the CPU: plain copies) and
+:class:`CudaTransport` (pinned double-buffered staging, d2h and h2d on side streams with events;
+the worker issues the next chunk's d2h before running the current chunk's kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from offload._kernels import Hyper, fused_adamw_
+from offload._slabs import HostSlabs, View
+from offload._threads import thread_limit
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ChunkJob",
+    "CudaTransport",
+    "DrainResult",
+    "HostTransport",
+    "Item",
+    "Pipeline",
+    "StageRecord",
+]
+
+#: Byte alignment of each view inside a pinned staging buffer.
+_STAGING_ALIGN = 64
+#: How often a waiting ``drain`` checks that the worker thread is still alive, in seconds.
+_LIVENESS_POLL_S = 1.0
+
+
+@dataclass(slots=True)
+class Item:
+    """One view of a chunk, with the tensors it reads and writes for this step."""
+
+    view: View
+    param: Tensor
+    """The model parameter (written by materialize)."""
+    grad: Tensor | None
+    """The parameter's gradient captured when the job was made (read by d2h)."""
+    grad_version: int
+    step: Tensor
+    """The parameter's fp32 step tensor."""
+
+
+@dataclass(slots=True)
+class StageRecord:
+    """One stage of one chunk, in ``time.perf_counter`` seconds; GPU parts may be pending."""
+
+    chunk: int
+    stage: str
+    start: float
+    end: float
+    busy_s: float
+    pending: tuple[Any, Any] | None = None
+    """(start_event, end_event) of GPU work whose time is added when the stats are read."""
+
+    def finalize(self) -> None:
+        if self.pending is None:
+            return
+        start_ev, end_ev = self.pending
+        end_ev.synchronize()
+        gpu_s = start_ev.elapsed_time(end_ev) / 1e3
+        self.busy_s += gpu_s
+        self.end = max(self.end, self.start + self.busy_s)
+        self.pending = None
+
+
+@dataclass(slots=True)
+class ChunkJob:
+    chunk: int
+    items: list[Item]
+    hyper: Hyper
+    threads: int
+    update: bool
+    """Run d2h and adam_kernel."""
+    materialize: bool
+    check_versions: bool = False
+    """Early launch: skip the kernel if a gradient changed since the job was made."""
+    ready_event: Any = None
+    """CUDA: event after which the gradients are final (d2h waits on it)."""
+    write_event: Any = None
+    """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
+    # Filled by the worker.
+    transfer: Any = None
+    kernel_ran: bool = False
+    skipped_stale: bool = False
+
+
+@dataclass(slots=True)
+class _Barrier:
+    done: threading.Event = field(default_factory=threading.Event)
+    result: DrainResult | None = None
+
+
+_STOP = object()
+
+
+@dataclass(slots=True)
+class DrainResult:
+    records: list[StageRecord]
+    error: BaseException | None
+    last_h2d_event: Any
+    wait_s: float = 0.0
+
+
+class Transport(Protocol):
+    is_async: bool
+
+    def issue_d2h(self, job: ChunkJob) -> None: ...
+
+    def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None: ...
+
+    def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None: ...
+
+    def flush(self) -> Any: ...
+
+
+def _flat(t: Tensor) -> Tensor:
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+class HostTransport:
+    """Parameters on the CPU: d2h and materialize are plain (dtype-converting) copies."""
+
+    is_async = False
+
+    def issue_d2h(self, job: ChunkJob) -> None:
+        job.transfer = time.perf_counter()
+
+    def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        t0 = time.perf_counter()
+        for it in job.items:
+            assert it.grad is not None  # jobs with update=True only hold items with a grad
+            slabs.view("grad", it.view).copy_(_flat(it.grad)[it.view.start : it.view.stop])
+        t1 = time.perf_counter()
+        records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
+
+    def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        t0 = time.perf_counter()
+        for it in job.items:
+            it.param.detach().view(-1)[it.view.start : it.view.stop].copy_(
+                slabs.view("master", it.view)
+            )
+        t1 = time.perf_counter()
+        records.append(StageRecord(job.chunk, "materialize", t0, t1, t1 - t0))
+
+    def flush(self) -> Any:
+        return None
+
+
+class _Staging:
+    """Two pinned host buffers used in turn; each remembers the event of its last transfer."""
+
+    def __init__(self) -> None:
+        self._bufs: list[Tensor | None] = [None, None]
+        self._last: list[Any] = [None, None]
+        self._next = 0
+
+    def take(self, nbytes: int) -> tuple[int, Tensor]:
+        slot = self._next
+        self._next ^= 1
+        last = self._last[slot]
+        if last is not None:
+            last.synchronize()
+            self._last[slot] = None
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            self._bufs[slot] = buf
+        return slot, buf
+
+    def used_by(self, slot: int, event: Any) -> None:
+        self._last[slot] = event
+
+    def sync(self) -> None:
+        for slot, ev in enumerate(self._last):
+            if ev is not None:
+                ev.synchronize()
+                self._last[slot] = None
+
+
+def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+    offsets, off = [], 0
+    for it, dtype in zip(items, dtypes):
+        offsets.append(off)
+        nbytes = it.view.numel * dtype.itemsize
+        off += -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
+    return offsets, off
+
+
+def _staged(buf: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+    return buf[offset : offset + numel * dtype.itemsize].view(dtype)
+
+
+class CudaTransport:
+    """Parameters on one CUDA device: pinned staging, side streams, events.
+
+    d2h: the d2h stream waits on the job's ``ready_event`` (gradients final on the producing
+    stream), copies the chunk's gradient views into a pinned buffer (model dtype) and records an
+    event; the worker waits on it and upcasts into the fp32 grad slab. materialize: the worker
+    downcasts the updated master into a pinned buffer; the h2d stream waits on the job's
+    ``write_event`` (recorded on the caller's stream when ``step()`` began) and copies into the
+    parameters with ``non_blocking=True``. ``step()`` makes the caller's stream wait on the last
+    h2d event, so the next forward sees the new weights without a host sync.
+    """
+
+    is_async = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._d2h_stream = torch.cuda.Stream(device)
+        self._h2d_stream = torch.cuda.Stream(device)
+        self._d2h = _Staging()
+        self._h2d = _Staging()
+        self._last_h2d: Any = None
+
+    def _event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
+    def issue_d2h(self, job: ChunkJob) -> None:
+        t_issue = time.perf_counter()
+        dtypes = [it.grad.dtype for it in job.items]  # type: ignore[union-attr]
+        offsets, nbytes = _staging_layout(job.items, dtypes)
+        with torch.cuda.device(self.device):
+            slot, buf = self._d2h.take(nbytes)
+            start, end = self._event(), self._event()
+            staged = []
+            with torch.cuda.stream(self._d2h_stream):
+                if job.ready_event is not None:
+                    self._d2h_stream.wait_event(job.ready_event)
+                start.record(self._d2h_stream)
+                for it, off, dtype in zip(job.items, offsets, dtypes):
+                    dst = _staged(buf, off, it.view.numel, dtype)
+                    src = _flat(it.grad)[it.view.start : it.view.stop]  # type: ignore[arg-type]
+                    dst.copy_(src, non_blocking=True)
+                    staged.append(dst)
+                end.record(self._d2h_stream)
+            self._d2h.used_by(slot, end)
+        job.transfer = (staged, start, end, t_issue)
+
+    def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        staged, start, end, t_issue = job.transfer
+        end.synchronize()
+        gpu_s = start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        for it, src in zip(job.items, staged):
+            slabs.view("grad", it.view).copy_(src)
+        t1 = time.perf_counter()
+        records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
+        job.transfer = None
+
+    def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        dtypes = [it.param.dtype for it in job.items]
+        offsets, nbytes = _staging_layout(job.items, dtypes)
+        t0 = time.perf_counter()
+        with torch.cuda.device(self.device):
+            slot, buf = self._h2d.take(nbytes)
+            staged = []
+            for it, off, dtype in zip(job.items, offsets, dtypes):
+                dst = _staged(buf, off, it.view.numel, dtype)
+                dst.copy_(slabs.view("master", it.view))
+                staged.append(dst)
+            t1 = time.perf_counter()
+            start, end = self._event(), self._event()
+            with torch.cuda.stream(self._h2d_stream):
+                if job.write_event is not None:
+                    self._h2d_stream.wait_event(job.write_event)
+                start.record(self._h2d_stream)
+                for it, src in zip(job.items, staged):
+                    it.param.detach().view(-1)[it.view.start : it.view.stop].copy_(
+                        src, non_blocking=True
+                    )
+                end.record(self._h2d_stream)
+            self._h2d.used_by(slot, end)
+            self._last_h2d = end
+        t2 = time.perf_counter()
+        records.append(
+            StageRecord(job.chunk, "materialize", t0, t2, t1 - t0, pending=(start, end))
+        )
+
+    def flush(self) -> Any:
+        """End of a step: wait for stray d2h copies; hand back the last h2d event (not waited)."""
+        self._d2h.sync()
+        last, self._last_h2d = self._last_h2d, None
+        return last
+
+
+class _Worker:
+    """State owned by the worker thread (never touched by other threads while it runs)."""
+
+    def __init__(self, q: queue.Queue[Any], slabs: HostSlabs, transport: Transport) -> None:
+        self.q = q
+        self.slabs = slabs
+        self.transport = transport
+        self.records: list[StageRecord] = []
+        self.error: BaseException | None = None
+        self.stepped: set[int] = set()
+        self.device: torch.device | None = getattr(transport, "device", None)
+        self._threads: int | None = None
+        self._limit = contextlib.ExitStack()
+
+    def _use_threads(self, threads: int) -> None:
+        if threads != self._threads:
+            self._limit.close()
+            self._limit.enter_context(thread_limit(threads))
+            self._threads = threads
+
+    def _release_threads(self) -> None:
+        self._limit.close()
+        self._threads = None
+
+    def run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        pending: list[Any] = []
+        while True:
+            item = pending.pop(0) if pending else self.q.get()
+            if item is _STOP:
+                self._release_threads()
+                return
+            if isinstance(item, _Barrier):
+                self._barrier(item)
+                continue
+            job: ChunkJob = item
+            if self.error is not None:
+                continue  # a failed step: leave the remaining chunks untouched
+            try:
+                if job.update and job.transfer is None:
+                    self.transport.issue_d2h(job)
+                if self.transport.is_async and job.update and not pending:
+                    try:
+                        nxt = self.q.get_nowait()
+                    except queue.Empty:
+                        nxt = None
+                    if nxt is not None:
+                        pending.append(nxt)
+                        if isinstance(nxt, ChunkJob) and nxt.update:
+                            self.transport.issue_d2h(nxt)
+                self._process(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of step()
+                logger.debug("chunk %d failed", job.chunk, exc_info=True)
+                self.error = exc
+
+    def _process(self, job: ChunkJob) -> None:
+        self._use_threads(job.threads)
+        with torch.no_grad():
+            if job.update:
+                self.transport.finish_d2h(job, self.slabs, self.records)
+                if job.check_versions and any(
+                    it.grad is None or it.grad._version != it.grad_version for it in job.items
+                ):
+                    job.skipped_stale = True
+                    return
+                self._kernel(job)
+            if job.materialize:
+                self.transport.materialize(job, self.slabs, self.records)
+
+    def _kernel(self, job: ChunkJob) -> None:
+        s = self.slabs
+        views = [it.view for it in job.items]
+        new_steps = []
+        for it in job.items:
+            if it.view.slot not in self.stepped:
+                self.stepped.add(it.view.slot)
+                new_steps.append(it.step)
+        t0 = time.perf_counter()
+        fused_adamw_(
+            [s.view("master", v) for v in views],
+            [s.view("grad", v) for v in views],
+            [s.view("exp_avg", v) for v in views],
+            [s.view("exp_avg_sq", v) for v in views],
+            [it.step for it in job.items],
+            steps_to_increment=new_steps,
+            hyper=job.hyper,
+        )
+        t1 = time.perf_counter()
+        job.kernel_ran = True
+        self.records.append(StageRecord(job.chunk, "adam_kernel", t0, t1, t1 - t0))
+
+    def _barrier(self, barrier: _Barrier) -> None:
+        self._release_threads()
+        last = None
+        try:
+            last = self.transport.flush()
+        except BaseException as exc:  # noqa: BLE001
+            if self.error is None:
+                self.error = exc
+        barrier.result = DrainResult(records=self.records, error=self.error, last_h2d_event=last)
+        self.records, self.error = [], None
+        self.stepped = set()
+        barrier.done.set()
+
+
+def _worker_main(worker: _Worker) -> None:
+    try:
+        worker.run()
+    except BaseException:  # pragma: no cover - run() catches per job; this is a last resort
+        logger.exception("offload worker thread died")
+        raise
+
+
+def _shutdown(q: queue.Queue[Any], thread: threading.Thread) -> None:
+    if thread.is_alive():
+        q.put(_STOP)
+        thread.join(timeout=10.0)
+
+
+class Pipeline:
+    """Owns the worker thread and its queue. Thread-safe ``submit``; ``drain`` from one thread."""
+
+    def __init__(self, slabs: HostSlabs, transport: Transport, *, name: str) -> None:
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._worker = _Worker(self._q, slabs, transport)
+        self._thread = threading.Thread(
+            target=_worker_main, args=(self._worker,), name=name, daemon=True
+        )
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self._q, self._thread)
+        self.transport = transport
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: ChunkJob) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("the optimizer's pipeline is closed")
+        self._q.put(job)
+
+    def drain(self) -> DrainResult:
+        """Wait until every submitted job is done; return their records and the first error."""
+        if not self._finalizer.alive:
+            raise RuntimeError("the optimizer's pipeline is closed")
+        barrier = _Barrier()
+        t0 = time.perf_counter()
+        self._q.put(barrier)
+        while not barrier.done.wait(_LIVENESS_POLL_S):
+            if not self._thread.is_alive():
+                raise RuntimeError("the optimizer's worker thread died; see the log")
+        result = barrier.result
+        assert result is not None
+        result.wait_s = time.perf_counter() - t0
+        return result
+
+    def close(self) -> None:
+        self._finalizer()

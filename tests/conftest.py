@@ -1,0 +1,96 @@
+"""Shared fixtures: a tiny language model shaped to expose chunking and hook corner cases."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+VOCAB, DIM, HIDDEN = 37, 48, 133  # odd sizes: every weight has a scalar tail in the fused kernel
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the output head, an MLP with odd widths, a LayerNorm, a block run twice
+    per backward (inside a reentrant checkpoint and directly: its hooks fire twice), a layer used
+    only on some steps and a layer never used (no gradient ever)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.twice = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.sometimes = nn.Linear(DIM, 5)
+        self.unused = nn.Linear(5, 3)
+
+    def forward(self, tokens: torch.Tensor, *, use_sometimes: bool = False) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        h = h + checkpoint(self.twice, h, use_reentrant=True) + self.twice(h)
+        logits = self.head(self.norm(h)).float()
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens.roll(-1, dims=1).reshape(-1))
+        if use_sometimes:
+            loss = loss + self.sometimes(h).float().pow(2).mean()
+        return loss
+
+
+def make_model(dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM().to(device=device, dtype=dtype)
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Three groups with different lr and weight decay: matrices, vectors, and the layers that
+    get a gradient only sometimes or never (so they do not share chunks with the others)."""
+    named = list(model.named_parameters())
+    rare = [p for n, p in named if n.startswith(("sometimes.", "unused."))]
+    decay = [p for n, p in named if p.dim() >= 2 and not any(p is r for r in rare)]
+    rest = [p for n, p in named if p.dim() < 2 and not any(p is r for r in rare)]
+    return [
+        {"params": decay, "lr": 3e-3, "weight_decay": 0.1},
+        {"params": rest, "lr": 1e-3, "weight_decay": 0.0},
+        {"params": rare, "lr": 2e-3, "weight_decay": 0.05},
+    ]
+
+
+def batch(step: int, micro: int = 0, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (4, 9), generator=g).to(device)
+
+
+def uses_sometimes(step: int) -> bool:
+    return step % 3 == 1
+
+
+def clone_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor], what: str) -> None:
+    assert len(actual) == len(expected), what
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        a, e = a.detach().cpu(), e.detach().cpu()
+        assert a.dtype == e.dtype and a.shape == e.shape, f"{what}[{i}]: {a.dtype}{tuple(a.shape)}"
+        if not torch.equal(a, e):
+            diff = (a.float() - e.float()).abs()
+            raise AssertionError(
+                f"{what}[{i}] differs in {int((a != e).sum())}/{a.numel()} elements "
+                f"(max abs diff {diff.max().item():.3e})"
+            )
+
+
+@pytest.fixture(scope="module")
+def single_threaded_main():
+    """Tiny models: intra-op threads in the test's own thread only add contention on a loaded
+    2-core machine (tens of ms per forward). The optimizer's worker keeps its own setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

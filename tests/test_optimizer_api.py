@@ -1,0 +1,292 @@
+"""CPUOffloadAdamW as a torch.optim.Optimizer: validation, stats, threads, worker, state_dict."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import batch, make_model, param_groups
+
+import offload._pipeline as pipeline_mod
+from offload import CPUOffloadAdamW, OffloadSettings, StepStats
+from offload._slabs import _ALIGN, plan_chunks
+
+pytestmark = pytest.mark.usefixtures("single_threaded_main")
+
+
+def _params(n: int = 3) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(5, 7)) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"amsgrad": True}, "amsgrad=True"),
+        ({"maximize": True}, "maximize=True"),
+        ({"capturable": True}, "capturable=True"),
+        ({"differentiable": True}, "differentiable=True"),
+        ({"foreach": True}, "foreach=True"),
+        ({"fused": False}, "fused=False"),
+        ({"lr": -1e-3}, "lr=-0.001"),
+        ({"lr": float("nan")}, "lr=nan"),
+        ({"lr": torch.tensor([1e-3, 2e-3])}, "lr="),
+        ({"betas": (1.0, 0.999)}, r"betas\[0\]=1.0"),
+        ({"betas": (0.9, -0.1)}, r"betas\[1\]=-0.1"),
+        ({"betas": (0.9,)}, r"betas=\(0.9,\)"),
+        ({"eps": -1e-8}, "eps=-1e-08"),
+        ({"weight_decay": -0.1}, "weight_decay=-0.1"),
+    ],
+)
+def test_invalid_options_raise_value_error_naming_them(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CPUOffloadAdamW(_params(), **kwargs)
+
+
+def test_invalid_option_in_a_param_group_is_rejected() -> None:
+    ps = _params()
+    with pytest.raises(ValueError, match="amsgrad=True in param group 1"):
+        CPUOffloadAdamW([{"params": ps[:1]}, {"params": ps[1:], "amsgrad": True}])
+    with pytest.raises(ValueError, match="lr=-1 in param group 1"):
+        CPUOffloadAdamW([{"params": ps[:1]}, {"params": ps[1:], "lr": -1}])
+
+
+@pytest.mark.parametrize(
+    ("param", "match"),
+    [
+        (torch.zeros(4, dtype=torch.int64), "dtype torch.int64"),
+        (torch.zeros(4, dtype=torch.float64, requires_grad=True), "dtype torch.float64"),
+        (torch.zeros(4, dtype=torch.complex64, requires_grad=True), "dtype torch.complex64"),
+        (torch.zeros(4, 4).to_sparse().requires_grad_(), "layout torch.sparse_coo"),
+        (torch.zeros(4, 6).t().requires_grad_(), "not contiguous"),
+        (torch.zeros(4, device="meta", requires_grad=True), "on meta"),
+    ],
+)
+def test_unsupported_parameters_raise_value_error(param: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CPUOffloadAdamW([nn.Parameter(torch.zeros(3)), param])
+
+
+def test_other_construction_errors() -> None:
+    p = _params(1)
+    with pytest.raises(ValueError):
+        CPUOffloadAdamW([])
+    with pytest.raises(ValueError, match="appears twice"):
+        CPUOffloadAdamW([p[0], p[0]])
+    with pytest.raises(NotImplementedError, match="autotune"):
+        CPUOffloadAdamW(p, autotune=True)
+    with pytest.raises(TypeError, match="settings"):
+        CPUOffloadAdamW(p, settings={"threads": 2})  # type: ignore[arg-type]
+    opt = CPUOffloadAdamW(p, foreach=False, fused=True)  # the accepted spellings
+    assert opt.tuner is None
+    with pytest.raises(NotImplementedError, match="add_param_group"):
+        opt.add_param_group({"params": _params(1)})
+    with pytest.raises(TypeError, match="OffloadSettings"):
+        opt.apply_settings({"threads": 1})  # type: ignore[arg-type]
+    opt.close()
+
+
+def test_sparse_gradient_raises_at_step() -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = CPUOffloadAdamW(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradient"):
+        opt.step()
+    opt.close()
+
+
+# ------------------------------------------------------------------------------ chunking
+@pytest.mark.parametrize("chunk_numel", [64, 100, 1024, 1500, 1 << 20])
+def test_chunks_cover_every_element_once_aligned_and_within_groups(chunk_numel: int) -> None:
+    from offload._slabs import HostSlabs
+
+    shapes = [[torch.Size([37, 48]), torch.Size([133]), torch.Size([1]), torch.Size([6384])],
+              [torch.Size([5, 3]), torch.Size([2000])]]
+    slabs = HostSlabs(shapes)
+    chunks = plan_chunks(list(slabs.slots), chunk_numel)
+    covered = {s.index: [] for s in slabs.slots}
+    for c in chunks:
+        assert c.numel <= chunk_numel
+        for v in c.views:
+            slot = slabs.slots[v.slot]
+            assert slot.group == c.group
+            assert v.start % _ALIGN == 0
+            assert v.stop == slot.numel or v.numel % _ALIGN == 0
+            covered[v.slot].append((v.start, v.stop))
+    for s in slabs.slots:
+        ranges = sorted(covered[s.index])
+        assert ranges[0][0] == 0 and ranges[-1][1] == s.numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert slabs.flat("master", s.index).data_ptr() % 64 == 0
+
+
+# ------------------------------------------------------------------------------ torch.optim API
+def test_behaves_as_a_torch_optimizer() -> None:
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model), lr=1e-3)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.defaults["lr"] == 1e-3 and len(opt.param_groups) == 3
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(batch(0)).backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.5e-3)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+    sd = opt.state_dict()
+    p0 = model.emb.weight
+    st = sd["state"][0]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
+    assert st["exp_avg"].shape == p0.shape and st["exp_avg"].dtype == torch.float32
+    assert st["step"].dtype == torch.float32 and st["step"].item() == 1.0
+    assert torch.equal(st["master_param"], p0.detach())
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(batch(1))
+        loss.backward()
+        return loss
+
+    with torch.no_grad():  # torch runs the closure with grad enabled
+        loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor)
+    assert opt.state[p0]["step"].item() == 2.0
+    opt.close()
+
+
+def test_load_state_dict_rejects_mismatches() -> None:
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model))
+    model(batch(0)).backward()
+    opt.step()
+    sd = opt.state_dict()
+    other = CPUOffloadAdamW(list(model.parameters()))
+    with pytest.raises(ValueError, match="parameter groups"):
+        other.load_state_dict(sd)
+    bad = {**sd, "param_groups": [{**g} for g in sd["param_groups"]]}
+    bad["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad=True in loaded param group 0"):
+        opt.load_state_dict(bad)
+    bad = {**sd, "state": {**sd["state"], 0: {**sd["state"][0], "exp_avg": torch.zeros(3)}}}
+    with pytest.raises(ValueError, match="has 3 elements"):
+        opt.load_state_dict(bad)
+    opt.close()
+    other.close()
+
+
+# ------------------------------------------------------------------------------ stats
+def test_step_stats_are_consistent() -> None:
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024, threads=1))
+    assert opt.last_stats is None
+    model(batch(0)).backward()
+    opt.step()
+    stats = opt.last_stats
+    assert isinstance(stats, StepStats)
+    for name in ("step_s", "d2h_s", "adam_kernel_s", "materialize_s", "drain_s"):
+        assert getattr(stats, name) >= 0.0, name
+    assert stats.drain_s <= stats.step_s
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    assert stats.numel == sum(p.numel() for p in with_grad)
+    assert stats.threads == 1 and stats.chunk_numel == 1024
+    assert stats.num_chunks == len({s.chunk for s in stats.spans}) > 10
+    by_chunk: dict[int, dict[str, tuple[float, float]]] = {}
+    for s in stats.spans:
+        assert 0.0 <= s.start_s <= s.end_s <= stats.step_s
+        by_chunk.setdefault(s.chunk, {})[s.stage] = (s.start_s, s.end_s)
+    for stages in by_chunk.values():
+        assert set(stages) == {"d2h", "adam_kernel", "materialize"}
+        assert stages["d2h"][1] <= stages["adam_kernel"][0]
+        assert stages["adam_kernel"][1] <= stages["materialize"][0]
+    total = {st: sum(s.end_s - s.start_s for s in stats.spans if s.stage == st)
+             for st in ("d2h", "adam_kernel", "materialize")}
+    assert total["adam_kernel"] == pytest.approx(stats.adam_kernel_s)
+    assert total["d2h"] == pytest.approx(stats.d2h_s)
+    opt.close()
+
+
+# ------------------------------------------------------------------------------ threads / worker
+def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads(monkeypatch) -> None:
+    calls: list[tuple[int, bool]] = []
+    real = pipeline_mod.fused_adamw_
+
+    def spy(*args, **kwargs):
+        calls.append((torch.get_num_threads(), threading.current_thread() is threading.main_thread()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_mod, "fused_adamw_", spy)
+    main_before = torch.get_num_threads()
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=3))
+    for step, threads in enumerate((3, 1, 2)):
+        opt.apply_settings(OffloadSettings(threads=threads))
+        calls.clear()
+        opt.zero_grad()
+        model(batch(step)).backward()
+        opt.step()
+        assert calls and all(c == (threads, False) for c in calls)
+        assert torch.get_num_threads() == main_before
+    # the worker restored its count: a new thread still starts with the process default
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert seen == [main_before]
+    opt.close()
+
+
+def test_threads_default_comes_from_the_thread_plan(monkeypatch) -> None:
+    import offload._optimizer as optimizer_mod
+    from offload._threads import plan_cpu_threads
+
+    plan = plan_cpu_threads(threads=5)
+    monkeypatch.setattr(optimizer_mod, "plan_cpu_threads", lambda: plan)
+    opt = CPUOffloadAdamW(_params())
+    assert opt.settings.threads == 5
+    opt.apply_settings(OffloadSettings(threads=None, chunk_numel=2048))
+    assert opt.settings == OffloadSettings(threads=5, chunk_numel=2048)
+    opt.close()
+
+
+def test_worker_exception_reaches_step_and_the_worker_survives(monkeypatch) -> None:
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024))
+    real = pipeline_mod.fused_adamw_
+    calls = []
+
+    def boom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("injected kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_mod, "fused_adamw_", boom)
+    model(batch(0)).backward()
+    with pytest.raises(MemoryError, match="injected"):
+        opt.step()
+    assert len(calls) == 3  # the chunks after the failing one were not touched
+    monkeypatch.setattr(pipeline_mod, "fused_adamw_", real)
+    opt.step()  # the worker is still alive and serves the next step
+    assert opt.last_stats is not None and opt.last_stats.num_chunks > 3
+    opt.close()
+
+
+def test_worker_thread_stops_on_close_and_on_garbage_collection() -> None:
+    def workers() -> int:
+        return sum(t.name.startswith("offload-adamw-") for t in threading.enumerate())
+
+    before = workers()
+    opt = CPUOffloadAdamW(_params())
+    assert workers() == before + 1
+    opt.close()
+    assert workers() == before
+    opt = CPUOffloadAdamW(_params())
+    assert workers() == before + 1
+    del opt
+    gc.collect()
+    assert workers() == before

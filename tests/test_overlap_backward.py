@@ -1,0 +1,158 @@
+"""overlap_backward=True: chunks start during backward; results bitwise equal to the plain step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
+
+import offload._pipeline as pipeline_mod
+from offload import CPUOffloadAdamW, OffloadSettings
+
+pytestmark = pytest.mark.usefixtures("single_threaded_main")
+
+STEPS = 8
+MICRO = 2
+
+
+def _train(model, opt, steps: range, *, early: list[int] | None = None) -> None:
+    """Gradient accumulation over MICRO micro-batches (all but the last under accumulating()),
+    an lr scheduler changing lr every step, a layer used only on some steps."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.2 * s))
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        for micro in range(MICRO):
+            loss = model(batch(step, micro), use_sometimes=uses_sometimes(step)) / MICRO
+            if micro < MICRO - 1:
+                with opt.accumulating():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        if early is not None:
+            early.append(opt._early_launches_last_step)
+        sched.step()
+
+
+def _state(model, opt, key: str) -> list[torch.Tensor]:
+    return [opt.state[p][key] for p in model.parameters() if opt.state.get(p)]
+
+
+@pytest.mark.parametrize(("chunk_numel", "threads"), [(1024, 2), (1 << 20, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overlap_is_bitwise_equal_to_the_plain_step(dtype, chunk_numel: int, threads: int) -> None:
+    settings = OffloadSettings(threads=threads, chunk_numel=chunk_numel)
+    plain_model, over_model = make_model(dtype), make_model(dtype)
+    plain = CPUOffloadAdamW(param_groups(plain_model), settings=settings)
+    over = CPUOffloadAdamW(param_groups(over_model), settings=settings, overlap_backward=True)
+    _train(plain_model, plain, range(STEPS))
+    early: list[int] = []
+    _train(over_model, over, range(STEPS), early=early)
+
+    assert early[0] == 0  # the first backward only calibrates
+    assert all(n > 0 for n in early[1:]), early  # later steps really start chunks in backward
+    assert_bitwise(list(over_model.parameters()), list(plain_model.parameters()), "params")
+    for key in ("step", "exp_avg", "exp_avg_sq", "master_param"):
+        assert_bitwise(_state(over_model, over, key), _state(plain_model, plain, key), key)
+    assert not over.state.get(over_model.unused.weight)  # no grad ever: no state
+    # the block run twice per backward fires its hook twice; the count was learned
+    slot = over._slot_of[id(over_model.twice.weight)]
+    assert over._overlap._expected[slot] == 2
+    spans = over.last_stats.spans
+    # (an early chunk's spans start before step() unless the worker was descheduled: not asserted)
+    assert all(s.start_s >= 0 for s in spans if s.stage == "materialize")
+    plain.close()
+    over.close()
+
+
+def _calibrated(threads: int = 1) -> tuple[torch.nn.Module, CPUOffloadAdamW]:
+    model = make_model()
+    opt = CPUOffloadAdamW(
+        param_groups(model), settings=OffloadSettings(threads=threads, chunk_numel=1024),
+        overlap_backward=True,
+    )
+    _train(model, opt, range(2))
+    return model, opt
+
+
+def test_gradient_modified_after_backward_raises() -> None:
+    model, opt = _calibrated()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(batch(5)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed after its chunk"):
+        opt.step()
+    # the model's weights were not written
+    assert_bitwise(list(model.parameters()), before, "params")
+    opt.close()
+
+
+def test_second_backward_outside_accumulating_raises() -> None:
+    model, opt = _calibrated()
+    opt.zero_grad()
+    model(batch(5)).backward()
+    model(batch(6)).backward()
+    with pytest.raises(RuntimeError, match="accumulating"):
+        opt.step()
+    opt.close()
+
+
+def test_calls_between_an_early_launch_and_step_are_rejected() -> None:
+    model, opt = _calibrated()
+    opt.zero_grad()
+    model(batch(5)).backward()
+    assert opt._overlap.has_launched()
+    sd = None
+    for call in (
+        opt.zero_grad,
+        lambda: opt.apply_settings(OffloadSettings(threads=1)),
+        opt.state_dict,
+        lambda: opt.load_state_dict(sd),
+    ):
+        with pytest.raises(RuntimeError, match="before step"):
+            call()
+    opt.step()  # the step itself goes through
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    opt.close()
+
+
+def test_step_without_backward_and_no_grads_match_the_plain_step() -> None:
+    """A step() with stale grads and no backward, then a step with every grad None."""
+    models = [make_model(), make_model()]
+    opts = [
+        CPUOffloadAdamW(param_groups(models[0]), settings=OffloadSettings(chunk_numel=1024)),
+        CPUOffloadAdamW(
+            param_groups(models[1]), settings=OffloadSettings(chunk_numel=1024),
+            overlap_backward=True,
+        ),
+    ]
+    for model, opt in zip(models, opts):
+        _train(model, opt, range(3))
+        opt.step()  # no backward since the last step: same grads again
+        opt.zero_grad()
+        opt.step()  # no grads at all: nothing changes
+        _train(model, opt, range(3, 5))
+    assert_bitwise(list(models[1].parameters()), list(models[0].parameters()), "params")
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert_bitwise(_state(models[1], opts[1], key), _state(models[0], opts[0], key), key)
+    for opt in opts:
+        opt.close()
+
+
+def test_failure_of_an_early_chunk_reaches_step(monkeypatch) -> None:
+    model, opt = _calibrated()
+    real = pipeline_mod.fused_adamw_
+    monkeypatch.setattr(
+        pipeline_mod, "fused_adamw_", lambda *a, **k: (_ for _ in ()).throw(OSError("injected"))
+    )
+    opt.zero_grad()
+    model(batch(5)).backward()
+    with pytest.raises(OSError, match="injected"):
+        opt.step()
+    monkeypatch.setattr(pipeline_mod, "fused_adamw_", real)
+    opt.zero_grad()
+    model(batch(6)).backward()
+    opt.step()
+    opt.close()
