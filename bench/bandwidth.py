@@ -1,0 +1,357 @@
+"""How close the offloaded AdamW step gets to the machine's memory bandwidth.
+
+    python -m bench.bandwidth                      # 50M-parameter model, fp32 and bf16
+    python -m bench.bandwidth --dtypes fp32 --threads 1,2 --chunks 1048576,4194304
+    python -m bench.bandwidth --quick --out-dir /tmp/bw   # tiny model, seconds (CI)
+
+For every dtype, thread count and chunk size it times ``CPUOffloadAdamW.step()`` on a GPT
+model's parameters (synthetic gradients, no forward/backward) and reports:
+
+* ``adam_kernel`` effective bandwidth: 28 B per parameter (fp32 reads of param, grad, exp_avg,
+  exp_avg_sq = 16 B; writes of param, exp_avg, exp_avg_sq = 12 B) over the stage's time;
+* the whole step's effective bandwidth over ``step_s``, counting the kernel's 28 B plus the
+  gradient copy (read the model-dtype grad, write the fp32 host grad) and the materialize copy
+  (read the fp32 master, write the model-dtype param): 44 B per parameter in fp32, 40 B in bf16.
+  Write-allocate reads of the copies' destinations are not counted;
+* in the same run, interleaved with the optimizer (probe, optimizer point, probe, ...), the
+  read-4/write-3 streaming probes of :mod:`bench._stream` over buffers as large as the slabs, at
+  the same thread count, and the ratio adam_kernel GB/s / probe GB/s (the best probe variant at
+  that thread count, so the ratio is never flattered by a weak probe).
+
+Results go to ``<out-dir>/<name>.json`` and ``<out-dir>/<name>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
+from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
+from bench.model import GPT, PRESETS, preset
+
+logger = logging.getLogger("bench.bandwidth")
+
+__all__ = ["build_parser", "main", "run", "ADAM_BYTES_PER_PARAM", "step_bytes_per_param"]
+
+#: fp32 AdamW: read param, grad, exp_avg, exp_avg_sq (16 B), write param, exp_avg, exp_avg_sq (12 B).
+ADAM_BYTES_PER_PARAM = 28
+#: Target of the issue: adam_kernel GB/s at least this fraction of the probe's at its best thread count.
+TARGET_RATIO = 0.85
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_STAGES = ("step_s", "d2h_s", "adam_kernel_s", "materialize_s", "drain_s")
+_MIN_FULL_PARAMS = 50_000_000
+_QUICK_CHUNKS = (1 << 12, 1 << 14)
+_DEFAULT_CHUNKS = (1 << 20, 1 << 22, 1 << 24)
+
+
+def step_bytes_per_param(dtype: str) -> dict[str, int]:
+    """Bytes per parameter the whole step moves, by stage, for a model in ``dtype``."""
+    size = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+    return {"d2h": size + 4, "adam_kernel": ADAM_BYTES_PER_PARAM, "materialize": 4 + size,
+            "total": size + 4 + ADAM_BYTES_PER_PARAM + 4 + size}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return values
+
+
+def _str_list(choices: Sequence[str]):
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [v for v in values if v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {list(choices)}")
+        return values
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.bandwidth", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", type=_str_list(sorted(PRESETS)), default=None,
+                   help="model presets, comma-separated (default 50m; tiny with --quick)")
+    p.add_argument("--dtypes", type=_str_list(sorted(_DTYPES)), default=["fp32", "bf16"])
+    p.add_argument("--threads", type=_int_list, default=None, help="thread counts (default 1..cpus)")
+    p.add_argument("--chunks", type=_int_list, default=None,
+                   help=f"chunk sizes in elements (default {','.join(map(str, _DEFAULT_CHUNKS))})")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="measured steps per point and round, after one discarded (default 2; 1 with --quick)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model lives")
+    p.add_argument("--quick", action="store_true", help="tiny model, small chunks, 2 rounds: a smoke run")
+    p.add_argument("--allow-small", action="store_true", help="accept models under 50M parameters")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default=None, help="result file stem (default bandwidth or bandwidth-quick)")
+    p.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    args.sizes = args.sizes or (["tiny"] if args.quick else ["50m"])
+    args.threads = args.threads or list(range(1, cpus + 1))
+    args.chunks = args.chunks or list(_QUICK_CHUNKS if args.quick else _DEFAULT_CHUNKS)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    args.steps = args.steps if args.steps is not None else (1 if args.quick else 2)
+    args.name = args.name or ("bandwidth-quick" if args.quick else "bandwidth")
+    if args.repeats < 1 or args.steps < 1:
+        p.error(f"--repeats {args.repeats} / --steps {args.steps}: expected integers >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch reports no CUDA device here")
+    if not (args.quick or args.allow_small):
+        small = [s for s in args.sizes if preset(s).num_params < _MIN_FULL_PARAMS]
+        if small:
+            p.error(f"--sizes {','.join(small)}: under {_MIN_FULL_PARAMS:,} parameters; the benchmark "
+                    "needs slabs far larger than the caches (use --allow-small or --quick)")
+    return args
+
+
+def _summary(samples: Sequence[float]) -> dict[str, Any]:
+    return {"median": median(samples), "iqr": iqr(samples), "n": len(samples), "samples": list(samples)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    from offload import CPUOffloadAdamW, OffloadSettings
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = GPT(preset(size)).to(device=device, dtype=_DTYPES[dtype])
+    params = [p for p in model.parameters()]
+    numel = sum(p.numel() for p in params)
+    gen = torch.Generator(device=device).manual_seed(1)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen, device=device) * 1e-2).to(p.dtype)
+    logger.info("%s %s: %s parameters", size, dtype, f"{numel:,}")
+    opt = CPUOffloadAdamW(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                          settings=OffloadSettings(threads=args.threads[0], chunk_numel=args.chunks[0]))
+    opt.step()  # allocates the host state; not measured
+    probes = ProbeBuffers(numel)
+    for name in probes.probes:  # first touch of the probe buffers' pages, not measured
+        probes.run(name, args.threads[-1])
+
+    stage_samples: dict[tuple[int, int], dict[str, list[float]]] = {}
+    num_chunks: dict[tuple[int, int], int] = {}
+    probe_samples: dict[tuple[int, str], list[float]] = {}
+    for rnd in range(args.repeats):
+        # Alternate the sweep direction so slow drift of the machine does not favour one end.
+        order = args.threads if rnd % 2 == 0 else list(reversed(args.threads))
+        for threads in order:
+            for chunk in args.chunks:
+                for name in probes.probes:  # A: the probe at this thread count
+                    s = probes.run(name, threads)
+                    probe_samples.setdefault((threads, name), []).append(s.gbps)
+                # B: the optimizer at this point (one discarded step after the change)
+                opt.apply_settings(OffloadSettings(threads=threads, chunk_numel=chunk))
+                opt.step()
+                _sync(device)
+                rows = stage_samples.setdefault((threads, chunk), {k: [] for k in (*_STAGES, "wall_s")})
+                for _ in range(args.steps):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    opt.step()
+                    _sync(device)
+                    rows["wall_s"].append(time.perf_counter() - t0)
+                    st = opt.last_stats
+                    for k in _STAGES:
+                        rows[k].append(float(getattr(st, k)))
+                    num_chunks[(threads, chunk)] = int(st.num_chunks)
+                    if st.threads != threads or st.chunk_numel != chunk:
+                        logger.warning("asked for threads=%d chunk_numel=%d, the step ran threads=%d "
+                                       "chunk_numel=%d", threads, chunk, st.threads, st.chunk_numel)
+        logger.info("%s %s: round %d/%d done", size, dtype, rnd + 1, args.repeats)
+
+    step_bytes = step_bytes_per_param(dtype)
+    points = []
+    for (threads, chunk), rows in sorted(stage_samples.items()):
+        adam_gbps = [ADAM_BYTES_PER_PARAM * numel / t / 1e9 for t in rows["adam_kernel_s"] if t > 0]
+        step_gbps = [step_bytes["total"] * numel / t / 1e9 for t in rows["step_s"] if t > 0]
+        points.append({
+            "threads": threads, "chunk_numel": chunk, "num_chunks": num_chunks[(threads, chunk)],
+            **{k: _summary(v) for k, v in rows.items()},
+            "adam_gbps": _summary(adam_gbps), "step_gbps": _summary(step_gbps),
+        })
+    probe_rows = [{"threads": t, "probe": name, "gbps": _summary(v)} for (t, name), v in sorted(probe_samples.items())]
+
+    per_thread = []
+    for threads in args.threads:
+        mine = [pt for pt in points if pt["threads"] == threads]
+        best_pt = max(mine, key=lambda pt: pt["adam_gbps"]["median"])
+        probes_t = [r for r in probe_rows if r["threads"] == threads]
+        best_probe = max(probes_t, key=lambda r: r["gbps"]["median"])
+        per_thread.append({
+            "threads": threads,
+            "best_chunk_numel": best_pt["chunk_numel"],
+            "adam_gbps": best_pt["adam_gbps"]["median"],
+            "step_gbps": best_pt["step_gbps"]["median"],
+            "step_s": best_pt["step_s"]["median"],
+            "probe": best_probe["probe"],
+            "probe_gbps": best_probe["gbps"]["median"],
+            "ratio": best_pt["adam_gbps"]["median"] / best_probe["gbps"]["median"],
+            "ratio_by_probe": {r["probe"]: best_pt["adam_gbps"]["median"] / r["gbps"]["median"] for r in probes_t},
+        })
+    top = max(per_thread, key=lambda r: r["probe_gbps"])
+    fastest = min(points, key=lambda pt: pt["step_s"]["median"])
+    headline = {
+        "probe_best_threads": top["threads"], "probe": top["probe"], "probe_gbps": top["probe_gbps"],
+        "adam_gbps": top["adam_gbps"], "ratio": top["ratio"], "target": TARGET_RATIO,
+        "meets_target": top["ratio"] >= TARGET_RATIO,
+        "fastest_step": {"threads": fastest["threads"], "chunk_numel": fastest["chunk_numel"],
+                         "step_s": fastest["step_s"]["median"], "step_gbps": fastest["step_gbps"]["median"]},
+    }
+    del opt, probes, model, params
+    return {"model_size": size, "dtype": dtype, "params": numel, "device": args.device,
+            "step_bytes_per_param": step_bytes, "points": points, "probes": probe_rows,
+            "per_thread": per_thread, "headline": headline}
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    info = machine_info()
+    started = time.time()
+    runs = [_bench_one(size, dtype, args) for size in args.sizes for dtype in args.dtypes]
+    result = {
+        "benchmark": "bench.bandwidth",
+        "command": "python -m bench.bandwidth " + " ".join(shlex.quote(a) for a in argv),
+        "machine": info,
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+        "duration_s": round(time.time() - started, 1),
+        "note": args.note,
+        "config": {"sizes": args.sizes, "dtypes": args.dtypes, "threads": args.threads, "chunks": args.chunks,
+                   "repeats": args.repeats, "steps_per_point": args.steps, "quick": args.quick,
+                   "device": args.device},
+        "probes": {name: {"bytes_per_element": b} for name, b in PROBE_BYTES_PER_ELEMENT.items()},
+        "c_probe_status": c_kernel_status(),
+        "adam_bytes_per_param": ADAM_BYTES_PER_PARAM,
+        "target_ratio": TARGET_RATIO,
+        "runs": runs,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = atomic_write_json(args.out_dir / f"{args.name}.json", result)
+    md_path = atomic_write_text(args.out_dir / f"{args.name}.md", render_markdown(result))
+    print(render_text(result), flush=True)
+    print(f"wrote {json_path} and {md_path}", flush=True)
+    return result
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def render_text(result: dict[str, Any]) -> str:
+    lines = []
+    for r in result["runs"]:
+        lines.append(f"== {r['model_size']} {r['dtype']}: {r['params']:,} params, step counts "
+                     f"{r['step_bytes_per_param']['total']} B/param, adam_kernel {ADAM_BYTES_PER_PARAM} B/param")
+        lines.append(f"{'threads':>7} {'chunk':>9} {'step ms':>9} {'iqr':>6} {'d2h':>7} {'adam':>7} {'mat':>7} "
+                     f"{'drain':>7} {'adamGB/s':>9} {'stepGB/s':>9}")
+        for pt in r["points"]:
+            lines.append(
+                f"{pt['threads']:>7} {pt['chunk_numel']:>9} {_ms(pt['step_s']['median']):>9} "
+                f"{_ms(pt['step_s']['iqr']):>6} {_ms(pt['d2h_s']['median']):>7} "
+                f"{_ms(pt['adam_kernel_s']['median']):>7} {_ms(pt['materialize_s']['median']):>7} "
+                f"{_ms(pt['drain_s']['median']):>7} {pt['adam_gbps']['median']:>9.2f} {pt['step_gbps']['median']:>9.2f}")
+        for pr in r["probes"]:
+            lines.append(f"  probe {pr['probe']:<12} threads {pr['threads']:>3}: {pr['gbps']['median']:.2f} GB/s "
+                         f"(IQR {pr['gbps']['iqr']:.2f}, n={pr['gbps']['n']})")
+        for pt in r["per_thread"]:
+            lines.append(f"  threads {pt['threads']:>3}: adam_kernel {pt['adam_gbps']:.2f} GB/s (chunk "
+                         f"{pt['best_chunk_numel']}) / probe {pt['probe']} {pt['probe_gbps']:.2f} GB/s = "
+                         f"ratio {pt['ratio']:.3f}")
+        h = r["headline"]
+        lines.append(f"  headline: at the probe's best thread count ({h['probe_best_threads']}) adam_kernel/probe = "
+                     f"{h['ratio']:.3f} (target {h['target']}: {'met' if h['meets_target'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    out = [
+        "# Offloaded AdamW step vs. memory bandwidth",
+        "",
+        f"- command: `{result['command']}`",
+        f"- date (UTC): {m['date_utc']}; duration {result['duration_s']} s",
+        f"- CPU: {m['cpu_model']}; {m['physical_cores']} physical cores, {m['logical_cpus']} logical, "
+        f"{m['affinity_cpus']} in the affinity mask; {m['memory_gib']} GiB; {m['torch_cpu_capability']}",
+        f"- torch {m['torch']} ({m['torch_parallel_backend']}); Python {m['python']}; {m['platform']}",
+        f"- load average (1/5/15 min) before: {m['load_avg_1_5_15']}, after: {result['load_avg_after']}",
+        f"- C probe: {result['c_probe_status']}",
+    ]
+    if result["note"]:
+        out.append(f"- note: {result['note']}")
+    out += [
+        "",
+        f"adam_kernel GB/s counts {ADAM_BYTES_PER_PARAM} B per parameter (read param, grad, exp_avg, "
+        "exp_avg_sq; write param, exp_avg, exp_avg_sq, all fp32). Step GB/s adds the gradient copy "
+        "(read model-dtype grad, write fp32) and the materialize copy (read fp32, write model dtype). "
+        "Probe bytes per element: " + ", ".join(f"`{k}` {v['bytes_per_element']} B"
+                                               for k, v in result["probes"].items())
+        + " (see `bench/_stream.py`). Probe and optimizer measurements alternate in one run; "
+        "values are medians over rounds, IQR in parentheses. The ratio uses the best probe at each "
+        "thread count.",
+    ]
+    for r in result["runs"]:
+        h = r["headline"]
+        out += [
+            "",
+            f"## {r['model_size']} ({r['params']:,} parameters), {r['dtype']}",
+            "",
+            f"**adam_kernel / probe at the probe's best thread count ({h['probe_best_threads']}): "
+            f"{h['ratio']:.3f}** (target {h['target']}: {'met' if h['meets_target'] else 'not met'}). "
+            f"Fastest step: threads {h['fastest_step']['threads']}, chunk {h['fastest_step']['chunk_numel']}, "
+            f"{_ms(h['fastest_step']['step_s'])} ms ({h['fastest_step']['step_gbps']:.2f} GB/s at "
+            f"{r['step_bytes_per_param']['total']} B/param).",
+            "",
+            "| threads | best chunk | adam_kernel GB/s | probe | probe GB/s | ratio | step ms | step GB/s |",
+            "|---:|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        for pt in r["per_thread"]:
+            out.append(f"| {pt['threads']} | {pt['best_chunk_numel']} | {pt['adam_gbps']:.2f} | {pt['probe']} | "
+                       f"{pt['probe_gbps']:.2f} | {pt['ratio']:.3f} | {_ms(pt['step_s'])} | {pt['step_gbps']:.2f} |")
+        out += ["", "| threads | chunk | chunks | step ms | d2h ms | adam_kernel ms | materialize ms | drain ms "
+                "| adam GB/s | step GB/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for pt in r["points"]:
+            out.append(
+                f"| {pt['threads']} | {pt['chunk_numel']} | {pt['num_chunks']} | {_ms(pt['step_s']['median'])} "
+                f"({_ms(pt['step_s']['iqr'])}) | {_ms(pt['d2h_s']['median'])} | {_ms(pt['adam_kernel_s']['median'])} "
+                f"({_ms(pt['adam_kernel_s']['iqr'])}) | {_ms(pt['materialize_s']['median'])} | "
+                f"{_ms(pt['drain_s']['median'])} | {pt['adam_gbps']['median']:.2f} | {pt['step_gbps']['median']:.2f} |")
+        out += ["", "| threads | probe | GB/s | IQR | n |", "|---:|---|---:|---:|---:|"]
+        for pr in r["probes"]:
+            g = pr["gbps"]
+            out.append(f"| {pr['threads']} | {pr['probe']} | {g['median']:.2f} | {g['iqr']:.2f} | {g['n']} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = _resolve(parser, parser.parse_args(argv))
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    run(args, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Reference trainer: a small GPT on synthetic tokens, with the CPU-offloaded AdamW or torch's AdamW.
+
+    python -m bench.train --optim-cpu-offload --model-size small --steps 20
+    python -m bench.train --optim-cpu-offload --autotune --steps 60 --trace-dir runs/x
+    torchrun --nproc-per-node 2 -m bench.train --optim-cpu-offload --device cpu --steps 10
+
+Rank 0 prints one line per step (loss, step wall time, the optimizer's stage times) and a final
+summary, and writes ``--summary-json`` once, atomically. Under torchrun the ranks initialise the
+model from the same seed, draw different data, and average gradients with one all-reduce after
+backward (see ``bench/_dist.py`` for why not DDP).
+
+Threads: the main thread's intra-op threads (forward/backward) are set to this rank's
+``plan_cpu_threads()`` share, because torchrun sets ``OMP_NUM_THREADS=1`` for every rank and the
+CPU forward/backward would then run on one core; the plan splits the CPUs between the local ranks
+without oversubscribing. ``--compute-threads`` overrides it. ``--threads`` / ``--chunk-numel``
+only set the optimizer's knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from bench import _dist
+from bench._stats import atomic_write_json, iqr, median
+from bench.model import GPT, PRESETS, SyntheticTokens, count_params, preset
+
+logger = logging.getLogger("bench.train")
+
+__all__ = ["build_parser", "main", "run"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: StepStats fields summarised per step (seconds).
+_STAGES = ("step_s", "d2h_s", "adam_kernel_s", "materialize_s", "drain_s")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.train", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="model parameter dtype")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda if available, else cpu")
+    p.add_argument("--steps", type=_positive_int, default=20, help="optimizer steps")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per micro-batch per rank")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="default: min(128, model max)")
+    p.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
+    p.add_argument("--seed", type=int, default=0, help="model init (same on all ranks) and data seed")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup; default 10%% of --steps")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="on matrices only (not biases, norms)")
+    p.add_argument("--optim-cpu-offload", action="store_true",
+                   help="use offload.CPUOffloadAdamW (else torch.optim.AdamW(fused=True) on the device)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="optimizer intra-op threads (default: the rank's thread plan)")
+    p.add_argument("--chunk-numel", type=_positive_int, default=None,
+                   help="optimizer pipeline chunk size in elements")
+    p.add_argument("--overlap-backward", action="store_true",
+                   help="start each chunk's update during backward (single process only)")
+    p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
+    p.add_argument("--cache", type=Path, default=None, help="tuning cache file")
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="tuning trace folder; the trainer also writes train_steps.jsonl there")
+    p.add_argument("--compute-threads", type=_positive_int, default=None,
+                   help="intra-op threads for forward/backward (default: the rank's thread plan)")
+    p.add_argument("--summary-json", type=Path, default=None, help="write the run summary here")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.optim_cpu_offload:
+        for flag, value in (("--threads", args.threads), ("--chunk-numel", args.chunk_numel),
+                            ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
+            if value:
+                p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
+    if (args.cache is not None) and not args.autotune:
+        p.error("--cache is the tuning cache: add --autotune")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch reports no CUDA device here; use --device cpu")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        p.error(f"--warmup-steps {args.warmup_steps}: expected an integer >= 0")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr {args.lr}: expected a finite float > 0")
+
+
+def _lr_lambda(steps: int, warmup: int):
+    """Linear warmup to 1, then cosine down to 0.1 at the last step."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        span = max(1, steps - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _autotune_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``autotune=AutotuneConfig(...)`` with ``--cache`` / ``--trace-dir``, or nothing."""
+    if not args.autotune:
+        return {}
+    from autotune import AutotuneConfig
+
+    return {
+        "autotune": AutotuneConfig(
+            seed=args.seed,
+            cache_path=str(args.cache) if args.cache is not None else None,
+            trace_dir=str(args.trace_dir) if args.trace_dir is not None else None,
+        )
+    }
+
+
+def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
+                    tune_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    groups = _param_groups(model, args.weight_decay)
+    betas = (0.9, 0.95)
+    if not args.optim_cpu_offload:
+        return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=1e-8, fused=True)
+    from offload import CPUOffloadAdamW, OffloadSettings
+    from offload._settings import DEFAULT_CHUNK_NUMEL
+
+    settings = None
+    if args.threads is not None or args.chunk_numel is not None:
+        settings = OffloadSettings(threads=args.threads, chunk_numel=args.chunk_numel or DEFAULT_CHUNK_NUMEL)
+    return CPUOffloadAdamW(
+        groups, lr=args.lr, betas=betas, eps=1e-8, weight_decay=args.weight_decay,
+        settings=settings, overlap_backward=args.overlap_backward,
+        **tune_kwargs,
+    )
+
+
+def _stats_dict(opt: torch.optim.Optimizer) -> dict[str, float] | None:
+    stats = getattr(opt, "last_stats", None)
+    if stats is None:
+        return None
+    return {name: float(getattr(stats, name)) for name in _STAGES}
+
+
+def _opt_knobs(opt: torch.optim.Optimizer) -> tuple[int, int | None]:
+    """(threads, chunk_numel) the optimizer used in its last step."""
+    stats = getattr(opt, "last_stats", None)
+    if stats is not None:
+        return int(stats.threads), int(stats.chunk_numel)
+    return torch.get_num_threads(), None
+
+
+def _tuner_summary(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    tuner = getattr(opt, "tuner", None)
+    if tuner is None:
+        return {"state": "off", "cache_hit": None, "probe_steps": None, "baseline": None, "winner": None}
+    summary = dict(tuner.summary())
+    for key in ("state", "cache_hit", "probe_steps", "baseline", "winner"):
+        summary.setdefault(key, None)
+    return summary
+
+
+def _format_step(step: int, steps: int, loss: float, step_s: float, opt_s: float,
+                 stats: dict[str, float] | None, knobs: tuple[int, int | None]) -> str:
+    line = f"step {step:>4}/{steps} | loss {loss:8.4f} | step {step_s * 1e3:9.1f} ms | opt {opt_s * 1e3:8.1f} ms"
+    if stats is not None:
+        line += (
+            f" (d2h {stats['d2h_s'] * 1e3:.1f} adam {stats['adam_kernel_s'] * 1e3:.1f}"
+            f" mat {stats['materialize_s'] * 1e3:.1f} drain {stats['drain_s'] * 1e3:.1f}"
+            f" step {stats['step_s'] * 1e3:.1f})"
+        )
+    line += f" | threads {knobs[0]} chunk {knobs[1] if knobs[1] is not None else '-'}"
+    return line
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train for ``args.steps`` steps; return the summary (every rank returns the same dict)."""
+    from offload import plan_cpu_threads
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    info = _dist.setup(device)
+    try:
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if info.world_size > 1 and args.overlap_backward:
+            raise SystemExit(
+                "error: --overlap-backward with world size "
+                f"{info.world_size}: the optimizer would start chunk updates during backward, before "
+                "gradients are averaged across ranks; run it single-process"
+            )
+        return _train(args, device, info, plan_cpu_threads)
+    finally:
+        _dist.teardown(info)
+
+
+def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo, plan_cpu_threads) -> dict[str, Any]:
+    plan = plan_cpu_threads(threads=args.compute_threads)
+    torch.set_num_threads(plan.threads)
+    is_main = info.rank == 0
+    if is_main:
+        logger.info("thread plan: %d intra-op threads for forward/backward (%s; source %s, %d cpus, "
+                    "%d local ranks)", plan.threads, plan.reason, plan.source, len(plan.cpus),
+                    plan.local_world_size)
+
+    cfg = preset(args.model_size)
+    seq_len = args.seq_len or min(128, cfg.max_seq_len)
+    if seq_len > cfg.max_seq_len:
+        raise SystemExit(f"error: --seq-len {seq_len} exceeds the {args.model_size} model's max_seq_len "
+                         f"{cfg.max_seq_len}")
+    torch.manual_seed(args.seed)  # same init on every rank
+    model = GPT(cfg).to(device=device, dtype=_DTYPES[args.dtype])
+    n_params = count_params(model)
+    if is_main:
+        print(f"model {args.model_size}: {n_params:,} parameters ({n_params / 1e6:.1f}M), dtype {args.dtype}, "
+              f"device {device}, world size {info.world_size}", flush=True)
+    data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=args.batch_size, seq_len=seq_len,
+                           seed=args.seed, stream=info.rank, device=device)
+    opt = _make_optimizer(args, model, _autotune_kwargs(args))
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.steps, warmup))
+
+    step_log = None
+    if is_main and args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+        step_log = open(args.trace_dir / "train_steps.jsonl", "w", encoding="utf-8")
+
+    overlap = args.optim_cpu_offload and args.overlap_backward
+    losses: list[float] = []
+    step_times: list[float] = []
+    opt_times: list[float] = []
+    stats_rows: list[dict[str, float]] = []
+    knobs_used = _opt_knobs(opt)
+    local_loss = math.nan
+    try:
+        for step in range(1, args.steps + 1):
+            # Synthetic data is made before the clock starts: it is not what the step measures.
+            batches = [data.next_batch() for _ in range(args.grad_accum)]
+            _sync(device)
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for micro, (x, y) in enumerate(batches):
+                last = micro == args.grad_accum - 1
+                ctx = opt.accumulating() if (overlap and not last) else contextlib.nullcontext()
+                with ctx:
+                    loss = model(x, y) / args.grad_accum
+                    loss.backward()
+                loss_sum += loss.detach()
+            _dist.average_gradients(model.parameters(), info.world_size)
+            _sync(device)
+            t_opt = time.perf_counter()
+            opt.step()
+            _sync(device)
+            opt_s = time.perf_counter() - t_opt
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            local_loss = float(loss_sum.item())
+            loss_value = _dist.average_scalar(local_loss, info, device)
+            _sync(device)
+            step_s = time.perf_counter() - t0
+
+            stats = _stats_dict(opt)
+            knobs_used = _opt_knobs(opt)
+            losses.append(loss_value)
+            step_times.append(step_s)
+            opt_times.append(opt_s)
+            if stats is not None:
+                stats_rows.append(stats)
+            if is_main:
+                print(_format_step(step, args.steps, loss_value, step_s, opt_s, stats, knobs_used), flush=True)
+                if step_log is not None:
+                    row = {"step": step, "loss": loss_value, "step_s": step_s, "opt_s": opt_s,
+                           "threads": knobs_used[0], "chunk_numel": knobs_used[1], "stats": stats}
+                    step_log.write(json.dumps(row) + "\n")
+                    step_log.flush()
+    finally:
+        if step_log is not None:
+            step_log.close()
+        close = getattr(opt, "close", None)  # CPUOffloadAdamW: stop its worker thread now, not at exit
+        if close is not None:
+            close()
+
+    rank_entry = {
+        "rank": info.rank,
+        "local_rank": info.local_rank,
+        "threads": knobs_used[0],
+        "chunk_numel": knobs_used[1],
+        "compute_threads": torch.get_num_threads(),
+        "plan": {"threads": plan.threads, "reason": plan.reason, "source": plan.source,
+                 "cpus": len(plan.cpus), "local_world_size": plan.local_world_size},
+        "param_sha256": _dist.param_checksum(model.parameters()),
+        "loss_last_local": local_loss if losses else None,
+    }
+    ranks = _dist.gather_objects(rank_entry, info)
+    summary = _summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_times,
+                       opt_times, stats_rows)
+    if is_main:
+        _print_summary(summary)
+        if args.summary_json is not None:
+            atomic_write_json(args.summary_json, summary)
+            logger.info("summary written to %s", args.summary_json)
+    return summary
+
+
+def _summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_times, opt_times,
+             stats_rows) -> dict[str, Any]:
+    # The first step pays one-off costs (allocation, state init, lazy kernels): it is kept in
+    # step_times_s but left out of the medians when there is more than one step.
+    skip = 1 if len(step_times) > 1 else 0
+    measured = step_times[skip:]
+    opt_stats_median = None
+    if stats_rows:
+        rows = stats_rows[skip:] if len(stats_rows) > 1 else stats_rows
+        opt_stats_median = {name: median([r[name] for r in rows]) for name in _STAGES}
+    return {
+        "ranks": ranks,
+        "tuner": _tuner_summary(opt),
+        "step_s_median": median(measured),
+        "step_s_iqr": iqr(measured),
+        "opt_s_median": median(opt_times[skip:]),
+        "steps_measured": len(measured),
+        "step_times_s": step_times,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "losses": losses,
+        "params": n_params,
+        "model_size": args.model_size,
+        "dtype": args.dtype,
+        "device": str(device),
+        "world_size": info.world_size,
+        "backend": info.backend,
+        "optimizer": "CPUOffloadAdamW" if args.optim_cpu_offload else "torch.optim.AdamW(fused=True)",
+        "overlap_backward": bool(args.overlap_backward),
+        "opt_stats_median": opt_stats_median,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": seq_len,
+        "grad_accum": args.grad_accum,
+        "seed": args.seed,
+        "lr": args.lr,
+        "torch": torch.__version__,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    print(f"summary: {s['params']:,} params {s['dtype']} on {s['device']} x{s['world_size']} | "
+          f"step median {s['step_s_median'] * 1e3:.1f} ms IQR {s['step_s_iqr'] * 1e3:.1f} ms "
+          f"(n={s['steps_measured']}) | opt median {s['opt_s_median'] * 1e3:.1f} ms | "
+          f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}", flush=True)
+    med = s["opt_stats_median"]
+    if med:
+        print("optimizer stage medians: " + " ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in med.items()),
+              flush=True)
+    t = s["tuner"]
+    print(f"tuner: state {t['state']} cache_hit {t['cache_hit']} probe_steps {t['probe_steps']} "
+          f"baseline {t['baseline']} winner {t['winner']}", flush=True)
+    for r in s["ranks"]:
+        print(f"rank {r['rank']}: threads {r['threads']} chunk {r['chunk_numel']} compute_threads "
+              f"{r['compute_threads']} params sha256 {r['param_sha256'][:16]}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
