@@ -6,16 +6,21 @@ nothing of AdamW or offloading (``offload`` wires it in).
 
 from __future__ import annotations
 
+from autotune._agree import AgreementError, AgreementMismatch, AgreementTimeout
 from autotune._cache import TuningCache
 from autotune._fingerprint import Fingerprint, fingerprint
 from autotune._measurement import Measurement
-from autotune._space import SearchSpace
+from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
 from autotune._trace import TraceWriter
 from autotune._tuner import AutotuneConfig, OnlineTuner, StepSample
 
 __all__ = [
+    "AgreementError",
+    "AgreementMismatch",
+    "AgreementTimeout",
     "AutotuneConfig",
     "Fingerprint",
+    "Knob",
     "Measurement",
     "OnlineTuner",
     "SearchSpace",
@@ -23,4 +28,6 @@ __all__ = [
     "TraceWriter",
     "TuningCache",
     "fingerprint",
+    "geometric_ladder",
+    "powers_of_two",
 ]

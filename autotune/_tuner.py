@@ -86,6 +86,12 @@ class AutotuneConfig:
     """Re-probe when drift is reported (else only log it)."""
     max_reprobes: int = 1
     """Most drift-triggered re-probes per run; each spends at most ``probe_steps`` steps."""
+    use_cache: bool = True
+    """Read and write the tuning cache (clients build a ``TuningCache`` from the two fields below)."""
+    cache_path: str | None = None
+    """Cache file; None: ``$OFFLOAD_AUTOTUNE_CACHE`` or the user cache directory (``autotune.knobs``)."""
+    trace_dir: str | None = None
+    """Directory for the trace files (trace.jsonl, trace.csv, trace.chrome.json, summary.json, tuning.png); None: no trace."""
 
     def __post_init__(self) -> None:
         _check_int("probe_steps", self.probe_steps, 1)
@@ -107,7 +113,11 @@ class AutotuneConfig:
         _check_float("drift_factor", self.drift_factor, 1.0, strict=True)
         _check_int("drift_patience", self.drift_patience, 1)
         _check_int("max_reprobes", self.max_reprobes, 0)
-        for name in ("force_retune", "drift_reprobe"):
+        for name in ("cache_path", "trace_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"AutotuneConfig.{name}={value!r}: expected None or a non-empty str path")
+        for name in ("force_retune", "drift_reprobe", "use_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AutotuneConfig.{name}={getattr(self, name)!r}: expected a bool")
         minimum = 2 * (self.warmup_steps + self.measure_steps)
@@ -141,7 +151,7 @@ class StepSample:
 class CacheLike(Protocol):
     def get(self, key: str) -> dict[str, Any] | None: ...
 
-    def put(self, key: str, entry: dict[str, Any]) -> None: ...
+    def put(self, key: str, entry: dict[str, Any]) -> bool | None: ...
 
 
 class TraceLike(Protocol):

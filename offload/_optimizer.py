@@ -38,6 +38,8 @@ from offload._pipeline import (
 )
 from offload._settings import OffloadSettings, StageSpan, StepStats
 from offload._slabs import Chunk, HostSlabs, plan_chunks
+from autotune import AutotuneConfig, OnlineTuner
+from offload._autotune import OffloadTuning
 from offload._threads import plan_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -267,7 +269,9 @@ class CPUOffloadAdamW(Optimizer):
         amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.
-        autotune: not wired yet; a truthy value raises ``NotImplementedError``.
+        autotune: ``True`` or an ``autotune.AutotuneConfig`` tunes ``threads`` and ``chunk_numel``
+            online during the first steps (``offload/_autotune.py``); the tuner is ``self.tuner``.
+            Under torch.distributed every local rank must construct the optimizer together.
     """
 
     def __init__(
@@ -288,10 +292,10 @@ class CPUOffloadAdamW(Optimizer):
         fused: bool | None = None,
         autotune: Any = False,
     ) -> None:
-        if autotune:
-            raise NotImplementedError(
-                "CPUOffloadAdamW(autotune=...) is not wired yet (offload/_autotune.py)"
-            )
+        if autotune is True:
+            autotune = AutotuneConfig()
+        if autotune is not False and autotune is not None and not isinstance(autotune, AutotuneConfig):
+            raise TypeError(f"autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
         if settings is not None and not isinstance(settings, OffloadSettings):
             raise TypeError(f"settings={settings!r}: expected an OffloadSettings or None")
         options = {
@@ -319,9 +323,8 @@ class CPUOffloadAdamW(Optimizer):
         self._slabs = HostSlabs([[p.shape for p in g["params"]] for g in self.param_groups])
 
         settings = settings if settings is not None else OffloadSettings()
-        self._planned_threads = (
-            settings.threads if settings.threads is not None else plan_cpu_threads().threads
-        )
+        plan = plan_cpu_threads(threads=settings.threads)
+        self._planned_threads = plan.threads
         self._settings = replace(settings, threads=self._planned_threads)
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
 
@@ -346,8 +349,28 @@ class CPUOffloadAdamW(Optimizer):
                     p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, slot))
                 )
 
-        #: The online tuner (``offload/_autotune.py``), or None.
-        self.tuner: Any = None
+        #: The online tuner (``autotune.OnlineTuner``), or None.
+        self.tuner: OnlineTuner | None = None
+        self._tuning: OffloadTuning | None = None
+        if isinstance(autotune, AutotuneConfig):
+            group_numel = [0] * len(self.param_groups)
+            for slot in self._slabs.slots:
+                group_numel[slot.group] += slot.numel
+            self._tuning = OffloadTuning(
+                self,
+                autotune,
+                plan=plan,
+                fixed_threads=plan.source != "plan",
+                workload={
+                    "params": sum(group_numel),
+                    "groups": len(group_numel),
+                    "dtypes": sorted({str(p.dtype) for p in self._params}),
+                    "device": self._device.type,
+                    "overlap_backward": bool(overlap_backward),
+                },
+                largest_slab=max(group_numel, default=0),
+            )
+            self.tuner = self._tuning.tuner
         logger.debug(
             "CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",
             len(self._params),
@@ -447,6 +470,9 @@ class CPUOffloadAdamW(Optimizer):
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+        if self._tuning is not None:
+            self._tuning.close()
+            self._tuning = None
         self._pipeline.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -558,9 +584,9 @@ class CPUOffloadAdamW(Optimizer):
         finally:
             self._in_step = False
         # ---- Tuner observation point: the one place a tuner sees each step's StepStats. ----
-        # offload/_autotune.py wires a tuner here (it may call apply_settings between steps).
-        if self.tuner is not None:
-            self.tuner.observe(self.last_stats)
+        # The tuner may call apply_settings here, between steps, at the same step on every rank.
+        if self._tuning is not None:
+            self._tuning.after_step()
         return loss
 
     def _step(self) -> None:
