@@ -4,10 +4,13 @@ This module is the only place that knows both sides: it builds the offload searc
 x chunk size) from the thread plan and the slab sizes, turns each step's ``StepStats`` into the
 tuner's ``StepSample`` and turns the tuner's settings back into ``OffloadSettings``.
 
-Objective: the wall time of one training iteration, from the return of the previous ``step()`` to
-the return of this one. That is what a user waits for, and it includes what the settings change
-beyond the step itself (an overlapped chunk competing with backward for the CPU). The first
-iteration after a switch is discarded by the tuner's warm-up rule.
+Objective: without ``overlap_backward`` the settings change nothing but ``step()`` itself (the
+worker thread sets its own intra-op thread count), so the tuner minimises the wall time of
+``step()``; that keeps the noise of forward and backward out of the comparison. With
+``overlap_backward`` part of the step runs during backward and competes with it for the CPU, so
+the tuner minimises the wall time of the whole iteration instead, from the return of the previous
+``step()`` to the return of this one. The first step after a switch is discarded by the tuner's
+warm-up rule.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from autotune import (
     AutotuneConfig,
@@ -83,12 +86,16 @@ class OffloadTuning:
         *,
         plan: ThreadPlan,
         fixed_threads: bool,
+        objective: Literal["step", "iteration"],
         workload: dict[str, Any],
         largest_slab: int,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._optimizer = optimizer
         self._clock = clock
+        if objective not in ("step", "iteration"):
+            raise ValueError(f"objective={objective!r}: expected 'step' or 'iteration'")
+        self.objective = objective
         self._own_threads = plan.threads
         # Every local rank must build the same space: the ladder tops at the largest budget of any
         # local rank and each rank caps the knob at its own plan (see _apply), so the static plan
@@ -149,7 +156,8 @@ class OffloadTuning:
         }
         spans = tuple((s.stage, s.chunk, s.start_s, s.end_s) for s in stats.spans)
         was_locked = self.tuner.state == "locked"
-        self.tuner.observe(StepSample(time_s=iteration_s, stages=stages, spans=spans))
+        time_s = iteration_s if self.objective == "iteration" else stats.step_s
+        self.tuner.observe(StepSample(time_s=time_s, stages=stages, spans=spans))
         if self.tuner.state == "locked" and not was_locked:
             self.flush()
 

@@ -361,12 +361,14 @@ class CPUOffloadAdamW(Optimizer):
                 autotune,
                 plan=plan,
                 fixed_threads=plan.source != "plan",
+                objective="iteration" if overlap_backward else "step",
                 workload={
                     "params": sum(group_numel),
                     "groups": len(group_numel),
                     "dtypes": sorted({str(p.dtype) for p in self._params}),
                     "device": self._device.type,
                     "overlap_backward": bool(overlap_backward),
+                    "objective": "iteration" if overlap_backward else "step",
                 },
                 largest_slab=max(group_numel, default=0),
             )

@@ -76,8 +76,8 @@ def test_other_construction_errors() -> None:
         CPUOffloadAdamW([])
     with pytest.raises(ValueError, match="appears twice"):
         CPUOffloadAdamW([p[0], p[0]])
-    with pytest.raises(NotImplementedError, match="autotune"):
-        CPUOffloadAdamW(p, autotune=True)
+    with pytest.raises(TypeError, match="autotune"):
+        CPUOffloadAdamW(p, autotune={"probe_steps": 10})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="settings"):
         CPUOffloadAdamW(p, settings={"threads": 2})  # type: ignore[arg-type]
     opt = CPUOffloadAdamW(p, foreach=False, fused=True)  # the accepted spellings
@@ -245,7 +245,7 @@ def test_threads_default_comes_from_the_thread_plan(monkeypatch) -> None:
     from offload._threads import plan_cpu_threads
 
     plan = plan_cpu_threads(threads=5)
-    monkeypatch.setattr(optimizer_mod, "plan_cpu_threads", lambda: plan)
+    monkeypatch.setattr(optimizer_mod, "plan_cpu_threads", lambda threads=None: plan if threads is None else plan_cpu_threads(threads=threads))
     opt = CPUOffloadAdamW(_params())
     assert opt.settings.threads == 5
     opt.apply_settings(OffloadSettings(threads=None, chunk_numel=2048))
