@@ -1,0 +1,449 @@
+// Single-pass mixed-precision AdamW step for CPU offload.
+//
+// One pass per element: read the low-precision (bf16/fp16) gradient, upcast it exactly to fp32,
+// update the fp32 master weight and both fp32 moments in place, and write the master, rounded to
+// nearest-even, into the low-precision parameter. Traffic: 2 (grad) + 8 (master r/w) + 8 (exp_avg
+// r/w) + 8 (exp_avg_sq r/w) + 2 (param write) = 28 bytes per parameter (large calls write the
+// parameter with non-temporal stores, so no read-for-ownership adds 2 more).
+//
+// Bitwise agreement with torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
+// float tensors, ADAMW mode, no amsgrad/maximize/grad scaling):
+// - the scalar coefficients are computed in double and cast to float exactly as torch does;
+// - every tensor is split into the same vectorised body (numel rounded down to a multiple of
+//   Vectorized<float>::size()) and scalar tail as torch splits it;
+// - this file is compiled with -ffp-contract=off, and every fused multiply-add is written out.
+//   torch's kernel is compiled by GCC with contraction on, so its binary fuses where GCC chose to.
+//   The choices below were read off torch 2.13's x86 wheels by comparing results element by element
+//   (offload/_fused_mp.py lists the verified builds; tests/test_fused_mp.py checks them):
+//     exp_avg     lerp as one FMA everywhere (the vector code calls vec::fmadd; the scalar code
+//                 was contracted the same way);
+//     exp_avg_sq  vector body: fma(c2*g, g, v*beta2). Scalar tail: GCC auto-vectorised torch's
+//                 tail loop 8 lanes wide, so the first multiple of 8 tail elements use that same
+//                 form and the remaining ones fma(v, beta2, (c2*g)*g);
+//     param       no FMA (p * (1 - lr*wd), then + (-step_size * m) / denom).
+//   Builds without FMA instructions (CPU_CAPABILITY DEFAULT) fuse nothing, as torch's DEFAULT
+//   kernel does not.
+//
+// Validation happens entirely before the first write; errors are Python ValueError / TypeError
+// naming the argument, the index and the offending dtype or size.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kHasFma = true;
+#else
+constexpr bool kHasFma = false;
+#endif
+// Scalar-tail elements that torch's (auto-vectorised) tail loop handles 8 at a time; see above.
+constexpr int64_t kTailBlock = 8;
+
+// a * b + c with one rounding where torch's binary fuses, two where it does not.
+inline float madd(float a, float b, float c) {
+  if constexpr (kHasFma) {
+    return std::fma(a, b, c);
+  } else {
+    return a * b + c;
+  }
+}
+
+// Parallel work unit, in elements. A multiple of every Vectorized<float>::size() and of every
+// Vectorized<BFloat16/Half>::size(), so a unit boundary never moves an element between the
+// vectorised body and the scalar tail: only the last numel % fVec::size() elements of a tensor
+// take the scalar path, whatever the thread count (the same elements torch's kernel runs scalar).
+constexpr int64_t kUnit = 64;
+static_assert(kUnit % fVec::size() == 0, "kUnit must be a multiple of the float vector width");
+static_assert(kUnit % at::vec::Vectorized<c10::BFloat16>::size() == 0, "kUnit vs bf16 width");
+// Calls of at least this many elements (56 MB of traffic, more than a server's L3 share) write
+// the low-precision parameter with non-temporal stores.
+constexpr int64_t kStreamMinElements = int64_t(1) << 21;
+// Smallest range, in units, worth splitting across threads (64 Ki elements, ~1.8 MB of traffic).
+constexpr int64_t kGrainUnits = 1024;
+
+// Scalar coefficients, computed exactly as torch's kernel computes them.
+struct Coeffs {
+  double lr;
+  double exp_avg_grad_coefficient;     // 1 - beta1
+  double exp_avg_sq_grad_coefficient;  // 1 - beta2
+  double beta2;
+  double step_size;                    // lr / (1 - beta1^step)
+  double bias_correction2_sqrt;        // sqrt(1 - beta2^step)
+  double eps;
+  double weight_decay;
+};
+
+Coeffs make_coeffs(int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay) {
+  // torch reads the step from a float tensor and widens it to double.
+  const double step_d = static_cast<double>(static_cast<float>(step));
+  Coeffs c{};
+  c.lr = lr;
+  const double bias_correction1 = 1 - std::pow(beta1, step_d);
+  const double bias_correction2 = 1 - std::pow(beta2, step_d);
+  c.exp_avg_grad_coefficient = 1 - beta1;
+  c.exp_avg_sq_grad_coefficient = 1 - beta2;
+  c.beta2 = beta2;
+  c.step_size = lr / bias_correction1;
+  c.bias_correction2_sqrt = std::sqrt(bias_correction2);
+  c.eps = eps;
+  c.weight_decay = weight_decay;
+  return c;
+}
+
+// The coefficients as float vectors, built once per span (torch builds the same values inline).
+struct VecCoeffs {
+  explicit VecCoeffs(const Coeffs& c)
+      : decay(float(1 - c.lr * c.weight_decay)),
+        lerp_coeff(std::abs(float(c.exp_avg_grad_coefficient)) < 0.5f
+                       ? fVec(float(c.exp_avg_grad_coefficient))
+                       : fVec(float(c.exp_avg_grad_coefficient)) - fVec(1)),
+        c2(float(c.exp_avg_sq_grad_coefficient)),
+        beta2(float(c.beta2)),
+        bias_correction2_sqrt(float(c.bias_correction2_sqrt)),
+        eps(float(c.eps)),
+        neg_step_size(float(-c.step_size)),
+        lerp_small(std::abs(float(c.exp_avg_grad_coefficient)) < 0.5f),
+        do_decay(c.weight_decay != 0.f) {}
+  fVec decay, lerp_coeff, c2, beta2, bias_correction2_sqrt, eps, neg_step_size;
+  bool lerp_small, do_decay;
+};
+
+// One AdamW update on the fp32 lanes of one vector; returns the new master.
+inline fVec adamw_vec(fVec param, fVec grad, float* exp_avg_ptr, float* exp_avg_sq_ptr,
+                      const VecCoeffs& k) {
+  if (k.do_decay) {
+    param = param * k.decay;
+  }
+  fVec exp_avg = fVec::loadu(exp_avg_ptr);
+  // exp_avg.lerp_(grad, 1 - beta1) as torch writes it: fma(w, g - m, m) for a small weight w,
+  // else fma(w - 1, g - m, g) (torch selects with a uniform blendv; a branch is the same).
+  const fVec base = k.lerp_small ? exp_avg : grad;
+  exp_avg = at::vec::fmadd(k.lerp_coeff, grad - exp_avg, base);
+
+  const fVec c2_grad = k.c2 * grad;
+  const fVec exp_avg_sq = at::vec::fmadd(c2_grad, grad, fVec::loadu(exp_avg_sq_ptr) * k.beta2);
+  exp_avg.store(exp_avg_ptr);
+  exp_avg_sq.store(exp_avg_sq_ptr);
+
+  const fVec denom = (exp_avg_sq.sqrt() / k.bias_correction2_sqrt) + k.eps;
+  return param + k.neg_step_size * exp_avg / denom;
+}
+
+// One element of the scalar tail. `in_block`: the element lies in the first multiple of
+// kTailBlock tail elements (torch's vectorised tail loop), which fuses exp_avg_sq differently.
+inline float adamw_scalar(float param, float grad_val, float* exp_avg_ptr, float* exp_avg_sq_ptr,
+                          bool in_block, const Coeffs& c) {
+  if (c.weight_decay != 0.f) {
+    param = param * float(1 - c.lr * c.weight_decay);
+  }
+  float exp_avg = *exp_avg_ptr;
+  const float lerp_weight = float(c.exp_avg_grad_coefficient);
+  if (std::abs(lerp_weight) < float(0.5)) {
+    exp_avg = madd(lerp_weight, grad_val - exp_avg, exp_avg);
+  } else {
+    // grad - (grad - exp_avg) * (1 - w) == fma(w - 1, grad - exp_avg, grad) exactly.
+    exp_avg = madd(lerp_weight - float(1), grad_val - exp_avg, grad_val);
+  }
+  *exp_avg_ptr = exp_avg;
+  const float c2_grad = float(c.exp_avg_sq_grad_coefficient) * grad_val;
+  float exp_avg_sq = *exp_avg_sq_ptr;
+  if (in_block) {
+    exp_avg_sq = madd(c2_grad, grad_val, exp_avg_sq * float(c.beta2));
+  } else {
+    exp_avg_sq = madd(exp_avg_sq, float(c.beta2), c2_grad * grad_val);
+  }
+  *exp_avg_sq_ptr = exp_avg_sq;
+  const float denom = std::sqrt(exp_avg_sq) / float(c.bias_correction2_sqrt) + float(c.eps);
+  return param - float(c.step_size) * exp_avg / denom;
+}
+
+// Updates `size` consecutive elements. `size` is a multiple of kUnit except at a tensor's end.
+template <typename param_t, typename grad_t>
+void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* exp_avg,
+                float* exp_avg_sq, int64_t size, const Coeffs& c, bool stream) {
+  using pVec = at::vec::Vectorized<param_t>;
+  using gVec = at::vec::Vectorized<grad_t>;
+  static_assert(pVec::size() == 2 * fVec::size() && gVec::size() == 2 * fVec::size(),
+                "a low-precision vector must hold two float vectors");
+  constexpr int64_t kW = fVec::size();
+  const VecCoeffs k(c);
+  // Two float vectors: one full low-precision load of the gradient, one of the new parameter.
+  auto pair = [&](int64_t d) {
+    fVec g0, g1;
+    at::vec::load_to_float<grad_t>(grad + d, g0, g1);
+    const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
+    const fVec p1 =
+        adamw_vec(fVec::loadu(master + d + kW), g1, exp_avg + d + kW, exp_avg_sq + d + kW, k);
+    p0.store(master + d);
+    p1.store(master + d + kW);
+    return at::vec::convert_from_float<param_t>(p0, p1);
+  };
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  // The low-precision parameter is only written: in a call too large for the caches, stream it
+  // past them (no read for ownership: 2 of 30 bytes per element) when the span starts on a
+  // vector boundary, as slab views normally do. Values are the same either way.
+  if (stream && reinterpret_cast<uintptr_t>(param_lowp) % sizeof(pVec) == 0) {
+    for (; d + 2 * kW <= size; d += 2 * kW) {
+#if defined(CPU_CAPABILITY_AVX512)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(param_lowp + d), __m512i(pair(d)));
+#else
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(param_lowp + d), __m256i(pair(d)));
+#endif
+    }
+    _mm_sfence();
+  }
+#endif
+  for (; d + 2 * kW <= size; d += 2 * kW) {
+    pair(d).store(param_lowp + d);
+  }
+  // At most one more full float vector (same lane arithmetic as above).
+  if (d + kW <= size) {
+    fVec g0;
+    at::vec::load_to_float<grad_t>(grad + d, g0);
+    const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
+    p0.store(master + d);
+    at::vec::convert_from_float<param_t>(p0, p0).store(param_lowp + d, kW);
+    d += kW;
+  }
+  const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
+  for (; d < size; ++d) {
+    const float p = adamw_scalar(master[d], static_cast<float>(grad[d]), exp_avg + d,
+                                 exp_avg_sq + d, d < block_end, c);
+    master[d] = p;
+    param_lowp[d] = static_cast<param_t>(p);  // round to nearest even, like Tensor.to()
+  }
+}
+
+// ---- validation (all of it runs before the first write) -------------------------------------
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+[[noreturn]] void fail_value(const std::string& msg) { throw pybind11::value_error(msg); }
+[[noreturn]] void fail_type(const std::string& msg) { throw pybind11::type_error(msg); }
+
+void check_tensor(const at::Tensor& t, const char* arg, size_t i, int64_t numel,
+                  at::ScalarType dtype) {
+  std::ostringstream where;
+  where << "fused_mp_adamw_: " << arg << "[" << i << "]";
+  if (!t.defined()) fail_value(where.str() + " is an undefined tensor");
+  if (t.device().type() != c10::DeviceType::CPU) {
+    fail_value(where.str() + " is on device " + t.device().str() + ": expected a CPU tensor");
+  }
+  if (t.layout() != c10::kStrided) fail_value(where.str() + ": expected a dense (strided) tensor");
+  if (t.scalar_type() != dtype) {
+    fail_type(where.str() + " has dtype " + dtype_name(t.scalar_type()) + ": expected " +
+              dtype_name(dtype));
+  }
+  if (t.numel() != numel) {
+    std::ostringstream msg;
+    msg << where.str() << " has " << t.numel() << " elements (shape " << t.sizes()
+        << "): expected " << numel << " like masters[" << i << "]";
+    fail_value(msg.str());
+  }
+  if (!t.is_contiguous()) {
+    std::ostringstream msg;
+    msg << where.str() << " is not contiguous (shape " << t.sizes() << ", strides "
+        << t.strides() << "): expected a contiguous tensor";
+    fail_value(msg.str());
+  }
+  if (t.is_conj() || t.is_neg()) fail_value(where.str() + " has a lazy conj/neg bit set");
+}
+
+struct Span {
+  uintptr_t begin;
+  uintptr_t end;
+  const char* name;
+};
+
+void check_no_overlap(const std::vector<Span>& spans, size_t i) {
+  for (size_t a = 0; a < spans.size(); ++a) {
+    for (size_t b = a + 1; b < spans.size(); ++b) {
+      const Span& x = spans[a];
+      const Span& y = spans[b];
+      if (x.begin < x.end && y.begin < y.end && x.begin < y.end && y.begin < x.end) {
+        std::ostringstream msg;
+        msg << "fused_mp_adamw_: " << x.name << "[" << i << "] and " << y.name << "[" << i
+            << "] share memory: expected five distinct buffers per parameter";
+        fail_value(msg.str());
+      }
+    }
+  }
+}
+
+Span span_of(const at::Tensor& t, const char* name) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return Span{begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), name};
+}
+
+// ---- entry point ----------------------------------------------------------------------------
+
+template <typename param_t, typename grad_t>
+void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+         const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+         const std::vector<at::Tensor>& exp_avg_sqs, const Coeffs& c) {
+  const size_t n = masters.size();
+  std::vector<param_t*> p_lp(n);
+  std::vector<const grad_t*> g_lp(n);
+  std::vector<float*> m32(n), ea(n), eas(n);
+  std::vector<int64_t> numel(n);
+  std::vector<int64_t> unit_start(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    p_lp[i] = params_lowp[i].mutable_data_ptr<param_t>();
+    g_lp[i] = grads_lowp[i].const_data_ptr<grad_t>();
+    m32[i] = masters[i].mutable_data_ptr<float>();
+    ea[i] = exp_avgs[i].mutable_data_ptr<float>();
+    eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
+    numel[i] = masters[i].numel();
+    unit_start[i + 1] = unit_start[i] + (numel[i] + kUnit - 1) / kUnit;
+  }
+  const int64_t total_units = unit_start[n];
+  if (total_units == 0) return;
+  const bool stream = total_units * kUnit >= kStreamMinElements;
+
+  // One parallel region over every element of every tensor: each tensor starts on a unit
+  // boundary, so a worker's range maps to unit-aligned slices of consecutive tensors.
+  at::parallel_for(0, total_units, kGrainUnits, [&](int64_t begin, int64_t end) {
+    size_t i = static_cast<size_t>(
+        std::upper_bound(unit_start.begin(), unit_start.end(), begin) - unit_start.begin() - 1);
+    for (; i < n && unit_start[i] < end; ++i) {
+      const int64_t lo_unit = std::max(begin, unit_start[i]) - unit_start[i];
+      const int64_t hi_unit = std::min(end, unit_start[i + 1]) - unit_start[i];
+      const int64_t lo = lo_unit * kUnit;
+      const int64_t hi = std::min(hi_unit * kUnit, numel[i]);
+      if (hi <= lo) continue;
+      adamw_span<param_t, grad_t>(p_lp[i] + lo, g_lp[i] + lo, m32[i] + lo, ea[i] + lo,
+                                  eas[i] + lo, hi - lo, c, stream);
+    }
+  });
+}
+
+void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
+                     const std::vector<at::Tensor>& grads_lowp,
+                     const std::vector<at::Tensor>& masters,
+                     const std::vector<at::Tensor>& exp_avgs,
+                     const std::vector<at::Tensor>& exp_avg_sqs, int64_t step, double lr,
+                     double beta1, double beta2, double eps, double weight_decay) {
+  const size_t n = masters.size();
+  const std::vector<std::pair<const char*, const std::vector<at::Tensor>*>> lists = {
+      {"params_lowp", &params_lowp}, {"grads_lowp", &grads_lowp},
+      {"exp_avgs", &exp_avgs},       {"exp_avg_sqs", &exp_avg_sqs}};
+  for (const auto& [name, list] : lists) {
+    if (list->size() != n) {
+      std::ostringstream msg;
+      msg << "fused_mp_adamw_: " << name << " has " << list->size()
+          << " tensors: expected " << n << " like masters";
+      fail_value(msg.str());
+    }
+  }
+  if (n == 0) return;
+
+  const at::ScalarType p_dtype = params_lowp[0].defined() ? params_lowp[0].scalar_type()
+                                                          : at::kBFloat16;
+  const at::ScalarType g_dtype = grads_lowp[0].defined() ? grads_lowp[0].scalar_type()
+                                                         : at::kBFloat16;
+  for (const auto& [name, dt] : {std::pair{"params_lowp", p_dtype},
+                                 std::pair{"grads_lowp", g_dtype}}) {
+    if (dt != at::kBFloat16 && dt != at::kHalf) {
+      fail_type(std::string("fused_mp_adamw_: ") + name + "[0] has dtype " + dtype_name(dt) +
+                ": expected torch.bfloat16 or torch.float16 (the same for the whole list)");
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!masters[i].defined()) fail_value("fused_mp_adamw_: masters[" + std::to_string(i) +
+                                          "] is an undefined tensor");
+    const int64_t numel = masters[i].numel();
+    check_tensor(masters[i], "masters", i, numel, at::kFloat);
+    check_tensor(exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
+    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
+    check_tensor(params_lowp[i], "params_lowp", i, numel, p_dtype);
+    check_tensor(grads_lowp[i], "grads_lowp", i, numel, g_dtype);
+    check_no_overlap({span_of(params_lowp[i], "params_lowp"), span_of(grads_lowp[i], "grads_lowp"),
+                      span_of(masters[i], "masters"), span_of(exp_avgs[i], "exp_avgs"),
+                      span_of(exp_avg_sqs[i], "exp_avg_sqs")},
+                     i);
+  }
+  // In-place semantics for autograd, as torch's own in-place ops: bump the version counters of
+  // the tensors written (raises, still before any write, for inference tensors outside
+  // InferenceMode).
+  for (size_t i = 0; i < n; ++i) {
+    for (const at::Tensor* t : {&params_lowp[i], &masters[i], &exp_avgs[i], &exp_avg_sqs[i]}) {
+      t->unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  const Coeffs c = make_coeffs(step, lr, beta1, beta2, eps, weight_decay);
+
+  pybind11::gil_scoped_release no_gil;
+  if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
+    run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+  } else if (p_dtype == at::kBFloat16) {
+    run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+  } else if (g_dtype == at::kBFloat16) {
+    run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+  } else {
+    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+  }
+}
+
+// Distinct intra-op threads one parallel_for used: checks that the kernel's parallel regions run
+// on torch's OpenMP runtime (so torch.set_num_threads governs them).
+int64_t threads_used(int64_t units) {
+  std::vector<std::atomic<int>> seen(static_cast<size_t>(std::max(1, at::get_num_threads())));
+  at::parallel_for(0, units, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    if (tid >= 0 && static_cast<size_t>(tid) < seen.size()) seen[tid].store(1);
+  });
+  int64_t used = 0;
+  for (const auto& s : seen) used += s.load();
+  return used;
+}
+
+std::string capability() {
+#if defined(CPU_CAPABILITY)
+#define OFFLOAD_STR2(x) #x
+#define OFFLOAD_STR(x) OFFLOAD_STR2(x)
+  return OFFLOAD_STR(CPU_CAPABILITY);
+#else
+  return "DEFAULT";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Single-pass mixed-precision AdamW for CPU offload (see offload/_fused_mp.py).";
+  m.def("fused_mp_adamw_", &fused_mp_adamw_, pybind11::arg("params_lowp"),
+        pybind11::arg("grads_lowp"), pybind11::arg("masters"), pybind11::arg("exp_avgs"),
+        pybind11::arg("exp_avg_sqs"), pybind11::kw_only(), pybind11::arg("step"),
+        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"),
+        pybind11::arg("eps"), pybind11::arg("weight_decay"));
+  m.def("capability", &capability, "CPU_CAPABILITY this build was compiled for.");
+  m.def("threads_used", &threads_used, pybind11::arg("units"),
+        "Distinct intra-op threads a parallel_for over `units` work items ran on.");
+  m.def("float_vector_width", []() { return static_cast<int64_t>(fVec::size()); });
+}

@@ -1,0 +1,374 @@
+"""The fused-mp AdamW kernel against the torch path (upcast grad, torch._fused_adamw_, downcast).
+
+The first test that needs the kernel builds it (about 20 s on 2 cores); later runs reuse the cached
+build. Tests that need it skip when there is no C++ compiler or ninja, and fail when the build
+itself fails: a broken kernel on a machine that can build it is a defect, not a skip.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload import _fused_mp
+from offload._fused_mp import (
+    STEP_RTOL,
+    FusedMPUnavailable,
+    bitwise_matches_torch,
+    fused_mp_adamw_,
+    fused_mp_available,
+    torch_mp_adamw_,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+# Sizes: empty, below one vector, around the 8-element tail block and the 16-float vector, around
+# the 64-element parallel unit, large enough to be split across threads.
+SIZES = (0, 1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 63, 64, 65, 1000, 4097, 100_003)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> object:
+    ok, reason = fused_mp_available()
+    if not ok:
+        if reason.startswith(("no C++ compiler", "ninja is not installed")):
+            pytest.skip(f"fused-mp kernel needs a C++ toolchain: {reason}")
+        pytest.fail(f"fused-mp kernel failed to build on a machine with a toolchain: {reason}")
+    module, _ = _fused_mp._LOADER.get()
+    return module
+
+
+def _state(sizes, pdtype, gen):
+    masters = [torch.randn(n, generator=gen) for n in sizes]
+    exp_avgs = [0.1 * torch.randn(n, generator=gen) for n in sizes]
+    exp_avg_sqs = [0.01 * torch.rand(n, generator=gen) for n in sizes]
+    params = [m.to(pdtype) for m in masters]
+    return params, masters, exp_avgs, exp_avg_sqs
+
+
+def _grads(sizes, gdtype, gen):
+    # Magnitudes over five decades, so both moments see large and tiny gradients.
+    return [
+        (torch.randn(n, generator=gen) * 10 ** (5 * torch.rand(n, generator=gen) - 4)).to(gdtype)
+        for n in sizes
+    ]
+
+
+def _clone(tensors):
+    return [t.clone() for t in tensors]
+
+
+def _assert_same(got, want, *, what: str, lr: float) -> None:
+    """Bitwise on a verified build; else within the documented per-step tolerance."""
+    if bitwise_matches_torch():
+        assert torch.equal(got, want), f"{what}: differs from the torch path on a verified build"
+    elif got.dtype != torch.float32:  # one low-precision ulp: fp32 masters may straddle a boundary
+        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(got.dtype).eps, atol=0, msg=what)
+    else:
+        torch.testing.assert_close(got, want, rtol=STEP_RTOL, atol=STEP_RTOL * 10 * lr, msg=what)
+
+
+@pytest.mark.parametrize(
+    ("pdtype", "gdtype", "hyper"),
+    [
+        (torch.bfloat16, torch.bfloat16, HYPER),
+        (torch.bfloat16, torch.bfloat16, {**HYPER, "beta1": 0.3, "weight_decay": 0.0}),
+        (torch.float16, torch.float16, HYPER),
+        (torch.bfloat16, torch.float16, {**HYPER, "beta2": 0.95}),
+    ],
+    ids=["bf16", "bf16-beta1<0.5-nodecay", "fp16", "bf16param-fp16grad"],
+)
+def test_each_step_matches_torch_path(kernel, pdtype, gdtype, hyper) -> None:
+    gen = torch.Generator().manual_seed(0)
+    params, masters, exp_avgs, exp_avg_sqs = _state(SIZES, pdtype, gen)
+    ref = [_clone(x) for x in (params, masters, exp_avgs, exp_avg_sqs)]
+    for step in range(1, 6):
+        grads = _grads(SIZES, gdtype, gen)
+        grads_before = _clone(grads)
+        fused_mp_adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, step=step, **hyper)
+        torch_mp_adamw_(*ref[:1], grads, *ref[1:], step=step, **hyper)
+        assert all(torch.equal(g, b) for g, b in zip(grads, grads_before)), "grads were written"
+        for i, n in enumerate(SIZES):
+            for name, got, want in zip(
+                ("params_lowp", "masters", "exp_avgs", "exp_avg_sqs"),
+                (params, masters, exp_avgs, exp_avg_sqs),
+                ref,
+            ):
+                _assert_same(got[i], want[i], what=f"step {step} {name}[{i}] (numel {n})",
+                             lr=hyper["lr"])
+        # Next step starts from the reference state: each step is compared on equal inputs.
+        for got, want in zip((params, masters, exp_avgs, exp_avg_sqs), ref):
+            for g, w in zip(got, want):
+                g.copy_(w)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_large_call_with_streaming_stores_matches_torch_path(kernel, offset) -> None:
+    """Calls of >= 2 Mi elements write the bf16 parameter with non-temporal stores when aligned."""
+    gen = torch.Generator().manual_seed(4)
+    n = (1 << 21) + 37
+    params, masters, exp_avgs, exp_avg_sqs = _state((n + offset,), torch.bfloat16, gen)
+    state = [[t[0][offset:]] for t in (params, masters, exp_avgs, exp_avg_sqs)]
+    aligned = state[0][0].data_ptr() % 64 == 0
+    assert aligned == (offset == 0), "the test needs one aligned and one misaligned bf16 view"
+    ref = [_clone(x) for x in state]
+    grads = _grads((n,), torch.bfloat16, gen)
+    for step in (1, 2):
+        fused_mp_adamw_(state[0], grads, *state[1:], step=step, **HYPER)
+        torch_mp_adamw_(ref[0], grads, *ref[1:], step=step, **HYPER)
+    for name, got, want in zip(("params_lowp", "masters", "exp_avgs", "exp_avg_sqs"), state, ref):
+        _assert_same(got[0], want[0], what=name, lr=HYPER["lr"])
+
+
+def test_thread_counts_give_identical_results(kernel) -> None:
+    sizes = (200_003, 70_001, 5, 131_072)  # ~6,300 units of 64: split across threads
+    gen = torch.Generator().manual_seed(1)
+    start = _state(sizes, torch.bfloat16, gen)
+    grads = _grads(sizes, torch.bfloat16, gen)
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            state = [_clone(x) for x in start]
+            for step in (1, 2, 3):
+                fused_mp_adamw_(state[0], grads, *state[1:], step=step, **HYPER)
+            results.append(state)
+    finally:
+        torch.set_num_threads(previous)
+    for one, two in zip(*results):
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+
+
+def test_torch_thread_count_governs_the_kernel(kernel) -> None:
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert kernel.threads_used(64) == threads
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_empty_lists_are_a_no_op(kernel) -> None:
+    fused_mp_adamw_([], [], [], [], [], step=1, **HYPER)
+
+
+def _bad_case(name: str):
+    """Two valid parameters, then one argument made bad at index 1 (or globally)."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = (33, 40)
+    params, masters, exp_avgs, exp_avg_sqs = _state(sizes, torch.bfloat16, gen)
+    grads = _grads(sizes, torch.bfloat16, gen)
+    args = {"params_lowp": params, "grads_lowp": grads, "masters": masters,
+            "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    hyper = {"step": 1, **HYPER}
+    if name == "non-contiguous":
+        args["exp_avgs"][1] = torch.zeros(80)[::2]
+        return args, hyper, ValueError, "exp_avgs[1] is not contiguous"
+    if name == "size-mismatch":
+        args["exp_avg_sqs"][1] = torch.zeros(41)
+        return args, hyper, ValueError, "exp_avg_sqs[1] has 41 elements"
+    if name == "fp32-master-as-bf16":
+        args["masters"][1] = masters[1].bfloat16()
+        return args, hyper, TypeError, "masters[1] has dtype torch.bfloat16: expected torch.float32"
+    if name == "fp32-grads":
+        args["grads_lowp"] = [g.float() for g in grads]
+        return args, hyper, TypeError, "grads_lowp[0] has dtype torch.float32"
+    if name == "fp32-params":
+        args["params_lowp"] = [p.float() for p in params]
+        return args, hyper, TypeError, "params_lowp[0] has dtype torch.float32"
+    if name == "mixed-param-dtypes":
+        args["params_lowp"][1] = params[1].half()
+        return (args, hyper, TypeError,
+                "params_lowp[1] has dtype torch.float16: expected torch.bfloat16")
+    if name == "length-mismatch":
+        args["exp_avgs"] = exp_avgs[:1]
+        return args, hyper, ValueError, "exp_avgs has 1 tensors: expected 2"
+    if name == "aliased":
+        args["exp_avgs"][1] = masters[1]
+        return args, hyper, ValueError, "masters[1] and exp_avgs[1] share memory"
+    if name == "wrong-device":
+        args["grads_lowp"][1] = torch.zeros(40, dtype=torch.bfloat16, device="meta")
+        return args, hyper, ValueError, "grads_lowp[1] is on device meta"
+    if name == "not-a-tensor":
+        args["masters"][1] = [0.0] * 40
+        return args, hyper, TypeError, "masters[1] is a list"
+    if name == "not-a-list":
+        args["masters"] = masters[0]
+        return args, hyper, TypeError, "masters is a Tensor"
+    if name == "step-zero":
+        return args, {**hyper, "step": 0}, ValueError, "step=0"
+    if name == "step-bool":
+        return args, {**hyper, "step": True}, ValueError, "step=True"
+    if name == "beta1-one":
+        return args, {**hyper, "beta1": 1.0}, ValueError, "beta1=1.0"
+    if name == "lr-nan":
+        return args, {**hyper, "lr": float("nan")}, ValueError, "lr=nan"
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["non-contiguous", "size-mismatch", "fp32-master-as-bf16", "fp32-grads", "fp32-params",
+     "mixed-param-dtypes", "length-mismatch", "aliased", "wrong-device", "not-a-tensor",
+     "not-a-list", "step-zero", "step-bool", "beta1-one", "lr-nan"],
+)
+def test_bad_inputs_raise_before_touching_memory(kernel, case) -> None:
+    args, hyper, error, message = _bad_case(case)
+    watched = [t for lst in args.values() if isinstance(lst, list) for t in lst
+               if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    before = _clone(watched)
+    with pytest.raises(error, match=re.escape(message)):
+        fused_mp_adamw_(**args, **hyper)
+    for now, was in zip(watched, before):
+        assert torch.equal(now, was), f"{case}: a buffer changed before the error"
+
+
+def test_loss_curves_match_over_200_steps(kernel) -> None:
+    """A bf16 GPT trained 200 steps with each backend from one init: the same loss curve."""
+    from bench.model import GPTConfig
+
+    # The reference trainer's model class, narrowed so 2 x 200 steps take about a second.
+    cfg = GPTConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
+    curves = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: thread start-up would dominate on a shared machine
+    try:
+        for update in (torch_mp_adamw_, fused_mp_adamw_):
+            curves.append(_train(cfg, update))
+    finally:
+        torch.set_num_threads(previous)
+    reference, fused = curves
+    assert reference[-20:].mean() < reference[:20].mean() - 0.5, "the model did not train"
+    if bitwise_matches_torch():
+        assert torch.equal(fused, reference)
+    else:  # tail roundings may differ by an ulp per step; training noise must not amplify them
+        torch.testing.assert_close(fused, reference, rtol=1e-2, atol=1e-2)
+
+
+def _train(cfg, update) -> torch.Tensor:
+    """200 steps of a bf16 GPT whose fp32 master weights and moments ``update`` steps."""
+    from bench.model import GPT, SyntheticTokens
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    masters = [p.detach().clone().view(-1) for p in model.parameters()]
+    model = model.to(torch.bfloat16)
+    params = list(model.parameters())
+    exp_avgs = [torch.zeros_like(m) for m in masters]
+    exp_avg_sqs = [torch.zeros_like(m) for m in masters]
+    data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=4, seq_len=32, seed=0)
+    losses = []
+    for step in range(1, 201):
+        x, y = data.next_batch()
+        loss = model(x, y)
+        loss.backward()
+        with torch.no_grad():
+            update([p.view(-1) for p in params], [p.grad.view(-1) for p in params], masters,
+                   exp_avgs, exp_avg_sqs, step=step, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                   weight_decay=0.1)
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+# ---- build, cache and fallback --------------------------------------------------------------
+
+
+def test_build_is_cached_across_processes(kernel) -> None:
+    spec = _fused_mp.build_spec()
+    libs = list(spec.build_dir.glob("*.so"))
+    assert len(libs) == 1, f"expected one built library in {spec.build_dir}, found {libs}"
+    mtime = libs[0].stat().st_mtime_ns
+    code = (
+        "import time; t = time.perf_counter()\n"
+        "from offload._fused_mp import fused_mp_available\n"
+        "ok, reason = fused_mp_available()\n"
+        "print(ok, round(time.perf_counter() - t, 2), reason)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": _pythonpath()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True"), out.stdout + out.stderr
+    assert str(spec.build_dir) in out.stdout
+    assert libs[0].stat().st_mtime_ns == mtime, "a second process rebuilt the cached extension"
+
+
+def _pythonpath() -> str:
+    parts = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in parts if p)
+
+
+def _expect_fallback(monkeypatch, caplog, loader, reason_part: str) -> str:
+    monkeypatch.setattr(_fused_mp, "_LOADER", loader)
+    gen = torch.Generator().manual_seed(3)
+    params, masters, exp_avgs, exp_avg_sqs = _state((20,), torch.bfloat16, gen)
+    grads = _grads((20,), torch.bfloat16, gen)
+    before = _clone(masters)
+    with caplog.at_level(logging.WARNING, logger="offload._fused_mp"):
+        ok, reason = fused_mp_available()
+        assert fused_mp_available() == (ok, reason)
+        with pytest.raises(FusedMPUnavailable, match="unavailable"):
+            fused_mp_adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, step=1, **HYPER)
+    assert not ok
+    assert reason_part in reason, reason
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and reason in warnings[0].getMessage()
+    assert all(torch.equal(m, b) for m, b in zip(masters, before))
+    return reason
+
+
+def test_fallback_when_the_build_fails(monkeypatch, caplog, tmp_path, kernel) -> None:
+    broken = tmp_path / "fused_mp_adamw.cpp"
+    broken.write_text('#error "deliberately broken kernel source"\n')
+    reason = _expect_fallback(monkeypatch, caplog, _fused_mp._Loader(broken, tmp_path / "cache"),
+                              "build of fused_mp_adamw.cpp failed")
+    assert "deliberately broken" in reason
+
+
+def test_fallback_without_a_compiler(monkeypatch, caplog, tmp_path) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "get_cxx_compiler", lambda: "no-such-cxx-compiler")
+    _expect_fallback(monkeypatch, caplog, _fused_mp._Loader(cache_root=tmp_path),
+                     "no C++ compiler: 'no-such-cxx-compiler' is not on PATH")
+
+
+def test_fallback_without_ninja(monkeypatch, caplog, tmp_path) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    _expect_fallback(monkeypatch, caplog, _fused_mp._Loader(cache_root=tmp_path),
+                     "ninja is not installed")
+
+
+def test_build_key_tracks_source_and_flags(tmp_path) -> None:
+    source = tmp_path / "k.cpp"
+    source.write_text("// one\n")
+    first = _fused_mp.build_spec(source, tmp_path)
+    assert first == _fused_mp.build_spec(source, tmp_path)
+    source.write_text("// two\n")
+    second = _fused_mp.build_spec(source, tmp_path)
+    assert second.name != first.name and second.build_dir != first.build_dir
+    assert second.build_dir.parent == tmp_path / "ext"
+    assert "-march=native" not in first.cflags and "-ffp-contract=off" in first.cflags
+
+
+def test_pip_ninja_is_put_on_path_only_during_the_build(monkeypatch) -> None:
+    ninja = pytest.importorskip("ninja", reason="the pip 'ninja' package is not installed")
+    real_which = _fused_mp.shutil.which
+    monkeypatch.setattr(_fused_mp.shutil, "which",
+                        lambda name: None if name == "ninja" else real_which(name))
+    before = os.environ.get("PATH", "")
+    with _fused_mp._pip_ninja_on_path():
+        assert os.environ["PATH"].split(os.pathsep)[0] == str(ninja.BIN_DIR)
+    assert os.environ.get("PATH", "") == before
