@@ -12,6 +12,9 @@ model's parameters (synthetic gradients, no forward/backward) and reports:
 * the whole step's effective bandwidth over ``step_s``, counting the kernel's 28 B plus the
   gradient copy (read the model-dtype grad, write the fp32 host grad) and the materialize copy
   (read the fp32 master, write the model-dtype param): 44 B per parameter in fp32, 40 B in bf16.
+  With ``--kernel fused-mp`` a bf16 model's step has no copies: the single-pass kernel reads the
+  bf16 gradient (2 B), reads and writes master, exp_avg, exp_avg_sq (24 B) and writes the bf16
+  parameter (2 B), 28 B per parameter in all (fp32 models keep the torch path and its 44 B).
   Write-allocate reads of the copies' destinations are not counted;
 * in the same run, interleaved with the optimizer (probe, optimizer point, probe, ...), the
   read-4/write-3 streaming probes of :mod:`bench._stream` over buffers as large as the slabs, at
@@ -53,9 +56,12 @@ _QUICK_CHUNKS = (1 << 12, 1 << 14)
 _DEFAULT_CHUNKS = (1 << 20, 1 << 22, 1 << 24)
 
 
-def step_bytes_per_param(dtype: str) -> dict[str, int]:
+def step_bytes_per_param(dtype: str, kernel: str = "torch") -> dict[str, int]:
     """Bytes per parameter the whole step moves, by stage, for a model in ``dtype``."""
     size = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+    if kernel == "fused-mp" and dtype != "fp32":
+        # One pass: grad read (size) + master/moments read and written (24) + param written (size).
+        return {"d2h": 0, "adam_kernel": 24 + 2 * size, "materialize": 0, "total": 24 + 2 * size}
     return {"d2h": size + 4, "adam_kernel": ADAM_BYTES_PER_PARAM, "materialize": 4 + size,
             "total": size + 4 + ADAM_BYTES_PER_PARAM + 4 + size}
 
@@ -94,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None,
                    help="measured steps per point and round, after one discarded (default 2; 1 with --quick)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model lives")
+    p.add_argument("--kernel", choices=("torch", "fused-mp"), default="torch",
+                   help="CPU AdamW kernel (fused-mp: single pass for bf16; fp32 keeps torch)")
     p.add_argument("--quick", action="store_true", help="tiny model, small chunks, 2 rounds: a smoke run")
     p.add_argument("--allow-small", action="store_true", help="accept models under 50M parameters")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -145,7 +153,8 @@ def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any
         p.grad = (torch.randn(p.shape, generator=gen, device=device) * 1e-2).to(p.dtype)
     logger.info("%s %s: %s parameters", size, dtype, f"{numel:,}")
     opt = CPUOffloadAdamW(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                          settings=OffloadSettings(threads=args.threads[0], chunk_numel=args.chunks[0]))
+                          settings=OffloadSettings(threads=args.threads[0], chunk_numel=args.chunks[0],
+                                                   kernel=args.kernel))
     opt.step()  # allocates the host state; not measured
     probes = ProbeBuffers(numel)
     for name in probes.probes:  # first touch of the probe buffers' pages, not measured
@@ -154,6 +163,7 @@ def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any
     stage_samples: dict[tuple[int, int], dict[str, list[float]]] = {}
     num_chunks: dict[tuple[int, int], int] = {}
     probe_samples: dict[tuple[int, str], list[float]] = {}
+    kernels_ran: set[str] = set()
     for rnd in range(args.repeats):
         # Alternate the sweep direction so slow drift of the machine does not favour one end.
         order = args.threads if rnd % 2 == 0 else list(reversed(args.threads))
@@ -163,7 +173,7 @@ def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any
                     s = probes.run(name, threads)
                     probe_samples.setdefault((threads, name), []).append(s.gbps)
                 # B: the optimizer at this point (one discarded step after the change)
-                opt.apply_settings(OffloadSettings(threads=threads, chunk_numel=chunk))
+                opt.apply_settings(OffloadSettings(threads=threads, chunk_numel=chunk, kernel=args.kernel))
                 opt.step()
                 _sync(device)
                 rows = stage_samples.setdefault((threads, chunk), {k: [] for k in (*_STAGES, "wall_s")})
@@ -177,15 +187,19 @@ def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any
                     for k in _STAGES:
                         rows[k].append(float(getattr(st, k)))
                     num_chunks[(threads, chunk)] = int(st.num_chunks)
+                    kernels_ran.add(st.kernel)
                     if st.threads != threads or st.chunk_numel != chunk:
                         logger.warning("asked for threads=%d chunk_numel=%d, the step ran threads=%d "
                                        "chunk_numel=%d", threads, chunk, st.threads, st.chunk_numel)
         logger.info("%s %s: round %d/%d done", size, dtype, rnd + 1, args.repeats)
 
-    step_bytes = step_bytes_per_param(dtype)
+    kernel = "fused-mp" if kernels_ran == {"fused-mp"} else "torch"
+    if kernel != args.kernel and dtype != "fp32":
+        logger.warning("asked for kernel=%s, the steps ran %s", args.kernel, sorted(kernels_ran))
+    step_bytes = step_bytes_per_param(dtype, kernel)
     points = []
     for (threads, chunk), rows in sorted(stage_samples.items()):
-        adam_gbps = [ADAM_BYTES_PER_PARAM * numel / t / 1e9 for t in rows["adam_kernel_s"] if t > 0]
+        adam_gbps = [step_bytes["adam_kernel"] * numel / t / 1e9 for t in rows["adam_kernel_s"] if t > 0]
         step_gbps = [step_bytes["total"] * numel / t / 1e9 for t in rows["step_s"] if t > 0]
         points.append({
             "threads": threads, "chunk_numel": chunk, "num_chunks": num_chunks[(threads, chunk)],
@@ -221,7 +235,7 @@ def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any
                          "step_s": fastest["step_s"]["median"], "step_gbps": fastest["step_gbps"]["median"]},
     }
     del opt, probes, model, params
-    return {"model_size": size, "dtype": dtype, "params": numel, "device": args.device,
+    return {"model_size": size, "dtype": dtype, "params": numel, "device": args.device, "kernel": kernel,
             "step_bytes_per_param": step_bytes, "points": points, "probes": probe_rows,
             "per_thread": per_thread, "headline": headline}
 
@@ -239,7 +253,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "note": args.note,
         "config": {"sizes": args.sizes, "dtypes": args.dtypes, "threads": args.threads, "chunks": args.chunks,
                    "repeats": args.repeats, "steps_per_point": args.steps, "quick": args.quick,
-                   "device": args.device},
+                   "device": args.device, "kernel": args.kernel},
         "probes": {name: {"bytes_per_element": b} for name, b in PROBE_BYTES_PER_ELEMENT.items()},
         "c_probe_status": c_kernel_status(),
         "adam_bytes_per_param": ADAM_BYTES_PER_PARAM,

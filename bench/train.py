@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer intra-op threads (default: the rank's thread plan)")
     p.add_argument("--chunk-numel", type=_positive_int, default=None,
                    help="optimizer pipeline chunk size in elements")
+    p.add_argument("--kernel", choices=("torch", "fused-mp"), default=None,
+                   help="CPU AdamW kernel of the offloaded step (default torch; fused-mp: the "
+                        "single-pass kernel for bf16/fp16 parameters, torch path where it cannot build)")
     p.add_argument("--overlap-backward", action="store_true",
                    help="start each chunk's update during backward (single process only)")
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
@@ -92,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.optim_cpu_offload:
         for flag, value in (("--threads", args.threads), ("--chunk-numel", args.chunk_numel),
+                            ("--kernel", args.kernel),
                             ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
             if value:
                 p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
@@ -149,8 +153,9 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
     from offload._settings import DEFAULT_CHUNK_NUMEL
 
     settings = None
-    if args.threads is not None or args.chunk_numel is not None:
-        settings = OffloadSettings(threads=args.threads, chunk_numel=args.chunk_numel or DEFAULT_CHUNK_NUMEL)
+    if args.threads is not None or args.chunk_numel is not None or args.kernel is not None:
+        settings = OffloadSettings(threads=args.threads, chunk_numel=args.chunk_numel or DEFAULT_CHUNK_NUMEL,
+                                   kernel=args.kernel or "torch")
     return CPUOffloadAdamW(
         groups, lr=args.lr, betas=betas, eps=1e-8, weight_decay=args.weight_decay,
         settings=settings, overlap_backward=args.overlap_backward,
@@ -312,6 +317,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
         "local_rank": info.local_rank,
         "threads": knobs_used[0],
         "chunk_numel": knobs_used[1],
+        "kernel": getattr(getattr(opt, "last_stats", None), "kernel", None),
         "compute_threads": torch.get_num_threads(),
         "plan": {"threads": plan.threads, "reason": plan.reason, "source": plan.source,
                  "cpus": len(plan.cpus), "local_world_size": plan.local_world_size},

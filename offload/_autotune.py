@@ -1,8 +1,19 @@
 """Glue between ``CPUOffloadAdamW`` and the generic ``autotune.OnlineTuner``.
 
 This module is the only place that knows both sides: it builds the offload search space (threads
-x chunk size) from the thread plan and the slab sizes, turns each step's ``StepStats`` into the
-tuner's ``StepSample`` and turns the tuner's settings back into ``OffloadSettings``.
+x chunk size, x kernel on bf16/fp16 models) from the thread plan and the slab sizes, turns each
+step's ``StepStats`` into the tuner's ``StepSample`` and turns the tuner's settings back into
+``OffloadSettings``.
+
+Kernel knob ("torch", "fused-mp"): only when the model has bf16/fp16 parameters, the fused-mp
+kernel is available on *every* local rank and :func:`offload._fused_mp.bitwise_matches_torch` is
+true (so switching kernels never changes the math). The first two and the last are the same on
+every local rank by construction (one model, one torch build, one CPU model per node); build
+availability could differ in theory (a build that fails on one rank only), so the local ranks
+AND their answers with an all-gather on a gloo group of the node (:func:`agreed_kernels`) before
+anyone builds the space. The baseline keeps the kernel the user set (default "torch"). With the
+kernel knob the chunk ladder is shortened (:data:`MAX_CHUNK_CANDIDATES_WITH_KERNEL`) so the
+space stays near the default 40-step probe budget; beyond it the tuner samples with TPE.
 
 Objective: without ``overlap_backward`` the settings change nothing but ``step()`` itself (the
 worker thread sets its own intra-op thread count), so the tuner minimises the wall time of
@@ -33,6 +44,7 @@ from autotune import (
     knobs,
     powers_of_two,
 )
+from offload._settings import KERNELS
 from offload._threads import ThreadPlan
 
 if TYPE_CHECKING:
@@ -40,7 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadTuning", "offload_search_space"]
+__all__ = ["OffloadTuning", "agreed_kernels", "offload_search_space"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -49,31 +61,86 @@ MIN_TUNED_CHUNK = 1 << 20
 MAX_CHUNK_CANDIDATES = 4
 #: Most thread counts probed.
 MAX_THREAD_CANDIDATES = 5
+#: Most chunk sizes probed (besides the configured one) when the kernel knob doubles the space.
+MAX_CHUNK_CANDIDATES_WITH_KERNEL = 2
 
 
 def offload_search_space(
-    *, max_threads: int, baseline_threads: int, largest_slab: int, baseline_chunk: int, fixed_threads: bool
+    *,
+    max_threads: int,
+    baseline_threads: int,
+    largest_slab: int,
+    baseline_chunk: int,
+    fixed_threads: bool,
+    kernels: tuple[str, ...] = (),
 ) -> SearchSpace:
     """Threads (a geometric ladder from 1 to ``max_threads`` that holds the static plan's value)
-    x chunk size (powers of two from 1 Mi elements to the largest slab, plus the configured one).
+    x chunk size (powers of two from 1 Mi elements to the largest slab, plus the configured one)
+    x kernel when ``kernels`` holds more than one (see the module doc; fewer chunk sizes then).
 
     Every argument must be the same on every local rank (derive them from agreed values).
     """
+    for k in kernels:
+        if k not in KERNELS:
+            raise ValueError(f"offload_search_space: kernel {k!r}: expected one of {KERNELS}")
+    with_kernel = len(set(kernels)) > 1
+    max_chunks = MAX_CHUNK_CANDIDATES_WITH_KERNEL if with_kernel else MAX_CHUNK_CANDIDATES
     if fixed_threads:
         threads: tuple[int, ...] = (baseline_threads,)
     else:
         threads = geometric_ladder(1, max_threads, include=(baseline_threads,), max_count=MAX_THREAD_CANDIDATES)
     hi = max(largest_slab, MIN_TUNED_CHUNK)
-    chunks = set(powers_of_two(MIN_TUNED_CHUNK, hi, max_count=MAX_CHUNK_CANDIDATES)) if largest_slab > MIN_TUNED_CHUNK else set()
+    chunks = set(powers_of_two(MIN_TUNED_CHUNK, hi, max_count=max_chunks)) if largest_slab > MIN_TUNED_CHUNK else set()
     # A chunk at least as large as the largest slab is the same schedule whatever its size: keep one.
     chunks = {c for c in chunks if c < largest_slab}
     chunks.add(baseline_chunk)
-    return SearchSpace(
-        (
-            Knob("threads", threads, prefer="low"),
-            Knob("chunk_numel", tuple(sorted(chunks)), prefer="high"),
-        )
+    knob_list = [
+        Knob("threads", threads, prefer="low"),
+        Knob("chunk_numel", tuple(sorted(chunks)), prefer="high"),
+    ]
+    if with_kernel:
+        # Listed torch first and prefer="low": on a tie the torch path stays.
+        ordered = tuple(k for k in KERNELS if k in kernels)
+        knob_list.append(Knob("kernel", ordered, prefer="low"))
+    return SearchSpace(tuple(knob_list))
+
+
+def agreed_kernels(
+    *, has_lowp: bool, timeout_s: float, available: Callable[[], tuple[bool, str]] | None = None,
+    bitwise: Callable[[], bool] | None = None, agreement: Any = None,
+) -> tuple[str, ...]:
+    """The kernel knob's values, identical on every local rank: ``("torch", "fused-mp")`` when the
+    model has bf16/fp16 parameters, the kernel is bitwise equal to the torch path on this build,
+    and it is available on every local rank (an all-gather ANDs the ranks' answers); else ``()``.
+
+    ``has_lowp`` and ``bitwise()`` are the same on every rank of a node (one model, one torch
+    build, one CPU), so every rank takes the same branch and joins the all-gather, or none does.
+    ``agreement``: an ``autotune`` agreement to use (tests); default: one over this node's ranks.
+    """
+    from offload import _fused_mp
+
+    bitwise = bitwise or _fused_mp.bitwise_matches_torch
+    if not has_lowp or not bitwise():
+        return ()
+    ok, reason = (available or _fused_mp.fused_mp_available)()
+    from autotune._agree import make_agreement
+
+    agree = agreement if agreement is not None else make_agreement(
+        None, timeout_s=timeout_s, owner="offload kernel knob"
     )
+    try:
+        answers = agree.all_gather(bool(ok), step=None, what="exchange of fused-mp availability")
+    finally:
+        if agreement is None:
+            agree.close()
+    if not all(answers):
+        missing = [r for r, a in enumerate(answers) if not a]
+        logger.info(
+            "autotune: no kernel knob: fused-mp unavailable on local rank(s) %s%s",
+            missing, f" (here: {reason})" if not ok else "",
+        )
+        return ()
+    return KERNELS
 
 
 class OffloadTuning:
@@ -89,6 +156,7 @@ class OffloadTuning:
         objective: Literal["step", "iteration"],
         workload: dict[str, Any],
         largest_slab: int,
+        has_lowp: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._optimizer = optimizer
@@ -102,13 +170,18 @@ class OffloadTuning:
         # ("as many threads as my plan allows") is the same setting on every rank.
         local = tuple(plan.local_threads) if getattr(plan, "local_threads", None) else (plan.threads,)
         top = plan.threads if fixed_threads else max(local)
-        baseline = {"threads": top, "chunk_numel": optimizer.settings.chunk_numel}
+        baseline: dict[str, Any] = {"threads": top, "chunk_numel": optimizer.settings.chunk_numel}
+        kernels = agreed_kernels(has_lowp=has_lowp, timeout_s=config.timeout_s)
+        if kernels:
+            # The kernel the user set (resolved: "torch" where fused-mp cannot run here).
+            baseline["kernel"] = optimizer.settings.kernel
         space = offload_search_space(
             max_threads=top,
             baseline_threads=top,
             largest_slab=largest_slab,
             baseline_chunk=baseline["chunk_numel"],
             fixed_threads=fixed_threads,
+            kernels=kernels,
         )
         cache = None
         if config.use_cache:
@@ -133,7 +206,10 @@ class OffloadTuning:
     def _apply(self, setting: dict[str, Any]) -> None:
         threads = min(int(setting["threads"]), self._own_threads)
         current = self._optimizer.settings
-        self._optimizer.apply_settings(replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"])))
+        kernel = str(setting.get("kernel", current.kernel))
+        self._optimizer.apply_settings(
+            replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel)  # type: ignore[arg-type]
+        )
 
     def after_step(self) -> None:
         """Called at the end of every ``step()``; reads the step's stats only while tuning

@@ -1,7 +1,15 @@
 """AdamW kernels on one chunk of host slabs.
 
-The only kernel today is torch's fused CPU AdamW (``torch._fused_adamw_``). It is a private torch
-op, so it is called from exactly one function, :func:`fused_adamw_`, which mirrors the step-count
+Two kernels share one keyword-only calling convention (lists of per-view tensors, the step tensors
+of their parameters, ``steps_to_increment``, :class:`Hyper`):
+
+* :func:`fused_adamw_` ("torch"): torch's fused CPU AdamW on fp32 master, grad and moments;
+* :func:`mixed_precision_adamw_` ("fused-mp"): the single-pass kernel of
+  :mod:`offload._fused_mp`: reads the bf16/fp16 gradient, updates the fp32 master and moments,
+  writes the bf16/fp16 weight.
+
+torch's fused AdamW is a private torch op, so it is called from exactly one function,
+:func:`fused_adamw_`, which mirrors the step-count
 handling of ``torch/optim/adam.py::_fused_adam``: the fp32 step tensors are incremented with
 ``torch._foreach_add_(steps, 1)`` right before the fused call, and a CPU ``lr`` tensor is passed
 through unchanged. With the same inputs the result is bitwise equal to
@@ -16,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Hyper", "fused_adamw_", "new_step_tensor"]
+__all__ = ["Hyper", "fused_adamw_", "mixed_precision_adamw_", "new_step_tensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +84,49 @@ def fused_adamw_(
         grad_scale=None,
         found_inf=None,
     )
+
+
+def mixed_precision_adamw_(
+    params_lowp: Sequence[Tensor],
+    grads_lowp: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    *,
+    steps_to_increment: Sequence[Tensor],
+    hyper: Hyper,
+) -> None:
+    """The fused-mp step of :func:`offload._fused_mp.fused_mp_adamw_` with :func:`fused_adamw_`'s
+    step handling: ``steps_to_increment`` are incremented first, then the views are updated in one
+    kernel call per distinct (step, parameter dtype, gradient dtype), in their order.
+
+    ``params_lowp[i]`` receives the updated master rounded to the low-precision dtype;
+    ``grads_lowp[i]`` is read as is (no fp32 copy). Raises ``FusedMPUnavailable`` when the kernel
+    could not be built (the optimizer checks first and keeps the torch path then).
+    """
+    from offload._fused_mp import fused_mp_adamw_
+
+    if not masters:
+        return
+    if steps_to_increment:
+        torch._foreach_add_(list(steps_to_increment), 1)
+    lr = hyper.lr
+    lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+    groups: dict[tuple[int, torch.dtype, torch.dtype], list[int]] = {}
+    for i, (step, p, g) in enumerate(zip(state_steps, params_lowp, grads_lowp)):
+        groups.setdefault((int(step.item()), p.dtype, g.dtype), []).append(i)
+    for (step_value, _, _), idx in groups.items():
+        fused_mp_adamw_(
+            [params_lowp[i] for i in idx],
+            [grads_lowp[i] for i in idx],
+            [masters[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            step=step_value,
+            lr=lr_value,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            eps=hyper.eps,
+            weight_decay=hyper.weight_decay,
+        )

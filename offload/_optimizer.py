@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["CPUOffloadAdamW"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Parameter dtypes the fused-mp kernel updates; others keep the torch path.
+_LOWP_DTYPES = (torch.bfloat16, torch.float16)
 _STAGES = ("d2h", "adam_kernel", "materialize")
 #: Options of torch.optim.AdamW this optimizer does not implement, with the only accepted values.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -257,7 +259,8 @@ class CPUOffloadAdamW(Optimizer):
 
     Args:
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
-        settings: speed knobs (threads, chunk size); ``threads=None`` uses this rank's
+        settings: speed knobs (threads, chunk size, kernel: "torch" or "fused-mp", the
+            single-pass kernel for bf16/fp16 parameters, see ``OffloadSettings.kernel``); ``threads=None`` uses this rank's
             ``plan_cpu_threads()``, resolved once here (``apply_settings`` with ``threads=None``
             reuses that count). Change them later with :meth:`apply_settings`.
         overlap_backward: start each chunk's d2h and kernel during backward, as soon as all its
@@ -270,7 +273,9 @@ class CPUOffloadAdamW(Optimizer):
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.
         autotune: ``True`` or an ``autotune.AutotuneConfig`` tunes ``threads`` and ``chunk_numel``
-            online during the first steps (``offload/_autotune.py``); the tuner is ``self.tuner``.
+            (and ``kernel`` on bf16/fp16 models where fused-mp is bitwise equal to the torch
+            path) online during the first steps (``offload/_autotune.py``); the tuner is
+            ``self.tuner``.
             Under torch.distributed every local rank must construct the optimizer together.
     """
 
@@ -325,7 +330,8 @@ class CPUOffloadAdamW(Optimizer):
         settings = settings if settings is not None else OffloadSettings()
         plan = plan_cpu_threads(threads=settings.threads)
         self._planned_threads = plan.threads
-        self._settings = replace(settings, threads=self._planned_threads)
+        self._has_lowp = any(p.dtype in _LOWP_DTYPES for p in self._params)
+        self._settings = self._resolve_kernel(replace(settings, threads=self._planned_threads))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
 
         transport: Transport
@@ -371,6 +377,7 @@ class CPUOffloadAdamW(Optimizer):
                     "objective": "iteration" if overlap_backward else "step",
                 },
                 largest_slab=max(group_numel, default=0),
+                has_lowp=self._has_lowp,
             )
             self.tuner = self._tuning.tuner
         logger.debug(
@@ -433,16 +440,39 @@ class CPUOffloadAdamW(Optimizer):
     # ---------------------------------------------------------------- public surface
     @property
     def settings(self) -> OffloadSettings:
-        """The settings in force (``threads`` resolved to an int)."""
+        """The settings in force (``threads`` resolved to an int; ``kernel`` is "torch" where
+        "fused-mp" was asked but cannot run here or the model has no bf16/fp16 parameter)."""
         return self._settings
 
+    def _resolve_kernel(self, settings: OffloadSettings) -> OffloadSettings:
+        """``kernel="fused-mp"`` where it can run here, else ``"torch"`` (the reason is logged)."""
+        if settings.kernel != "fused-mp":
+            return settings
+        if not self._has_lowp:
+            logger.debug("CPUOffloadAdamW: kernel='fused-mp' has no bf16/fp16 parameter to update; "
+                         "fp32 parameters use the torch kernel")
+            return replace(settings, kernel="torch")
+        from offload._fused_mp import fused_mp_available
+
+        ok, reason = fused_mp_available()  # builds on first use; logs a failure once (WARNING)
+        if not ok:
+            logger.debug("CPUOffloadAdamW: kernel='fused-mp' unavailable, using 'torch': %s", reason)
+            return replace(settings, kernel="torch")
+        return settings
+
     def apply_settings(self, settings: OffloadSettings) -> None:
-        """Change threads / chunk size between steps; never changes the math."""
+        """Change threads / chunk size / kernel between steps.
+
+        threads and chunk size never change the math; switching the kernel neither where
+        ``offload._fused_mp.bitwise_matches_torch()`` (else within its documented tolerance).
+        ``kernel="fused-mp"`` falls back to "torch" where it cannot run (see :attr:`settings`).
+        """
         if not isinstance(settings, OffloadSettings):
             raise TypeError(f"settings={settings!r}: expected an OffloadSettings")
         self._check_idle("apply_settings()")
         if settings.threads is None:
             settings = replace(settings, threads=self._planned_threads)
+        settings = self._resolve_kernel(settings)
         if settings.chunk_numel != self._settings.chunk_numel:
             self._chunks = plan_chunks(list(self._slabs.slots), settings.chunk_numel)
             if self._overlap is not None:
@@ -612,6 +642,7 @@ class CPUOffloadAdamW(Optimizer):
         threads = self._settings.threads
         assert threads is not None
         numel = chunks_run = 0
+        used_mp = False
         for chunk in self._chunks:
             early = launched.get(chunk.index)
             if early is not None:
@@ -623,6 +654,7 @@ class CPUOffloadAdamW(Optimizer):
                 hyper = _hyper(self.param_groups[chunk.group])
                 job = ChunkJob(chunk.index, items, hyper, threads, True, True, ready_event=event)
             job.write_event = event
+            used_mp = used_mp or any(it.fused for it in job.items)
             numel += sum(it.view.numel for it in job.items)
             chunks_run += 1
             self._pipeline.submit(job)
@@ -641,6 +673,7 @@ class CPUOffloadAdamW(Optimizer):
             chunk_numel=self._settings.chunk_numel,
             num_chunks=chunks_run,
             numel=numel,
+            kernel="fused-mp" if used_mp else "torch",
         )
 
     def _collect_grads(self) -> dict[int, Tensor]:
@@ -685,8 +718,17 @@ class CPUOffloadAdamW(Optimizer):
             if g is None:
                 continue
             p = self._params[v.slot]
-            items.append(Item(v, p, g, g._version, self.state[p]["step"]))
+            items.append(Item(v, p, g, g._version, self.state[p]["step"], self._fused(p, g)))
         return items
+
+    def _fused(self, p: Tensor, g: Tensor | None) -> bool:
+        """Whether the fused-mp kernel updates ``p`` this step (bf16/fp16 with a same-dtype grad)."""
+        return (
+            self._settings.kernel == "fused-mp"
+            and p.dtype in _LOWP_DTYPES
+            and g is not None
+            and g.dtype == p.dtype
+        )
 
     def _check_idle(self, what: str) -> None:
         if self._in_step:
@@ -721,7 +763,8 @@ class CPUOffloadAdamW(Optimizer):
             event.record(torch.cuda.current_stream(self._device))
         items = [
             Item(v, self._params[v.slot], grads[v.slot][0], grads[v.slot][1],
-                 self.state[self._params[v.slot]]["step"])
+                 self.state[self._params[v.slot]]["step"],
+                 self._fused(self._params[v.slot], grads[v.slot][0]))
             for v in chunk.views
         ]
         job = ChunkJob(

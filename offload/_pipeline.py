@@ -16,6 +16,14 @@ it also sets the default that threads created later start with, hence the restor
 Transports: :class:`HostTransport` (parameters on the CPU: plain copies) and
 :class:`CudaTransport` (pinned double-buffered staging, d2h and h2d on side streams with events;
 the worker issues the next chunk's d2h before running the current chunk's kernel).
+
+Kernel "fused-mp" (items with ``fused=True``: bf16/fp16 parameters): no upcast and no downcast
+pass. On the CPU, d2h does nothing (the kernel reads the gradient itself) and the kernel writes the
+low-precision weight straight into the parameter, except for a chunk started during backward
+(``overlap_backward``), whose weights must not change before ``step()``: it writes into a host
+buffer of the parameter's dtype that materialize then copies into the parameter. On CUDA, d2h
+copies the gradient into pinned low-precision staging, the kernel reads it there and writes the
+weight into a pinned low-precision buffer per parameter, and materialize copies that to the device.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload._kernels import Hyper, fused_adamw_
+from offload._kernels import Hyper, fused_adamw_, mixed_precision_adamw_
 from offload._slabs import HostSlabs, View
 from offload._threads import thread_limit
 
@@ -66,6 +74,8 @@ class Item:
     grad_version: int
     step: Tensor
     """The parameter's fp32 step tensor."""
+    fused: bool = False
+    """Updated by the fused-mp kernel (a bf16/fp16 parameter with a gradient of its dtype)."""
 
 
 @dataclass(slots=True)
@@ -108,6 +118,8 @@ class ChunkJob:
     """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
     # Filled by the worker.
     transfer: Any = None
+    lowp_grads: list[Tensor | None] | None = None
+    """Per item: the low-precision gradient the fused-mp kernel reads (None for torch items)."""
     kernel_ran: bool = False
     skipped_stale: bool = False
 
@@ -136,6 +148,8 @@ class Transport(Protocol):
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None: ...
 
+    def lowp_out(self, job: ChunkJob, item: Item) -> Tensor: ...
+
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None: ...
 
     def flush(self) -> Any: ...
@@ -146,30 +160,89 @@ def _flat(t: Tensor) -> Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
+def _param_view(it: Item) -> Tensor:
+    return it.param.detach().view(-1)[it.view.start : it.view.stop]
+
+
+class _LowpBuffers:
+    """One host buffer per parameter, of the parameter's dtype, made on first use.
+
+    Holds the fused-mp kernel's low-precision output until materialize copies it into the
+    parameter. ``pin`` for CUDA; each buffer remembers the event of its last host-to-device copy,
+    and :meth:`view` waits for it before handing the buffer out for writing again.
+    """
+
+    def __init__(self, *, pin: bool) -> None:
+        self._pin = pin
+        self._bufs: dict[int, Tensor] = {}
+        self._last: dict[int, Any] = {}
+
+    def view(self, it: Item, *, for_write: bool) -> Tensor:
+        slot = it.view.slot
+        buf = self._bufs.get(slot)
+        if buf is None:
+            buf = torch.empty(it.param.numel(), dtype=it.param.dtype, pin_memory=self._pin)
+            self._bufs[slot] = buf
+        if for_write:
+            last = self._last.pop(slot, None)
+            if last is not None:
+                last.synchronize()
+        return buf[it.view.start : it.view.stop]
+
+    def used_by(self, slot: int, event: Any) -> None:
+        self._last[slot] = event
+
+
 class HostTransport:
-    """Parameters on the CPU: d2h and materialize are plain (dtype-converting) copies."""
+    """Parameters on the CPU: d2h and materialize are plain (dtype-converting) copies; fused-mp
+    items need neither (see the module doc)."""
 
     is_async = False
+
+    def __init__(self) -> None:
+        self._lowp = _LowpBuffers(pin=False)
 
     def issue_d2h(self, job: ChunkJob) -> None:
         job.transfer = time.perf_counter()
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
         t0 = time.perf_counter()
+        lowp: list[Tensor | None] = []
+        copied = False
         for it in job.items:
             assert it.grad is not None  # jobs with update=True only hold items with a grad
-            slabs.view("grad", it.view).copy_(_flat(it.grad)[it.view.start : it.view.stop])
+            src = _flat(it.grad)[it.view.start : it.view.stop]
+            if it.fused:  # fused-mp reads the host gradient in place: no copy
+                lowp.append(src)
+            else:
+                slabs.view("grad", it.view).copy_(src)
+                lowp.append(None)
+                copied = True
+        job.lowp_grads = lowp
         t1 = time.perf_counter()
-        records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
+        if copied:
+            records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
+
+    def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
+        """Straight into the parameter, unless the chunk started during backward (see module doc)."""
+        if job.materialize:
+            return _param_view(item)
+        return self._lowp.view(item, for_write=True)
 
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
         t0 = time.perf_counter()
+        copied = False
         for it in job.items:
-            it.param.detach().view(-1)[it.view.start : it.view.stop].copy_(
-                slabs.view("master", it.view)
-            )
+            if not it.fused:
+                _param_view(it).copy_(slabs.view("master", it.view))
+                copied = True
+            elif not job.update:  # the kernel ran during backward, into the buffer
+                _param_view(it).copy_(self._lowp.view(it, for_write=False))
+                copied = True
+            # else: the kernel of this job wrote the parameter itself
         t1 = time.perf_counter()
-        records.append(StageRecord(job.chunk, "materialize", t0, t1, t1 - t0))
+        if copied:
+            records.append(StageRecord(job.chunk, "materialize", t0, t1, t1 - t0))
 
     def flush(self) -> Any:
         return None
@@ -239,6 +312,7 @@ class CudaTransport:
         self._h2d_stream = torch.cuda.Stream(device)
         self._d2h = _Staging()
         self._h2d = _Staging()
+        self._lowp = _LowpBuffers(pin=True)
         self._last_h2d: Any = None
 
     def _event(self) -> Any:
@@ -270,23 +344,39 @@ class CudaTransport:
         end.synchronize()
         gpu_s = start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
+        lowp: list[Tensor | None] = []
         for it, src in zip(job.items, staged):
-            slabs.view("grad", it.view).copy_(src)
+            if it.fused:  # fused-mp reads the pinned low-precision copy: no upcast
+                lowp.append(src)
+            else:
+                slabs.view("grad", it.view).copy_(src)
+                lowp.append(None)
+        job.lowp_grads = lowp
         t1 = time.perf_counter()
         records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
         job.transfer = None
 
+    def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
+        """The parameter's pinned buffer (after its previous host-to-device copy finished)."""
+        return self._lowp.view(item, for_write=True)
+
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        dtypes = [it.param.dtype for it in job.items]
-        offsets, nbytes = _staging_layout(job.items, dtypes)
+        downcast = [it for it in job.items if not it.fused]
+        dtypes = [it.param.dtype for it in downcast]
+        offsets, nbytes = _staging_layout(downcast, dtypes)
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
             slot, buf = self._h2d.take(nbytes)
-            staged = []
-            for it, off, dtype in zip(job.items, offsets, dtypes):
+            by_item: dict[int, Tensor] = {}
+            for it, off, dtype in zip(downcast, offsets, dtypes):
                 dst = _staged(buf, off, it.view.numel, dtype)
                 dst.copy_(slabs.view("master", it.view))
-                staged.append(dst)
+                by_item[id(it)] = dst
+            # fused-mp items: the kernel already wrote the weight into the pinned buffer.
+            staged = [
+                by_item[id(it)] if not it.fused else self._lowp.view(it, for_write=False)
+                for it in job.items
+            ]
             t1 = time.perf_counter()
             start, end = self._event(), self._event()
             with torch.cuda.stream(self._h2d_stream):
@@ -299,6 +389,9 @@ class CudaTransport:
                     )
                 end.record(self._h2d_stream)
             self._h2d.used_by(slot, end)
+            for it in job.items:
+                if it.fused:
+                    self._lowp.used_by(it.view.slot, end)
             self._last_h2d = end
         t2 = time.perf_counter()
         records.append(
@@ -384,22 +477,38 @@ class _Worker:
 
     def _kernel(self, job: ChunkJob) -> None:
         s = self.slabs
-        views = [it.view for it in job.items]
-        new_steps = []
+        new_steps: dict[bool, list[Tensor]] = {False: [], True: []}
         for it in job.items:
             if it.view.slot not in self.stepped:
                 self.stepped.add(it.view.slot)
-                new_steps.append(it.step)
+                new_steps[it.fused].append(it.step)
+        plain = [it for it in job.items if not it.fused]
+        fused = [(i, it) for i, it in enumerate(job.items) if it.fused]
         t0 = time.perf_counter()
-        fused_adamw_(
-            [s.view("master", v) for v in views],
-            [s.view("grad", v) for v in views],
-            [s.view("exp_avg", v) for v in views],
-            [s.view("exp_avg_sq", v) for v in views],
-            [it.step for it in job.items],
-            steps_to_increment=new_steps,
-            hyper=job.hyper,
-        )
+        if plain:
+            views = [it.view for it in plain]
+            fused_adamw_(
+                [s.view("master", v) for v in views],
+                [s.view("grad", v) for v in views],
+                [s.view("exp_avg", v) for v in views],
+                [s.view("exp_avg_sq", v) for v in views],
+                [it.step for it in plain],
+                steps_to_increment=new_steps[False],
+                hyper=job.hyper,
+            )
+        if fused:
+            assert job.lowp_grads is not None  # set by finish_d2h
+            mixed_precision_adamw_(
+                [self.transport.lowp_out(job, it) for _, it in fused],
+                [job.lowp_grads[i] for i, _ in fused],  # type: ignore[misc]
+                [s.view("master", it.view) for _, it in fused],
+                [s.view("exp_avg", it.view) for _, it in fused],
+                [s.view("exp_avg_sq", it.view) for _, it in fused],
+                [it.step for _, it in fused],
+                steps_to_increment=new_steps[True],
+                hyper=job.hyper,
+            )
+        job.lowp_grads = None
         t1 = time.perf_counter()
         job.kernel_ran = True
         self.records.append(StageRecord(job.chunk, "adam_kernel", t0, t1, t1 - t0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["OffloadSettings", "StepStats", "StageSpan", "DEFAULT_CHUNK_NUMEL", "Kernel"]
+__all__ = ["OffloadSettings", "StepStats", "StageSpan", "DEFAULT_CHUNK_NUMEL", "KERNELS", "Kernel"]
 
 #: Default pipeline chunk: 4 Mi elements (16 MiB of fp32 per slab) keeps several chunks in flight
 #: for a 100M-parameter model while each kernel call is long enough to reach memory bandwidth.
@@ -13,7 +13,9 @@ DEFAULT_CHUNK_NUMEL = 4 << 20
 #: Smallest accepted chunk; smaller chunks are dominated by per-call overhead.
 MIN_CHUNK_NUMEL = 1 << 10
 
-Kernel = Literal["torch"]
+Kernel = Literal["torch", "fused-mp"]
+#: Every accepted ``OffloadSettings.kernel``, in the order the tuner lists them.
+KERNELS: tuple[Kernel, ...] = ("torch", "fused-mp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,7 +30,11 @@ class OffloadSettings:
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     """Target elements per pipeline chunk (chunks never cross a param-group boundary)."""
     kernel: Kernel = "torch"
-    """CPU AdamW implementation; "torch" is torch's fused CPU kernel."""
+    """CPU AdamW implementation. "torch": upcast the gradient, torch's fused CPU AdamW on fp32,
+    downcast the master into the parameter (three passes). "fused-mp": the single-pass
+    mixed-precision kernel (``offload/_fused_mp.py``) for bf16/fp16 parameters; fp32 parameters
+    keep the torch path. Where the kernel cannot be built the optimizer logs why once and runs
+    "torch" (``CPUOffloadAdamW.settings`` then says "torch")."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (
@@ -43,8 +49,8 @@ class OffloadSettings:
             raise ValueError(
                 f"OffloadSettings.chunk_numel={self.chunk_numel!r}: expected an int >= {MIN_CHUNK_NUMEL}"
             )
-        if self.kernel not in ("torch",):
-            raise ValueError(f"OffloadSettings.kernel={self.kernel!r}: expected one of ('torch',)")
+        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
+            raise ValueError(f"OffloadSettings.kernel={self.kernel!r}: expected one of {KERNELS}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,4 +89,6 @@ class StepStats:
     num_chunks: int
     numel: int
     """Elements updated this step."""
+    kernel: Kernel = "torch"
+    """The kernel that really ran: "fused-mp" if it updated any element this step, else "torch"."""
     spans: tuple[StageSpan, ...] = field(default=(), repr=False)

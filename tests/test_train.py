@@ -108,7 +108,12 @@ def test_autotune_locks_in_then_hits_the_cache_without_changing_the_math(tmp_pat
 
     second = _train(tmp_path, *tune, name="second.json")
     t2 = second["tuner"]
-    assert t2["cache_hit"] is True and t2["probe_steps"] == 0 and t2["winner"] == t["winner"]
+    assert t2["cache_hit"] is True
+    # A hit re-checks the cached choice on its first steps; on a loaded machine it may be found
+    # slower than recorded ("stale") and probed again. Otherwise nothing is probed.
+    assert t2["cache_status"] in ("hit", "stale")
+    if t2["cache_status"] == "hit":
+        assert t2["probe_steps"] == 0 and t2["winner"] == t["winner"]
 
     # Tuning switched threads and chunk sizes mid-run; the parameters must not notice.
     plain = _train(tmp_path, "--optim-cpu-offload", "--steps", "24", name="plain.json")
@@ -161,11 +166,15 @@ def test_torchrun_two_ranks_autotune_agree_and_share_the_cache(tmp_path: Path) -
         summaries.append(json.loads(out.read_text()))
     first, second = summaries
     assert first["tuner"]["state"] == "locked" and first["tuner"]["cache_hit"] is False
-    assert second["tuner"]["cache_hit"] is True and second["tuner"]["probe_steps"] == 0
+    assert second["tuner"]["cache_hit"] is True and second["tuner"]["cache_status"] in ("hit", "stale")
+    if second["tuner"]["cache_status"] == "hit":  # see the single-process test: "stale" re-probes
+        assert second["tuner"]["probe_steps"] == 0
+        assert second["tuner"]["winner"] == first["tuner"]["winner"]
     for s in summaries:
         ranks = s["ranks"]
         # Both ranks run the agreed setting (threads capped by each rank's own plan).
-        assert ranks[0]["chunk_numel"] == ranks[1]["chunk_numel"] == s["tuner"]["winner"]["chunk_numel"]
+        assert ranks[0]["chunk_numel"] == ranks[1]["chunk_numel"]
+        if s["tuner"]["state"] == "locked":
+            assert ranks[0]["chunk_numel"] == s["tuner"]["winner"]["chunk_numel"]
         assert ranks[0]["threads"] == ranks[1]["threads"]
         assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]
-    assert second["tuner"]["winner"] == first["tuner"]["winner"]
