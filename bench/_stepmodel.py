@@ -1,0 +1,317 @@
+"""A step-time model of the offloaded AdamW step on a multi-socket node, standing in for the clock.
+
+``python -m bench.simulate`` drives the real ``autotune.OnlineTuner`` with times from this model
+instead of real steps. The model is deliberately simple and every parameter is a named field of
+:class:`Hardware` or :class:`Workload`; the defaults are calibrated loosely on this project's own
+measurements (``bench/results/bandwidth-h200host.md``: one core moves about 20 GB/s, a socket
+saturates well before all its cores are busy, a chunk costs about 100-200 us of fixed overhead).
+
+Per rank and step (all local ranks step together, so they share the memory system all the time):
+
+1. Placement. A rank's threads spread evenly over the logical CPUs of its affinity mask. CPUs are
+   grouped into *classes* (same socket, same set of ranks whose masks hold them). Per class, the
+   threads of every rank plus ``background_threads`` per rank (Python main thread, data loader,
+   NCCL progress) compete for its physical cores and SMT siblings.
+2. Core units. A class with ``T`` threads on ``k`` cores and ``l`` logical CPUs gives
+   ``min(T, k) + smt_gain * clip(T - k, 0, l - k)`` core units: an SMT sibling adds ``smt_gain``
+   (5 %) of a core. When the runnable threads exceed ``l`` the class is time-sliced and OpenMP's
+   barriers stall on descheduled threads: the kernel is slower by ``1 + oversub_penalty * (ratio - 1)``.
+3. Bandwidth. Each NUMA domain delivers ``softmin(demand * core_bw, domain_bw)`` (a saturating
+   curve, exponent ``saturation_sharpness``), minus a small contention loss beyond saturation
+   (``contention_loss`` per 100 % of excess demand, at most ``max_contention_loss``). A rank's
+   memory lives on the domains of its mask (in proportion to its CPUs there); it gets the share of
+   each domain's bandwidth proportional to its demand there, and a thread on another socket gets
+   only ``remote_efficiency`` of its share through. A rank whose mask is shared with other ranks pays
+   ``shared_mask_penalty`` (unpinned threads migrate between cores).
+4. Kernel time per element = ``max(bytes_per_elem / rank bandwidth, 1 / (core units * core_rate))``.
+5. Pipeline. ``ceil(params / chunk)`` chunks flow through three stages: d2h over PCIe, the CPU
+   kernel (plus a fixed ``chunk_overhead_s + chunk_overhead_per_thread_s * threads`` per chunk:
+   tiny chunks lose) and h2d over PCIe. The finish time is the exact flow-shop recurrence, so a
+   huge chunk loses the overlap of the copies with the kernel. With ``overlap_backward`` chunk i
+   becomes ready at ``backward_s * (i + 1) / n`` during backward and the objective is the whole
+   iteration (forward + backward + the exposed part of the step), as the offload glue measures.
+6. Node time = max over ranks (the tuner all-gathers and takes the max, too).
+
+Noise per measured step: a node-wide lognormal factor, a per-rank lognormal factor and, per rank,
+a spike (``spike_factor``, 2x) with probability ``spike_prob``; the first step after a change of
+setting is ``warmup_penalty`` slower (the tuner discards it). Noise-free times give the ground truth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from offload._topology import CpuTopology
+
+__all__ = ["Hardware", "Node", "NoiseModel", "Workload", "pipeline_time"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """A node's CPUs and memory system (one NUMA domain per socket)."""
+
+    sockets: int
+    cores_per_socket: int
+    smt: int = 2
+    """Hardware threads per core."""
+    domain_bw_gbs: float = 250.0
+    """Peak DRAM bandwidth of one NUMA domain (GB/s) that the AdamW stream reaches."""
+    core_bw_gbs: float = 18.0
+    """Bandwidth one core pulls when the domain is idle (GB/s)."""
+    saturation_sharpness: float = 4.0
+    """Exponent of the soft minimum between demand and the domain's peak (larger: sharper knee)."""
+    contention_loss: float = 0.015
+    """Fractional bandwidth lost per 100 % of demand beyond the peak (queueing, row conflicts)."""
+    max_contention_loss: float = 0.08
+    remote_efficiency: float = 0.6
+    """Fraction of its bandwidth share a thread on another socket gets through (socket link)."""
+    smt_gain: float = 0.05
+    """Core units an SMT sibling adds to its core."""
+    core_rate_gelem: float = 1.5
+    """AdamW elements per second per core when compute bound (G elements/s)."""
+    oversub_penalty: float = 4.0
+    """Kernel slowdown per unit of runnable threads beyond the logical CPUs (OpenMP barrier stalls)."""
+    shared_mask_penalty: float = 0.03
+    """Kernel slowdown of a rank whose mask other ranks share (thread migration)."""
+    background_threads: float = 2.0
+    """Runnable non-optimizer threads per rank competing for its mask's CPUs."""
+    pcie_gbs: float = 40.0
+    """Per-rank host<->device bandwidth per direction (GB/s)."""
+
+    def __post_init__(self) -> None:
+        for name in ("sockets", "cores_per_socket", "smt"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Hardware.{name}={value!r}: expected an int >= 1")
+        for name in ("domain_bw_gbs", "core_bw_gbs", "core_rate_gelem", "pcie_gbs", "saturation_sharpness"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Hardware.{name}={value!r}: expected a finite number > 0")
+
+    @property
+    def logical_cpus(self) -> int:
+        return self.sockets * self.cores_per_socket * self.smt
+
+    def cpu(self, socket: int, core: int, thread: int = 0) -> int:
+        """Linux numbering: first threads of every core, socket by socket, then the siblings."""
+        return thread * self.sockets * self.cores_per_socket + socket * self.cores_per_socket + core
+
+    def socket_of(self, cpu: int) -> int:
+        return (cpu % (self.sockets * self.cores_per_socket)) // self.cores_per_socket
+
+    def core_of(self, cpu: int) -> int:
+        return cpu % (self.sockets * self.cores_per_socket)
+
+    def socket_cpus(self, socket: int) -> frozenset[int]:
+        return frozenset(
+            self.cpu(socket, c, t) for c in range(self.cores_per_socket) for t in range(self.smt)
+        )
+
+    def topology(self) -> CpuTopology:
+        """The :class:`offload._topology.CpuTopology` that ``plan_cpu_threads`` reads on this node."""
+        n = self.sockets * self.cores_per_socket
+        cores = [[t * n + c for t in range(self.smt)] for c in range(n)]
+        return CpuTopology.from_cores(cores, numa_nodes={s: self.socket_cpus(s) for s in range(self.sockets)})
+
+    def domain_bandwidth(self, demand_units: float) -> float:
+        """GB/s one domain delivers for ``demand_units`` core units of demand (saturating)."""
+        if demand_units <= 0:
+            return 0.0
+        want = demand_units * self.core_bw_gbs
+        p = self.saturation_sharpness
+        bw = (want ** -p + self.domain_bw_gbs ** -p) ** (-1.0 / p)
+        excess = max(0.0, want / self.domain_bw_gbs - 1.0)
+        return bw * (1.0 - min(self.max_contention_loss, self.contention_loss * excess))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """What one rank's optimizer step moves."""
+
+    params: int
+    """Parameters whose optimizer state this rank holds (one parameter group: the largest slab)."""
+    bytes_per_elem: float = 40.0
+    """Host DRAM bytes per parameter per step (28 B AdamW + upcast of the grad + downcast of the weight)."""
+    d2h_bytes_per_elem: float = 2.0
+    h2d_bytes_per_elem: float = 2.0
+    chunk_overhead_s: float = 60e-6
+    """Fixed cost per chunk (launch, events, OpenMP fork/join)."""
+    chunk_overhead_per_thread_s: float = 4e-6
+    overlap_backward: bool = False
+    forward_s: float = 0.4
+    backward_s: float = 0.8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:
+            raise ValueError(f"Workload.params={self.params!r}: expected an int >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NoiseModel:
+    """Heavy-tailed measurement noise: lognormal jitter plus rare spikes."""
+
+    node_sigma: float = 0.02
+    rank_sigma: float = 0.02
+    spike_prob: float = 0.02
+    """Per rank and step."""
+    spike_factor: float = 2.0
+    warmup_penalty: float = 0.3
+    """Extra time of the first step after a change of setting."""
+
+    def factors(self, rng: np.random.Generator, ranks: int) -> np.ndarray:
+        """One step's multiplicative noise for each rank."""
+        node = rng.lognormal(0.0, self.node_sigma)
+        per_rank = rng.lognormal(0.0, self.rank_sigma, size=ranks)
+        spikes = np.where(rng.random(ranks) < self.spike_prob, self.spike_factor, 1.0)
+        return node * per_rank * spikes
+
+
+def pipeline_time(
+    n_chunks: int, chunk_elems: Sequence[int] | None, *, d2h_s: Sequence[float], kernel_s: Sequence[float],
+    h2d_s: Sequence[float], release_s: Sequence[float],
+) -> float:
+    """Finish time of a three-stage flow shop (d2h -> kernel -> h2d), chunks in order, each stage
+    one chunk at a time, chunk ``i`` ready at ``release_s[i]``."""
+    d_end = k_end = h_end = 0.0
+    for i in range(n_chunks):
+        d_end = max(d_end, release_s[i]) + d2h_s[i]
+        k_end = max(k_end, d_end) + kernel_s[i]
+        h_end = max(h_end, k_end) + h2d_s[i]
+    return h_end
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Node:
+    """A node: hardware, every local rank's affinity mask, and the workload of each rank."""
+
+    name: str
+    hardware: Hardware
+    masks: tuple[frozenset[int], ...]
+    workload: Workload
+    description: str = ""
+    _classes: tuple[tuple[int, frozenset[int], int, int], ...] = field(default=(), repr=False, compare=False)
+    _cache: dict[tuple[tuple[int, ...], int], tuple[float, ...]] = field(
+        default_factory=dict, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        if not self.masks:
+            raise ValueError(f"Node {self.name!r}: expected at least one rank mask")
+        valid = frozenset(range(self.hardware.logical_cpus))
+        for r, mask in enumerate(self.masks):
+            if not mask or not mask <= valid:
+                raise ValueError(
+                    f"Node {self.name!r}: rank {r} mask {sorted(mask)[:8]}...: expected a non-empty set of CPUs "
+                    f"in 0..{len(valid) - 1}"
+                )
+        # CPU classes: (socket, ranks whose masks hold the CPU) -> (cpus, physical cores, logical cpus)
+        groups: dict[tuple[int, frozenset[int]], set[int]] = {}
+        for cpu in sorted(frozenset().union(*self.masks)):
+            owners = frozenset(r for r, m in enumerate(self.masks) if cpu in m)
+            groups.setdefault((self.hardware.socket_of(cpu), owners), set()).add(cpu)
+        classes = tuple(
+            (sock, owners, len({self.hardware.core_of(c) for c in cpus}), len(cpus))
+            for (sock, owners), cpus in sorted(groups.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1])))
+        )
+        object.__setattr__(self, "_classes", classes)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.masks)
+
+    def _memory_split(self, r: int) -> dict[int, float]:
+        """Where rank ``r``'s memory lives: its mask's sockets, in proportion to its CPUs there."""
+        mask = self.masks[r]
+        counts: dict[int, int] = {}
+        for cpu in mask:
+            s = self.hardware.socket_of(cpu)
+            counts[s] = counts.get(s, 0) + 1
+        return {s: c / len(mask) for s, c in counts.items()}
+
+    def kernel_rates(self, threads: Sequence[int]) -> tuple[list[float], list[int]]:
+        """Per rank: seconds per element of the CPU kernel, and the threads it runs with."""
+        hw = self.hardware
+        n = self.ranks
+        t = [int(x) for x in threads]
+        if len(t) != n or any(x < 1 for x in t):
+            raise ValueError(f"Node {self.name!r}: threads={list(threads)!r}: expected {n} ints >= 1")
+        # Threads of rank r in each class, in proportion to the class's share of r's mask.
+        per_class: list[dict[int, float]] = []
+        unit_per_thread: list[float] = []
+        overload: list[float] = []
+        for sock, owners, cores, logical in self._classes:
+            share = {r: t[r] * logical / len(self.masks[r]) for r in owners}
+            bg = sum(hw.background_threads * logical / len(self.masks[r]) for r in owners)
+            total = sum(share.values())
+            units = min(total, cores) + hw.smt_gain * min(max(total - cores, 0.0), logical - cores)
+            per_class.append(share)
+            unit_per_thread.append(units / total if total > 0 else 0.0)
+            overload.append(max(0.0, (total + bg) / logical - 1.0))
+        # Demand (core units) of each rank on each memory domain.
+        demand: dict[tuple[int, int], tuple[float, float]] = {}
+        units_of_rank = [0.0] * n
+        for (sock, owners, _, _), share, upt in zip(self._classes, per_class, unit_per_thread):
+            for r, x in share.items():
+                units_of_rank[r] += x * upt
+                for dom, frac in self._memory_split(r).items():
+                    eff = 1.0 if dom == sock else hw.remote_efficiency
+                    d, e = demand.get((r, dom), (0.0, 0.0))
+                    demand[(r, dom)] = (d + x * upt * frac, e + x * upt * frac * eff)
+        dom_total: dict[int, float] = {}
+        for (r, dom), (d, _) in demand.items():
+            dom_total[dom] = dom_total.get(dom, 0.0) + d
+        bw = [0.0] * n
+        for (r, dom), (d, useful) in demand.items():
+            if dom_total[dom] > 0:
+                # Every thread occupies the domain; a remote thread gets only part of its share through.
+                bw[r] += hw.domain_bandwidth(dom_total[dom]) * useful / dom_total[dom]
+        rates = []
+        for r in range(n):
+            mem_s = 0.0 if bw[r] <= 0 else self.workload.bytes_per_elem / (bw[r] * 1e9)
+            cpu_s = 1.0 / (max(units_of_rank[r], 1e-9) * hw.core_rate_gelem * 1e9)
+            slow = 1.0 + hw.oversub_penalty * max(
+                (ov for (s, owners, _, _), ov in zip(self._classes, overload) if r in owners), default=0.0
+            )
+            if any(r in owners and len(owners) > 1 for _, owners, _, _ in self._classes):
+                slow *= 1.0 + hw.shared_mask_penalty
+            rates.append(max(mem_s, cpu_s) * slow)
+        return rates, t
+
+    def rank_times(self, threads: Sequence[int], chunk_numel: int) -> tuple[float, ...]:
+        """Noise-free objective of every rank (step time, or iteration time with overlap_backward)."""
+        key = (tuple(int(x) for x in threads), int(chunk_numel))
+        cache = self._cache
+        if key in cache:
+            return cache[key]
+        if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
+            raise ValueError(f"chunk_numel={chunk_numel!r}: expected an int >= 1")
+        rates, t = self.kernel_rates(threads)
+        wl, hw = self.workload, self.hardware
+        n_chunks = math.ceil(wl.params / chunk_numel)
+        sizes = [chunk_numel] * (n_chunks - 1) + [wl.params - chunk_numel * (n_chunks - 1)]
+        d2h = [s * wl.d2h_bytes_per_elem / (hw.pcie_gbs * 1e9) for s in sizes]
+        h2d = [s * wl.h2d_bytes_per_elem / (hw.pcie_gbs * 1e9) for s in sizes]
+        if wl.overlap_backward:
+            release = [wl.backward_s * (i + 1) / n_chunks for i in range(n_chunks)]
+        else:
+            release = [0.0] * n_chunks
+        out = []
+        for r in range(self.ranks):
+            fixed = wl.chunk_overhead_s + wl.chunk_overhead_per_thread_s * t[r]
+            kernel = [s * rates[r] + fixed for s in sizes]
+            end = pipeline_time(n_chunks, sizes, d2h_s=d2h, kernel_s=kernel, h2d_s=h2d, release_s=release)
+            if wl.overlap_backward:
+                out.append(wl.forward_s + max(end, wl.backward_s))
+            else:
+                out.append(end)
+        result = tuple(out)
+        cache[key] = result
+        return result
+
+    def node_time(self, threads: Sequence[int], chunk_numel: int) -> float:
+        """Noise-free node objective: the slowest rank."""
+        return max(self.rank_times(threads, chunk_numel))

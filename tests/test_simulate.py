@@ -1,0 +1,220 @@
+"""Simulated large nodes: the step-time model behaves as documented, and the simulation drives the
+real tuner (its lock-in rule, its agreement checks), not a shortcut."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import autotune._probe as probe_mod
+from autotune import AutotuneConfig, OnlineTuner, SearchSpace, Knob
+from autotune._agree import AgreementMismatch
+from bench import simulate
+from bench._stepmodel import Hardware, Node, NoiseModel, Workload
+
+NUMA = "2s60c-smt2-8r-numa"
+SHARED = "2s60c-smt2-8r-shared"
+SMALL = "1s16c-smt2-1r"
+
+
+@pytest.fixture(scope="module")
+def numa() -> Node:
+    return simulate.build_node(NUMA)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Node:
+    return simulate.build_node(SHARED)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def test_domain_bandwidth_saturates_monotonically() -> None:
+    hw = Hardware(sockets=1, cores_per_socket=64, contention_loss=0.0)
+    bws = [hw.domain_bandwidth(u) for u in range(1, 65)]
+    assert all(b2 >= b1 for b1, b2 in zip(bws, bws[1:]))
+    assert bws[0] == pytest.approx(hw.core_bw_gbs, rel=0.01)  # one core: its own bandwidth
+    assert bws[-1] <= hw.domain_bw_gbs and bws[-1] > 0.98 * hw.domain_bw_gbs  # saturated at the peak
+    # Linear at first, then the knee: half again as many threads past saturation add almost nothing.
+    assert bws[3] / bws[1] > 1.9 and bws[47] / bws[31] < 1.02
+
+
+def test_step_time_falls_with_threads_then_flattens() -> None:
+    node = simulate.build_node(SMALL)
+    chunk = 1 << 25
+    times = [node.node_time([t], chunk) for t in (1, 2, 4, 8, 16)]
+    assert times[0] / times[1] > 1.8  # one core is far from saturating the socket
+    assert all(b < a for a, b in zip(times[:3], times[1:4]))
+    assert abs(times[4] / times[3] - 1) < 0.08  # saturated: 16 threads within a few % of 8
+
+
+def test_smt_siblings_add_little() -> None:
+    hw = Hardware(sockets=1, cores_per_socket=16, smt=2, background_threads=0.0, oversub_penalty=0.0)
+    node = Node(name="t", hardware=hw, masks=(frozenset(range(32)),), workload=Workload(params=1 << 28))
+    core_only = node.kernel_rates([16])[0][0]
+    with_smt = node.kernel_rates([32])[0][0]
+    assert 0.9 < with_smt / core_only <= 1.0  # at most the 5 % an SMT sibling adds
+    # Far below saturation an SMT sibling is worth smt_gain of a core, not a core.
+    few = Node(name="t", hardware=replace(hw, domain_bw_gbs=1e4), masks=(frozenset(range(32)),),
+               workload=Workload(params=1 << 28))
+    assert few.kernel_rates([16])[0][0] / few.kernel_rates([32])[0][0] == pytest.approx(1.05, rel=1e-6)
+
+
+def test_shared_masks_are_slower_than_numa_binding(numa: Node, shared: Node) -> None:
+    for t in (1, 2, 4, 8, 15):
+        assert shared.node_time([t] * 8, 1 << 25) > numa.node_time([t] * 8, 1 << 25)
+
+
+def test_oversubscription_costs_more_than_smt_gains(numa: Node) -> None:
+    plan = numa.node_time([15] * 8, 1 << 22)
+    static = numa.node_time([30] * 8, 1 << 22)  # the old rule's 30 threads per rank
+    assert static > 1.2 * plan
+
+
+def test_tiny_and_huge_chunks_lose(numa: Node) -> None:
+    mid = numa.node_time([8] * 8, 1 << 25)
+    assert numa.node_time([8] * 8, 1 << 20) > 1.05 * mid  # per-chunk overhead
+    assert numa.node_time([8] * 8, 1 << 30) > 1.03 * mid  # no overlap of copies and kernel
+
+
+def test_overlap_with_backward_hides_small_chunks_more() -> None:
+    node = simulate.build_node("2s60c-smt2-8r-numa-overlap")
+    plain = simulate.build_node(NUMA)
+    wl = node.workload
+    for chunk in (1 << 22, 1 << 25):
+        serial = wl.forward_s + wl.backward_s + plain.node_time([8] * 8, chunk)
+        assert node.node_time([8] * 8, chunk) < serial
+    hidden_small = wl.forward_s + wl.backward_s + plain.node_time([8] * 8, 1 << 25) - node.node_time([8] * 8, 1 << 25)
+    hidden_huge = wl.forward_s + wl.backward_s + plain.node_time([8] * 8, 1 << 30) - node.node_time([8] * 8, 1 << 30)
+    assert hidden_small > hidden_huge
+
+
+def test_noise_is_heavy_tailed_with_rare_spikes() -> None:
+    noise = NoiseModel()
+    rng = np.random.default_rng(0)
+    f = np.stack([noise.factors(rng, 8) for _ in range(4000)])
+    assert abs(np.median(f) - 1) < 0.01
+    spikes = np.mean(f > 1.6)
+    assert 0.01 < spikes < 0.03  # about spike_prob per rank and step
+    assert f.max() > 1.9 and np.quantile(f, 0.9) < 1.06  # a few % typical, 2x occasionally
+
+
+def test_model_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="cores_per_socket"):
+        Hardware(sockets=1, cores_per_socket=0)
+    node = simulate.build_node(SMALL)
+    with pytest.raises(ValueError, match="threads"):
+        node.node_time([0], 1 << 20)
+    with pytest.raises(ValueError, match="unknown node"):
+        simulate.build_node("nope")
+
+
+# --------------------------------------------------------------------------- the real planning code
+
+
+def test_thread_plans_come_from_plan_cpu_threads(numa: Node) -> None:
+    plans = simulate.plan_node(numa)
+    assert [p.planned_threads for p in plans] == [15] * 8  # 60 physical cores / 4 ranks per socket
+    assert [p.static_rule_threads for p in plans] == [30] * 8
+    assert all(p.oversubscribed_by_static_rule for p in plans)
+    space, baseline, caps = simulate.tuning_inputs(numa, plans)
+    assert baseline == {"threads": 15, "chunk_numel": 4 << 20}
+    assert space.knobs[0].values == (1, 2, 4, 8, 15) and caps == [15] * 8
+    one = simulate.plan_node(simulate.build_node(SMALL))
+    assert one[0].planned_threads == 16 and one[0].static_rule_threads == 32
+
+
+# --------------------------------------------------------------------------- the real tuner
+
+
+def test_simulated_agreement_runs_the_tuners_own_checks() -> None:
+    """Ranks that tune different spaces fail in OnlineTuner's own start() check."""
+    hub = simulate._Hub(2, timeout_s=20.0)
+    errors: list[BaseException] = []
+    spaces = [SearchSpace((Knob("threads", (1, 2)),)), SearchSpace((Knob("threads", (1, 2, 4)),))]
+
+    def rank(r: int) -> None:
+        tuner = OnlineTuner(spaces[r], baseline={"threads": 2}, apply=lambda s: None,
+                            config=AutotuneConfig(use_cache=False), group=simulate.SimulatedAgreement(hub, r))
+        try:
+            tuner.start()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 2 and all(isinstance(e, AgreementMismatch) for e in errors)
+    assert "search space" in str(errors[0])
+
+
+def test_regret_comes_from_the_real_lock_in_rule(monkeypatch: pytest.MonkeyPatch, numa: Node) -> None:
+    calls: list[tuple] = []
+    real_choose = probe_mod.choose
+
+    def spy(*args, **kwargs):
+        out = real_choose(*args, **kwargs)
+        calls.append(out)
+        return out
+
+    observed = []
+    real_observe = OnlineTuner.observe
+
+    def observe(self, sample):
+        observed.append(sample.time_s)
+        return real_observe(self, sample)
+
+    monkeypatch.setattr(probe_mod, "choose", spy)
+    monkeypatch.setattr(OnlineTuner, "observe", observe)
+    plans = simulate.plan_node(numa)
+    space, baseline, caps = simulate.tuning_inputs(numa, plans)
+    out = simulate.run_seed(numa, space, baseline, caps, seed=3)
+    assert len(calls) == 1  # rank 0 alone decides, once
+    assert space.setting(calls[0][0]) == out["winner"] and calls[0][1] == out["reason"]
+    assert len(observed) == 8 * out["probe_steps"] and out["probe_steps"] <= AutotuneConfig().probe_steps
+    assert out["collectives"] >= 2 * out["probe_steps"]  # a gather and a broadcast per step
+    # The tuner saw noisy model times, not the truth.
+    assert len(set(observed)) == len(observed)
+
+
+def test_tuner_finds_a_clear_winner_and_keeps_a_good_static_plan() -> None:
+    """A regret check that can fail: when the static plan is 3x slower than the best (1 thread
+    forced as baseline), the real tuner leaves it; the regret is then small."""
+    node = simulate.build_node(SMALL)
+    plans = simulate.plan_node(node)
+    space, _, caps = simulate.tuning_inputs(node, plans)
+    bad = {"threads": 1, "chunk_numel": 4 << 20}
+    out = simulate.run_seed(node, space, bad, caps, seed=0)
+    assert out["winner"]["threads"] > 1 and not out["kept_baseline"]
+
+
+def test_quick_simulation_runs_and_reports(tmp_path) -> None:
+    rc = simulate.main(["--quick", "--seeds", "2", "--nodes", f"{NUMA},{SMALL}", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "simulated_nodes.json").read_text())
+    assert [n["node"] for n in data["nodes"]] == [NUMA, SMALL]
+    for n in data["nodes"]:
+        assert len(n["runs"]) == 2
+        assert 0 <= n["regret"]["median"] <= n["regret"]["max"]
+        assert n["probe_steps"]["max"] <= n["probe_steps"]["budget"]
+        assert n["static_rule"]["oversubscribed"] is True
+        best = min(n["truth_s"].values())
+        for r in n["runs"]:
+            key = " ".join(f"{k}={v}" for k, v in r["winner"].items())
+            assert r["regret"] == pytest.approx(n["truth_s"][key] / best - 1)
+    md = (tmp_path / "simulated_nodes.md").read_text()
+    assert "| node |" in md and "regret" in md and "## The model" in md
+
+
+def test_in_process_agreement_decides_exactly_as_real_gloo() -> None:
+    """Two real processes over gloo (the tuner's own GlooAgreement) and the in-process threads
+    take identical decisions from the same model times."""
+    check = simulate.gloo_check("1s16c-smt2-2r", [0])
+    assert check["all_identical"], check
