@@ -16,8 +16,10 @@ __all__ = [
     "IQR_GROSS_WARN_THRESHOLD",
     "MIN_GAIN",
     "NOISE_FACTOR",
+    "OUTLIER_FACTOR",
     "TIE_TOLERANCE",
     "gain_threshold",
+    "median_standard_error",
     "significantly_faster",
 ]
 
@@ -25,10 +27,18 @@ __all__ = [
 IQR_WARN_THRESHOLD = 0.1
 #: ... and grossly noisy above this fraction.
 IQR_GROSS_WARN_THRESHOLD = 0.25
-#: Default minimum relative gain over the static plan before the tuner leaves it (3 %).
-MIN_GAIN = 0.03
-#: Default multiple of the larger IQR that a gain must exceed to count as more than noise.
-NOISE_FACTOR = 1.0
+#: Default minimum relative gain over the static plan before the tuner leaves it (2 %).
+MIN_GAIN = 0.02
+#: Default multiple of the standard error of the difference of two medians that a gain must
+#: exceed to count as more than noise (a one-sided z-score).
+NOISE_FACTOR = 1.5
+#: Standard error of the median of ``n`` samples is about ``MEDIAN_SE_PER_IQR * IQR / sqrt(n)``:
+#: for normal noise sigma = IQR / 1.349 and the median's standard error is sqrt(pi / 2) sigma / sqrt(n).
+MEDIAN_SE_PER_IQR = math.sqrt(math.pi / 2.0) / 1.349
+#: A sample above this multiple of its candidate's fastest sample is an outlier (a hiccup of the machine:
+#: on a node the step time is the slowest rank's, so one rank's stall doubles a whole step) and
+#: is left out of the statistics the lock-in rule compares (see :meth:`Measurement.without_outliers`).
+OUTLIER_FACTOR = 1.5
 #: Default relative distance between medians under which two candidates count as equally fast.
 TIE_TOLERANCE = 0.005
 
@@ -102,6 +112,16 @@ class Measurement:
         """True if the spread is small: IQR below ``threshold`` times the median."""
         return self.relative_iqr < threshold
 
+    def without_outliers(self, factor: float = OUTLIER_FACTOR) -> Measurement:
+        """The samples at most ``factor`` times the fastest one (which always stays).
+
+        A stall only ever makes a step slower, never faster, so the fastest sample is a safe
+        reference: a sample far above it is a hiccup however many of them there are, whereas
+        a few of them among a handful of samples shift the median and inflate the IQR.
+        """
+        limit = factor * min(self.samples)
+        return Measurement(tuple(v for v in self.samples if v <= limit), self.label)
+
     def extended(self, samples: Iterable[float]) -> Measurement:
         """A new measurement with more samples appended."""
         return Measurement(self.samples + tuple(samples), self.label)
@@ -117,12 +137,20 @@ class Measurement:
         return f"{head}median {_format_seconds(self.median)} / IQR {_format_seconds(self.iqr)} / n={self.n}{noisy}"
 
 
+def median_standard_error(measurement: Measurement) -> float:
+    """Standard error of the median, estimated from the IQR: ``MEDIAN_SE_PER_IQR * IQR / sqrt(n)``
+    (0 for a single sample). Unlike the IQR it shrinks as samples accumulate."""
+    return MEDIAN_SE_PER_IQR * measurement.iqr / math.sqrt(measurement.n)
+
+
 def gain_threshold(
     baseline: Measurement, candidate: Measurement, *, min_gain: float = MIN_GAIN, noise_factor: float = NOISE_FACTOR
 ) -> float:
     """Seconds by which ``candidate``'s median must undercut ``baseline``'s to count as faster:
-    ``max(min_gain * baseline.median, noise_factor * max(baseline.iqr, candidate.iqr))``."""
-    return max(min_gain * baseline.median, noise_factor * max(baseline.iqr, candidate.iqr))
+    ``max(min_gain * baseline.median, noise_factor * standard error of the difference of the
+    medians)``, the standard errors estimated from each measurement's IQR."""
+    noise = math.hypot(median_standard_error(baseline), median_standard_error(candidate))
+    return max(min_gain * baseline.median, noise_factor * noise)
 
 
 def significantly_faster(

@@ -5,14 +5,21 @@ A session spends at most ``config.probe_steps`` training steps:
 1. explore: candidates in the order Optuna asks for them (the static plan first). Each gets
    ``warmup_steps`` discarded steps, then ``measure_steps`` measured ones. When every candidate
    fits the budget the order comes from a seeded brute-force (grid) sampler and every candidate
-   is measured; otherwise from a seeded TPE sampler, for as many candidates as fit.
+   is measured. Otherwise the first points are a coordinate sweep from the static plan
+   (:func:`sweep_next`: the thread ladder at the static chunk, then the chunk ladder at the best
+   thread count so far, ...), each enqueued into the study and decided from the results so far;
+   then a seeded multivariate TPE sampler for what budget remains. Beyond the grid a candidate
+   whose fastest step is clearly slower than the best so far stops after two measured steps
+   (:data:`EARLY_STOP_MARGIN`), which leaves room for more candidates.
 2. finals: the static plan and the best ``finalists - 1`` others are measured again, round-robin:
-   ``final_rounds`` rounds, each visit one warm-up step (the first step after a switch is slower,
-   so it is discarded as in exploring) and one measured step. Interleaving spreads slow drifts of
-   the machine over every finalist instead of favouring whoever was measured last.
-3. decide (see :func:`choose`) on all samples of each finalist.
+   ``final_rounds`` rounds (beyond the grid :data:`TPE_FINAL_ROUNDS`), each visit one warm-up
+   step (the first step after a switch is slower, so it is discarded as in exploring) and one
+   measured step. Interleaving spreads slow drifts of the machine over every finalist instead of
+   favouring whoever was measured last. Beyond the grid, up to :data:`DUEL_ROUNDS` more rounds
+   of just the fastest finalist and the static plan follow while their comparison is undecided.
+3. decide (see :func:`choose`) on all samples of each finalist, outliers (stalls) left out.
 
-The schedule is planned up front from the worst case, so the budget is never exceeded; a guard
+The schedule is planned up front (:func:`plan_budget`), so the budget is never exceeded; a guard
 decides early if it ever would be.
 """
 
@@ -26,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Literal
 
-from autotune._measurement import Measurement, gain_threshold, significantly_faster
+from autotune._measurement import Measurement, gain_threshold, median_standard_error, significantly_faster
 from autotune._space import Scalar, SearchSpace
 
 if TYPE_CHECKING:
@@ -34,7 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("autotune._tuner")
 
-__all__ = ["BudgetPlan", "CheckSession", "ProbeSession", "Slot", "choose", "plan_budget"]
+__all__ = ["BudgetPlan", "CheckSession", "ProbeSession", "Slot", "choose", "plan_budget", "sweep_next"]
 
 Key = tuple[Scalar, ...]
 Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "check"]
@@ -42,6 +49,18 @@ Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "c
 #: Times the sampler may propose already-measured candidates before the session picks the next
 #: unmeasured one itself (categorical TPE repeats itself on small spaces).
 MAX_REPEATED_ASKS = 32
+#: A candidate whose fastest measured step is this much slower than the best median so far is
+#: clearly worse: after ``EARLY_STOP_SAMPLES`` measured steps its remaining ones are skipped and
+#: the budget they free goes to further candidates (beyond the grid) or to the finals.
+EARLY_STOP_MARGIN = 0.05
+#: Measured steps before a candidate may be stopped early. Two, because a stall only ever slows a
+#: step: one slow sample may be a hiccup, the faster of two rarely is.
+EARLY_STOP_SAMPLES = 2
+#: Beyond the grid the finals are one interleaved round of the finalists ...
+TPE_FINAL_ROUNDS = 1
+#: ... followed by up to this many duel rounds (the fastest finalist against the static plan, see
+#: ``ProbeSession._queue_duel``) while the comparison is undecided; the budget reserves them.
+DUEL_ROUNDS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,19 +77,30 @@ class BudgetPlan:
 
     sampler: Literal["none", "grid", "tpe"]
     explore: int
-    """Candidates measured while exploring."""
+    """Candidates measured while exploring (beyond the grid: at least; candidates stopped early
+    leave room for more)."""
     finalists: int
     final_rounds: int
     steps: int
-    """Worst-case probe steps of the session."""
+    """Probe steps of the session if no candidate stops early: the worst case of a grid. Beyond
+    the grid, candidates stopped early let more be explored, always within ``probe_steps``."""
+    duel_rounds: int = 0
+    """Rounds reserved for the duel after the finals beyond the grid (see :data:`DUEL_ROUNDS`);
+    a grid has none, so it never probes longer than ``steps``."""
 
 
 def _final_cost(n: int, config: AutotuneConfig, rounds: int) -> int:
     return min(config.finalists, n) * rounds * (config.warmup_steps + 1) if n >= 2 else 0
 
 
+def _duel_cost(config: AutotuneConfig, rounds: int) -> int:
+    return rounds * 2 * (config.warmup_steps + 1)
+
+
 def plan_budget(n_candidates: int, config: AutotuneConfig) -> BudgetPlan:
-    """Grid when ``n * (warmup + k) + finals`` fits ``probe_steps``, else TPE over as many as fit."""
+    """Grid when ``n * (warmup + k) + finals`` fits ``probe_steps``, else sweep + TPE over as many
+    as fit next to :data:`TPE_FINAL_ROUNDS` finals round(s) and :data:`DUEL_ROUNDS` duel rounds
+    (fewer of those first, then no finals, when the budget is too small for two candidates)."""
     per = config.warmup_steps + config.measure_steps
     if n_candidates <= 1:
         return BudgetPlan("none", n_candidates, 0, 0, 0)
@@ -78,13 +108,16 @@ def plan_budget(n_candidates: int, config: AutotuneConfig) -> BudgetPlan:
     grid_cost = n_candidates * per + _final_cost(n_candidates, config, rounds)
     if grid_cost <= config.probe_steps:
         return BudgetPlan("grid", n_candidates, min(config.finalists, n_candidates) if rounds else 0, rounds, grid_cost)
-    for rounds_try in (rounds, 0):
+    options = [(min(rounds, TPE_FINAL_ROUNDS), d) for d in range(DUEL_ROUNDS, -1, -1)] if rounds else []
+    for rounds_try, duel in options + [(0, 0)]:
         n = n_candidates - 1
-        while n >= 2 and n * per + _final_cost(n, config, rounds_try) > config.probe_steps:
+        fixed = _duel_cost(config, duel)
+        while n >= 2 and n * per + _final_cost(n, config, rounds_try) + fixed > config.probe_steps:
             n -= 1
         if n >= 2:
             finals = min(config.finalists, n) if rounds_try else 0
-            return BudgetPlan("tpe", n, finals, rounds_try, n * per + _final_cost(n, config, rounds_try))
+            steps = n * per + _final_cost(n, config, rounds_try) + fixed
+            return BudgetPlan("tpe", n, finals, rounds_try, steps, duel)
     # AutotuneConfig guarantees probe_steps >= 2 * (warmup + k); keep a safe answer anyway.
     return BudgetPlan("tpe", 2, 0, 0, 2 * per)
 
@@ -104,17 +137,77 @@ def _quiet_optuna() -> Iterator[Any]:
         optuna.logging.set_verbosity(previous)
 
 
+def sweep_next(space: SearchSpace, baseline: Key, measured: dict[Key, float]) -> Key | None:
+    """The next candidate of a coordinate sweep from ``baseline``, or None when the sweep is done.
+
+    One knob at a time (in the space's order), the other knobs held at the best setting so far:
+    walk the knob's ladder from the current value in both directions, one rung at a time, and
+    keep walking a direction while each rung is faster than the one before it. The best setting
+    of that line becomes the new centre for the next knob. Cycles over the knobs until a whole
+    cycle moves nothing and proposes nothing new; then the unmeasured neighbours of the best
+    candidates so far, best first (None once every candidate is measured). A knob walks first
+    towards its preferred side (fewer threads, larger chunks), and once a direction improved the
+    other one is skipped (a unimodal line cannot improve on both sides). Stateless: a function of
+    ``measured`` (medians), so the order is deterministic and adapts to the results as they come.
+    """
+    center = baseline
+    for _ in range(len(space) + 1):  # the centre's median strictly falls each cycle: this bounds the loop
+        moved = False
+        for index, knob in enumerate(space.knobs):
+            here = knob.values.index(center[index])
+            line = {center}
+            for direction in ((-1, 1) if knob.prefer == "low" else (1, -1)):
+                previous = measured[center]
+                position = here + direction
+                while 0 <= position < len(knob.values):
+                    key = center[:index] + (knob.values[position],) + center[index + 1:]
+                    if key not in measured:
+                        return key
+                    line.add(key)
+                    if measured[key] >= previous:
+                        break
+                    previous = measured[key]
+                    position += direction
+                if previous < measured[center]:
+                    break  # this direction improved: on a unimodal line the other one cannot
+            best = min(line, key=lambda k: (measured[k], space.preference(space.setting(k))))
+            if best != center and measured[best] < measured[center]:
+                center, moved = best, True
+        if not moved:
+            break
+    # Converged: the unmeasured neighbours (one rung away on one knob) of the best candidates so
+    # far, best first; a noisy sample may have hidden a better direction from the sweep.
+    for key in sorted(measured, key=lambda k: (measured[k], space.preference(space.setting(k)))):
+        for index, knob in enumerate(space.knobs):
+            here = knob.values.index(key[index])
+            for position in (here - 1, here + 1):
+                if 0 <= position < len(knob.values):
+                    neighbour = key[:index] + (knob.values[position],) + key[index + 1:]
+                    if neighbour not in measured:
+                        return neighbour
+    return None
+
+
 class _OptunaOrder:
-    """Candidate order from an Optuna study driven by ask/tell; the static plan is enqueued first."""
+    """Candidate order from an Optuna study driven by ask/tell; the static plan is enqueued first.
+
+    Grid (every candidate fits the budget): a seeded brute-force sampler. Otherwise the most
+    informative points come first: :func:`sweep_next` decides them from the results so far and
+    enqueues each into the study, then a seeded multivariate TPE sampler (which has seen every
+    sweep result) asks for whatever budget remains.
+    """
 
     def __init__(self, space: SearchSpace, baseline: Key, plan: BudgetPlan, seed: int) -> None:
         self._space = space
+        self._baseline = baseline
+        self._sweep = plan.sampler == "tpe"
         with _quiet_optuna() as optuna:
             if plan.sampler == "grid":
                 sampler = optuna.samplers.BruteForceSampler(seed=seed)
             else:
-                # A third of the trials explore at random before TPE models them (at least 3).
-                sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(3, plan.explore // 3))
+                sampler = optuna.samplers.TPESampler(
+                    seed=seed, n_startup_trials=max(3, plan.explore // 3), multivariate=True
+                )
             self._study = optuna.create_study(direction="minimize", sampler=sampler)
             self._study.enqueue_trial(space.setting(baseline))
             self._distributions = {
@@ -127,6 +220,14 @@ class _OptunaOrder:
         if len(measured) >= len(self._space):
             return None
         with _quiet_optuna():
+            if self._sweep and self._baseline in measured:
+                key = sweep_next(self._space, self._baseline, measured)
+                if key is not None:
+                    self._study.enqueue_trial(self._space.setting(key))
+                    trial = self._study.ask(self._distributions)
+                    self._pending[self._space.key(trial.params)] = trial
+                    return self._space.key(trial.params)
+                self._sweep = False
             for _ in range(MAX_REPEATED_ASKS):
                 trial = self._study.ask(self._distributions)
                 key = self._space.key(trial.params)
@@ -158,13 +259,23 @@ class _OptunaOrder:
 def choose(
     space: SearchSpace, baseline: Key, measurements: dict[Key, Measurement], config: AutotuneConfig
 ) -> tuple[Key, str]:
+    """The lock-in rule (see :func:`_lock_in`), called once per session to decide."""
+    return _lock_in(space, baseline, measurements, config)
+
+
+def _lock_in(
+    space: SearchSpace, baseline: Key, measurements: dict[Key, Measurement], config: AutotuneConfig
+) -> tuple[Key, str]:
     """The lock-in rule. Returns ``(winner, reason)``.
 
-    The fastest median wins, candidates within ``tie_tolerance`` of it count as tied and the
-    space's preference breaks the tie (fewer threads, then larger chunks). The static plan stays
-    if it is among the tied, or unless the winner beats it by more than
-    ``max(min_gain * median_plan, noise_factor * max(IQR_plan, IQR_winner))``.
+    Every measurement first loses its outliers (:meth:`Measurement.without_outliers`: stalls of
+    the machine). The fastest median wins, candidates within ``tie_tolerance`` of it count as
+    tied and the space's preference breaks the tie (fewer threads, then larger chunks). The
+    static plan stays if it is among the tied, or unless the winner beats it by more than
+    ``max(min_gain * median_plan, noise_factor * standard error of the difference of the
+    medians)`` (:func:`autotune._measurement.gain_threshold`).
     """
+    measurements = {k: m.without_outliers() for k, m in measurements.items()}
     best = min(m.median for m in measurements.values())
     tied = [k for k, m in measurements.items() if m.median <= best * (1.0 + config.tie_tolerance)]
     if baseline in tied:
@@ -224,6 +335,9 @@ class ProbeSession:
         self.steps += 1
         if slot.phase in ("measure", "final"):
             self.samples[slot.key].append(node_time)
+        if slot.phase == "measure" and self._clearly_slower(slot.key):
+            while self._queue and self._queue[0].key == slot.key:
+                self._queue.popleft()
         if slot.phase == "measure" and (not self._queue or self._queue[0].key != slot.key):
             self._finish_candidate(slot.key)
         self.slot = self._next()
@@ -235,11 +349,38 @@ class ProbeSession:
             self.slot = None
         return self.slot
 
+    def _clearly_slower(self, key: Key) -> bool:
+        """True when ``key``'s fastest measured step is beyond :data:`EARLY_STOP_MARGIN` of the best
+        median explored so far. Only beyond the grid (a grid measures every candidate fully),
+        never for the static plan, nor before :data:`EARLY_STOP_SAMPLES` samples."""
+        samples = self.samples[key]
+        if self.plan.sampler != "tpe" or key == self.baseline or len(samples) < EARLY_STOP_SAMPLES:
+            return False
+        if not self.explored:
+            return False
+        stopped = min(samples) > (1.0 + EARLY_STOP_MARGIN) * min(self.explored.values())
+        if stopped:
+            logger.debug("%s: %s is clearly slower after %d samples; skipping the rest", self.owner,
+                         self.space.describe(self.space.setting(key)), len(samples))
+        return stopped
+
+    def _can_explore(self) -> bool:
+        """Grid: until every candidate is measured. Beyond it: while one more candidate fits the
+        budget next to the planned finals (a candidate stopped early leaves room for another)."""
+        if self._order is None:
+            return False
+        if self.plan.sampler == "grid":
+            return len(self.explored) < self.plan.explore
+        per = self.config.warmup_steps + self.config.measure_steps
+        finals = self.plan.finalists * self.plan.final_rounds * (self.config.warmup_steps + 1)
+        duel = _duel_cost(self.config, self.plan.duel_rounds)
+        return self.steps + per + finals + duel <= self.config.probe_steps
+
     def _finish_candidate(self, key: Key) -> None:
         measurement = self.measurement(key)
-        self.explored[key] = measurement.median
+        self.explored[key] = measurement.without_outliers().median
         if self._order is not None:
-            self._order.tell(key, measurement.median, measured=len(self.explored))
+            self._order.tell(key, self.explored[key], measured=len(self.explored))
         logger.info(
             "%s: candidate %d of %d: %s", self.owner, len(self.explored), self.plan.explore, measurement
         )
@@ -248,7 +389,8 @@ class ProbeSession:
         if self._queue:
             return self._queue.popleft()
         if self._phase == "explore":
-            if len(self.explored) < self.plan.explore and self._order is not None:
+            if self._can_explore():
+                assert self._order is not None
                 key = self._order.ask(self.explored)
                 if key is not None:
                     self._queue_candidate(key)
@@ -257,8 +399,44 @@ class ProbeSession:
             if self.plan.final_rounds and len(self.explored) >= 2:
                 self._queue_finals()
                 return self._queue.popleft()
+        if self._phase == "finals" and self.finalists and self._queue_duel():
+            return self._queue.popleft()
         self._decide()
         return None
+
+    def _queue_duel(self) -> bool:
+        """After the planned finals: while the fastest finalist looks faster than the static plan
+        but not yet clearly (see :func:`choose`), and the noise could still carry its gain over
+        ``min_gain``, and the budget allows: one more interleaved round of just those two (more
+        samples shrink the standard errors). False when there is nothing to settle or no budget."""
+        if not self.plan.duel_rounds or self.steps + _duel_cost(self.config, 1) > self.config.probe_steps:
+            return False
+        measurements = {k: self.measurement(k) for k in self.finalists if self.samples[k]}
+        if self.baseline not in measurements:
+            return False
+        winner, _ = _lock_in(self.space, self.baseline, measurements, self.config)
+        if winner != self.baseline:
+            return False  # already clearly faster
+        clean = {k: m.without_outliers() for k, m in measurements.items()}
+        base = clean[self.baseline].median
+        best = min(
+            (k for k in clean if k != self.baseline),
+            key=lambda k: (clean[k].median, self.space.preference(self.space.setting(k))),
+            default=None,
+        )
+        if best is None:
+            return False
+        gain = base - clean[best].median
+        noise = self.config.noise_factor * math.hypot(
+            median_standard_error(clean[self.baseline]), median_standard_error(clean[best])
+        )
+        if gain <= self.config.tie_tolerance * base or gain + noise <= self.config.min_gain * base:
+            return False  # as fast as the static plan, or short of the margin beyond any noise: settled
+        logger.debug("%s: duel round: %s vs the static plan", self.owner, self.space.describe(self.space.setting(best)))
+        for key in (self.baseline, best):
+            self._queue.extend([Slot(key, "final_warmup")] * self.config.warmup_steps)
+            self._queue.append(Slot(key, "final"))
+        return True
 
     def _queue_finals(self) -> None:
         others = sorted(
@@ -317,10 +495,10 @@ class CheckSession:
     def clearly_slower(self) -> bool:
         """True if the re-check median exceeds the recorded one by more than ``recheck_tolerance``
         and by more than the noise."""
-        m = self.measurement()
+        m = self.measurement().without_outliers()
         excess = m.median - self.recorded_median_s
         beyond_tolerance = excess > self.config.recheck_tolerance * self.recorded_median_s
-        return beyond_tolerance and excess > self.config.noise_factor * m.iqr
+        return beyond_tolerance and excess > self.config.noise_factor * median_standard_error(m)
 
 
 def finite_positive(value: object) -> bool:

@@ -65,7 +65,8 @@ class AutotuneConfig:
     min_gain: float = MIN_GAIN
     """Smallest relative gain over the static plan that may replace it."""
     noise_factor: float = NOISE_FACTOR
-    """A gain must also exceed this multiple of the larger IQR (winner, static plan)."""
+    """A gain must also exceed this multiple of the standard error of the difference of the two
+    medians (winner, static plan), each estimated from its IQR and sample count."""
     tie_tolerance: float = TIE_TOLERANCE
     """Medians within this relative distance of the fastest count as tied (then the preferred knob values win)."""
     seed: int = 0
@@ -441,8 +442,8 @@ class OnlineTuner:
         self._session = ProbeSession(self.space, self._baseline_key, self.config, owner=OWNER)
         plan = self._session.plan
         logger.info(
-            "%s: probing %d of %d candidates (%s), at most %d of %d steps: %d warm-up + %d measured each, "
-            "%d finalist(s) x %d round(s)",
+            "%s: probing %d of %d candidates (%s), %d of at most %d steps: %d warm-up + %d measured each, "
+            "%d finalist(s) x %d round(s), up to %d duel round(s)",
             OWNER,
             plan.explore,
             len(self.space),
@@ -453,6 +454,7 @@ class OnlineTuner:
             self.config.measure_steps,
             plan.finalists,
             plan.final_rounds,
+            plan.duel_rounds,
         )
         assert self._session.slot is not None
         return self._directive(step, "probing", self._session.slot.phase, self.baseline, cache_status=cache_status)
