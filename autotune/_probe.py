@@ -105,9 +105,13 @@ def plan_budget(n_candidates: int, config: AutotuneConfig) -> BudgetPlan:
     if n_candidates <= 1:
         return BudgetPlan("none", n_candidates, 0, 0, 0)
     rounds = config.final_rounds if config.finalists >= 2 else 0
-    grid_cost = n_candidates * per + _final_cost(n_candidates, config, rounds)
-    if grid_cost <= config.probe_steps:
-        return BudgetPlan("grid", n_candidates, min(config.finalists, n_candidates) if rounds else 0, rounds, grid_cost)
+    # Measuring every candidate beats sampling some of them: a grid with fewer final rounds (down
+    # to one) is preferred over sweep + TPE when the full finals do not fit.
+    for grid_rounds in range(rounds, 0, -1) if rounds else (0,):
+        grid_cost = n_candidates * per + _final_cost(n_candidates, config, grid_rounds)
+        if grid_cost <= config.probe_steps:
+            finals = min(config.finalists, n_candidates) if grid_rounds else 0
+            return BudgetPlan("grid", n_candidates, finals, grid_rounds, grid_cost)
     options = [(min(rounds, TPE_FINAL_ROUNDS), d) for d in range(DUEL_ROUNDS, -1, -1)] if rounds else []
     for rounds_try, duel in options + [(0, 0)]:
         n = n_candidates - 1

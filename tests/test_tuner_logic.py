@@ -694,3 +694,15 @@ def test_single_process_agreement_needs_no_process_group():
     assert agreement.broadcast(3, step=0, what="x") == 3 and agreement.max_float(2, step=0, what="x") == 2.0
     with pytest.raises(ValueError, match="expected None, a gloo ProcessGroup or an Agreement"):
         make_agreement("nccl", timeout_s=1.0)
+
+
+def test_grid_with_fewer_final_rounds_beats_sampling_when_it_fits() -> None:
+    from autotune._probe import plan_budget
+
+    config = AutotuneConfig()  # 40 steps; 8 candidates x 4 = 32, full finals (2 rounds) would need 44
+    plan = plan_budget(8, config)
+    assert plan.sampler == "grid" and plan.explore == 8 and plan.final_rounds == 1
+    assert plan.steps <= config.probe_steps
+    # Two rounds still used when they fit; sampling when even one round does not.
+    assert plan_budget(6, config).final_rounds == 2
+    assert plan_budget(9, config).sampler == "tpe"
