@@ -27,6 +27,7 @@ import math
 import os
 import socket
 import threading
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
@@ -295,6 +296,10 @@ def _node_ranks(group: Any) -> tuple[list[int], bool, str]:
     return list(range(world)), True, "all ranks, filtered by host name"
 
 
+#: Groups made for the thread plan, keyed by rank set, held by WEAK references: torch's own
+#: registry keeps them alive until ``destroy_process_group()``; a strong reference here would keep
+#: the process group alive until interpreter teardown, where destroying it crashed a torchrun rank
+#: about one run in six ("terminate called without an active exception").
 _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 _GROUPS_LOCK = threading.Lock()
 
@@ -315,8 +320,8 @@ def _gloo_group(ranks: Sequence[int], given: Any, timeout_s: float) -> Any:
     key, world = tuple(ranks), dist.group.WORLD
     with _GROUPS_LOCK:
         cached = _GROUPS.get(key)
-        if cached is not None and cached[0] is world:
-            return cached[1]
+        if cached is not None and cached[0]() is world and cached[1]() is not None:
+            return cached[1]()
         try:
             pg = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s),
                                 use_local_synchronization=True)
@@ -329,7 +334,7 @@ def _gloo_group(ranks: Sequence[int], given: Any, timeout_s: float) -> Any:
             raise ThreadPlanError(
                 f"creating a gloo group over ranks {list(ranks)} failed within {timeout_s:g} s: {exc}"
             ) from exc
-        _GROUPS[key] = (world, pg)
+        _GROUPS[key] = (weakref.ref(world), weakref.ref(pg))
         return pg
 
 
