@@ -38,9 +38,14 @@ speed knob where it returns True ("tuning never changes the math").
 
 Speed. One parallel region per call over all its tensors on torch's OpenMP pool (the build uses
 ``-fopenmp`` and links the ``libgomp.so.1`` that torch has loaded; every load checks that
-``torch.set_num_threads`` governs the kernel), vectorised with ATen's ``Vectorized``. Calls of at
-least 2 Mi elements write the low-precision parameter with non-temporal stores, which saves the
-read-for-ownership of a write-only stream (2 of 30 bytes per parameter).
+``torch.set_num_threads`` governs the kernel), vectorised with ATen's ``Vectorized``. Its threads
+take blocks of 16 Ki elements from a shared counter instead of a fixed share each, so a thread
+slowed by another process costs the call its share of the delay, not the whole delay (which a
+fixed split pays once per call, i.e. once per chunk). Calls of at least 2 Mi elements write the
+low-precision parameter with non-temporal stores, which saves the read-for-ownership of a
+write-only stream (2 of 30 bytes per parameter). :func:`fused_mp_adamw_steps_` takes torch's step
+tensors and does the step bookkeeping in C++, so a caller makes one call per chunk with no Python
+work per tensor beyond building the lists.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ __all__ = [
     "FusedMPUnavailable",
     "bitwise_matches_torch",
     "fused_mp_adamw_",
+    "fused_mp_adamw_steps_",
     "fused_mp_available",
     "torch_mp_adamw_",
 ]
@@ -380,9 +386,12 @@ def _check_lists(**lists: Sequence[Tensor]) -> None:
                 )
 
 
-def _check_hyper(step: int, lr: float, beta1: float, beta2: float, eps: float, wd: float) -> None:
+def _check_step(step: int) -> None:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"fused_mp_adamw_: step={step!r}: expected an int >= 1")
+
+
+def _check_hyper(lr: float, beta1: float, beta2: float, eps: float, wd: float) -> None:
     for name, value, low, high in (
         ("lr", lr, 0.0, math.inf),
         ("beta1", beta1, 0.0, 1.0),
@@ -430,7 +439,8 @@ def fused_mp_adamw_(
         params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
         exp_avg_sqs=exp_avg_sqs,
     )
-    _check_hyper(step, lr, beta1, beta2, eps, weight_decay)
+    _check_step(step)
+    _check_hyper(lr, beta1, beta2, eps, weight_decay)
     module, reason = _LOADER.get()
     if module is None:
         raise FusedMPUnavailable(f"fused-mp AdamW kernel unavailable: {reason}")
@@ -438,6 +448,79 @@ def fused_mp_adamw_(
         list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
         step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
         weight_decay=float(weight_decay),
+    )
+
+
+def fused_mp_adamw_steps_(
+    params_lowp: Sequence[Tensor],
+    grads_lowp: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    *,
+    steps_to_increment: Sequence[Tensor] = (),
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`fused_mp_adamw_` with torch's step bookkeeping: each tensor's own step tensor.
+
+    ``state_steps[i]`` is the fp32 one-element step tensor of the parameter ``masters[i]``
+    belongs to (several entries may share one). First each of ``steps_to_increment`` is
+    incremented by one (as ``torch._foreach_add_(steps, 1)`` before torch's fused AdamW), then
+    every tensor is updated with the step its step tensor then holds, read as a float as torch
+    reads it. One call does the work of a ``_foreach_add_``, a ``.item()`` per tensor and one
+    kernel call per distinct step: the offload pipeline's per-chunk Python time, which on a
+    memory-bound step leaves the memory bus idle, no longer grows with the number of parameters.
+
+    Same checks as :func:`fused_mp_adamw_` (all before the first write, the step increments
+    included), plus: every step tensor is a one-element fp32 CPU tensor, and every step is finite
+    and >= 1 after the increments.
+    """
+    _check_lists(
+        params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs, state_steps=state_steps, steps_to_increment=steps_to_increment,
+    )
+    _check_hyper(lr, beta1, beta2, eps, weight_decay)
+    call_steps_unchecked(
+        list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
+        list(state_steps), steps_to_increment=list(steps_to_increment), lr=float(lr),
+        beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
+    )
+
+
+def call_steps_unchecked(
+    params_lowp: list[Tensor],
+    grads_lowp: list[Tensor],
+    masters: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    state_steps: list[Tensor],
+    *,
+    steps_to_increment: list[Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`fused_mp_adamw_steps_` without its Python-side checks, for the offload pipeline.
+
+    The C++ side still checks every tensor before writing; what is skipped is the per-element
+    ``isinstance`` walk (pybind rejects a non-tensor with a less precise TypeError) and the
+    hyper-parameter checks (the optimizer validated them when the param group was set). The
+    pipeline calls this once per chunk while the memory bus waits, so it stays lean.
+    """
+    module, reason = _LOADER.get()
+    if module is None:
+        raise FusedMPUnavailable(f"fused-mp AdamW kernel unavailable: {reason}")
+    module.fused_mp_adamw_steps_(
+        params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps,
+        steps_to_increment=steps_to_increment, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay,
     )
 
 
@@ -467,7 +550,8 @@ def torch_mp_adamw_(
         params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
         exp_avg_sqs=exp_avg_sqs,
     )
-    _check_hyper(step, lr, beta1, beta2, eps, weight_decay)
+    _check_step(step)
+    _check_hyper(lr, beta1, beta2, eps, weight_decay)
     if not masters:
         return
     if grad_buffers is None:

@@ -97,36 +97,39 @@ def mixed_precision_adamw_(
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
 ) -> None:
-    """The fused-mp step of :func:`offload._fused_mp.fused_mp_adamw_` with :func:`fused_adamw_`'s
-    step handling: ``steps_to_increment`` are incremented first, then the views are updated in one
-    kernel call per distinct (step, parameter dtype, gradient dtype), in their order.
+    """The fused-mp step of :func:`offload._fused_mp.fused_mp_adamw_steps_` with
+    :func:`fused_adamw_`'s step handling: ``steps_to_increment`` are incremented first, then every
+    view is updated with its own parameter's step, in one kernel call.
 
     ``params_lowp[i]`` receives the updated master rounded to the low-precision dtype;
     ``grads_lowp[i]`` is read as is (no fp32 copy). Raises ``FusedMPUnavailable`` when the kernel
     could not be built (the optimizer checks first and keeps the torch path then).
     """
-    from offload._fused_mp import fused_mp_adamw_
+    from offload._fused_mp import call_steps_unchecked
 
-    if not masters:
+    lr = hyper.lr
+    hyper_args = {
+        "lr": float(lr.item()) if isinstance(lr, Tensor) else float(lr),
+        "beta1": hyper.beta1,
+        "beta2": hyper.beta2,
+        "eps": hyper.eps,
+        "weight_decay": hyper.weight_decay,
+    }
+    dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
+    if len(dtypes) <= 1:  # the usual case: one call
+        call_steps_unchecked(
+            list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
+            list(state_steps), steps_to_increment=list(steps_to_increment), **hyper_args,
+        )
         return
+    # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
     if steps_to_increment:
         torch._foreach_add_(list(steps_to_increment), 1)
-    lr = hyper.lr
-    lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
-    groups: dict[tuple[int, torch.dtype, torch.dtype], list[int]] = {}
-    for i, (step, p, g) in enumerate(zip(state_steps, params_lowp, grads_lowp)):
-        groups.setdefault((int(step.item()), p.dtype, g.dtype), []).append(i)
-    for (step_value, _, _), idx in groups.items():
-        fused_mp_adamw_(
-            [params_lowp[i] for i in idx],
-            [grads_lowp[i] for i in idx],
-            [masters[i] for i in idx],
-            [exp_avgs[i] for i in idx],
-            [exp_avg_sqs[i] for i in idx],
-            step=step_value,
-            lr=lr_value,
-            beta1=hyper.beta1,
-            beta2=hyper.beta2,
-            eps=hyper.eps,
-            weight_decay=hyper.weight_decay,
+    for pair in sorted(dtypes, key=str):
+        idx = [i for i, (p, g) in enumerate(zip(params_lowp, grads_lowp)) if (p.dtype, g.dtype) == pair]
+        call_steps_unchecked(
+            *([lst[i] for i in idx] for lst in (params_lowp, grads_lowp, masters, exp_avgs,
+                                                exp_avg_sqs, state_steps)),
+            steps_to_increment=[],
+            **hyper_args,
         )

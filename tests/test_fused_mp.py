@@ -23,6 +23,7 @@ from offload._fused_mp import (
     FusedMPUnavailable,
     bitwise_matches_torch,
     fused_mp_adamw_,
+    fused_mp_adamw_steps_,
     fused_mp_available,
     torch_mp_adamw_,
 )
@@ -135,7 +136,7 @@ def test_thread_counts_give_identical_results(kernel) -> None:
     results = []
     previous = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 3):  # 3 > cores here: blocks go to whichever thread runs
             torch.set_num_threads(threads)
             state = [_clone(x) for x in start]
             for step in (1, 2, 3):
@@ -143,9 +144,10 @@ def test_thread_counts_give_identical_results(kernel) -> None:
             results.append(state)
     finally:
         torch.set_num_threads(previous)
-    for one, two in zip(*results):
-        for a, b in zip(one, two):
-            assert torch.equal(a, b)
+    for other in results[1:]:
+        for one, two in zip(results[0], other):
+            for a, b in zip(one, two):
+                assert torch.equal(a, b)
 
 
 def test_torch_thread_count_governs_the_kernel(kernel) -> None:
@@ -160,6 +162,78 @@ def test_torch_thread_count_governs_the_kernel(kernel) -> None:
 
 def test_empty_lists_are_a_no_op(kernel) -> None:
     fused_mp_adamw_([], [], [], [], [], step=1, **HYPER)
+
+
+def test_state_steps_match_an_int_step_per_tensor(kernel) -> None:
+    """fused_mp_adamw_steps_ == fused_mp_adamw_ with each tensor's own step, after increments
+    applied like torch._foreach_add_ (a tensor listed twice goes up by two)."""
+    sizes = (100_003, 33, 4097, 65)
+    gen = torch.Generator().manual_seed(5)
+    params, masters, exp_avgs, exp_avg_sqs = _state(sizes, torch.bfloat16, gen)
+    grads = _grads(sizes, torch.bfloat16, gen)
+    ref = [_clone(x) for x in (params, masters, exp_avgs, exp_avg_sqs)]
+    a, b, c = torch.tensor(3.0), torch.tensor(0.0), torch.tensor(7.0)
+    state_steps = [a, b, b, c]  # tensors 1 and 2 are views of one parameter: one step tensor
+    fused_mp_adamw_steps_(params, grads, masters, exp_avgs, exp_avg_sqs, state_steps,
+                          steps_to_increment=[a, b, a], **HYPER)
+    assert (a.item(), b.item(), c.item()) == (5.0, 1.0, 7.0)
+    for i, step in enumerate((5, 1, 1, 7)):
+        fused_mp_adamw_(*([x[i]] for x in ref[:1]), [grads[i]], *([x[i]] for x in ref[1:]),
+                        step=step, **HYPER)
+    for name, got, want in zip(("params_lowp", "masters", "exp_avgs", "exp_avg_sqs"),
+                               (params, masters, exp_avgs, exp_avg_sqs), ref):
+        for i in range(len(sizes)):
+            assert torch.equal(got[i], want[i]), f"{name}[{i}]"
+
+
+def test_state_steps_only_increment_when_there_is_nothing_to_update(kernel) -> None:
+    step = torch.tensor(2.0)
+    fused_mp_adamw_steps_([], [], [], [], [], [], steps_to_increment=[step], **HYPER)
+    assert step.item() == 3.0
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "message"),
+    [
+        ("step-below-one", ValueError, "state_steps[1] is 0 after the increments"),
+        ("step-nan", ValueError, "state_steps[0] is nan after the increments"),
+        ("step-fp64", TypeError, "state_steps[1] has dtype torch.float64: expected torch.float32"),
+        ("step-shape", ValueError, "state_steps[0] has shape [2]: expected a one-element step"),
+        ("increment-fp64", TypeError, "steps_to_increment[0] has dtype torch.float64"),
+        ("steps-length", ValueError, "state_steps has 1 tensors: expected 2 like masters"),
+        ("moment-size", ValueError, "exp_avg_sqs[1] has 41 elements"),
+    ],
+)
+def test_bad_state_steps_raise_before_touching_memory(kernel, case, error, message) -> None:
+    gen = torch.Generator().manual_seed(6)
+    sizes = (33, 40)
+    params, masters, exp_avgs, exp_avg_sqs = _state(sizes, torch.bfloat16, gen)
+    grads = _grads(sizes, torch.bfloat16, gen)
+    steps = [torch.tensor(1.0), torch.tensor(1.0)]
+    increment = [steps[0]]
+    if case == "step-below-one":
+        steps[1] = torch.tensor(0.0)  # not incremented: stays 0
+    elif case == "step-nan":
+        steps[0].fill_(float("nan"))
+    elif case == "step-fp64":
+        steps[1] = torch.tensor(1.0, dtype=torch.float64)
+    elif case == "step-shape":
+        steps[0] = torch.ones(2)
+        increment = []
+    elif case == "increment-fp64":
+        increment = [torch.tensor(1.0, dtype=torch.float64)]
+    elif case == "steps-length":
+        steps = steps[:1]
+    elif case == "moment-size":
+        exp_avg_sqs[1] = torch.zeros(41)
+    watched = [*params, *grads, *masters, *exp_avgs, *exp_avg_sqs, *steps, *increment]
+    before = _clone(watched)
+    with pytest.raises(error, match=re.escape(message)):
+        fused_mp_adamw_steps_(params, grads, masters, exp_avgs, exp_avg_sqs, steps,
+                              steps_to_increment=increment, **HYPER)
+    for now, was in zip(watched, before):
+        assert torch.equal(now, was) or (now.isnan().all() and was.isnan().all()), (
+            f"{case}: a tensor changed before the error")
 
 
 def _bad_case(name: str):

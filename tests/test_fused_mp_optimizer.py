@@ -137,6 +137,36 @@ def test_fp32_parameters_of_a_mixed_model_keep_the_torch_path(kernel) -> None:
     assert_bitwise([got_p[4], got_p[5]], [want_p[4], want_p[5]], "fp32 norm weight/bias")
 
 
+def test_chunks_mixing_bf16_and_fp16_parameters(kernel) -> None:
+    """bf16 and fp16 parameters in one chunk (one kernel call takes one dtype pair): each dtype's
+    views get their own call, and the steps still go up once per parameter."""
+
+    def run(kernel_name: str):
+        gen = torch.Generator().manual_seed(7)
+        shapes_dtypes = [((300,), torch.bfloat16), ((70, 3), torch.float16), ((129,), torch.bfloat16),
+                         ((64,), torch.float16)]
+        params = [torch.nn.Parameter((0.1 * torch.randn(s, generator=gen)).to(d)) for s, d in shapes_dtypes]
+        opt = CPUOffloadAdamW(params, lr=1e-2, weight_decay=0.1,
+                              settings=_settings(kernel_name, chunk=1 << 20))
+        kernels = []
+        for step in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            opt.step()
+            kernels.append(opt.last_stats.kernel)
+        assert opt.last_stats.num_chunks == 1
+        out = [p.detach().clone() for p in params], _state(opt, params), kernels
+        opt.close()
+        return out
+
+    want_p, want_s, _ = run("torch")
+    got_p, got_s, kernels = run("fused-mp")
+    assert set(kernels) == {"fused-mp"}
+    assert [t.item() for t in got_s[3::4]] == [5.0] * 4  # step tensors: once per parameter
+    _assert_matches(got_p, want_p, "params")
+    _assert_matches(got_s, want_s, "state")
+
+
 def test_fp32_model_with_fused_mp_set_is_torch_exact(kernel) -> None:
     model = make_model(torch.float32)
     reference = copy.deepcopy(model)

@@ -36,6 +36,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -76,6 +77,8 @@ static_assert(kUnit % at::vec::Vectorized<c10::BFloat16>::size() == 0, "kUnit vs
 constexpr int64_t kStreamMinElements = int64_t(1) << 21;
 // Smallest range, in units, worth splitting across threads (64 Ki elements, ~1.8 MB of traffic).
 constexpr int64_t kGrainUnits = 1024;
+// Work block a thread takes at a time (16 Ki elements, ~460 KB of traffic, ~10 us at 40 GB/s).
+constexpr int64_t kBlockUnits = 256;
 
 // Scalar coefficients, computed exactly as torch's kernel computes them.
 struct Coeffs {
@@ -89,10 +92,10 @@ struct Coeffs {
   double weight_decay;
 };
 
-Coeffs make_coeffs(int64_t step, double lr, double beta1, double beta2, double eps,
+// `step_f`: the step as torch holds it, a float read from the fp32 step tensor (widened to double).
+Coeffs make_coeffs(float step_f, double lr, double beta1, double beta2, double eps,
                    double weight_decay) {
-  // torch reads the step from a float tensor and widens it to double.
-  const double step_d = static_cast<double>(static_cast<float>(step));
+  const double step_d = static_cast<double>(step_f);
   Coeffs c{};
   c.lr = lr;
   const double bias_correction1 = 1 - std::pow(beta1, step_d);
@@ -249,30 +252,34 @@ std::string dtype_name(at::ScalarType t) {
 
 void check_tensor(const at::Tensor& t, const char* arg, size_t i, int64_t numel,
                   at::ScalarType dtype) {
-  std::ostringstream where;
-  where << "fused_mp_adamw_: " << arg << "[" << i << "]";
-  if (!t.defined()) fail_value(where.str() + " is an undefined tensor");
+  // The message prefix is built only on failure: this runs five times per tensor per call.
+  const auto where = [&]() {
+    std::ostringstream out;
+    out << "fused_mp_adamw_: " << arg << "[" << i << "]";
+    return out.str();
+  };
+  if (!t.defined()) fail_value(where() + " is an undefined tensor");
   if (t.device().type() != c10::DeviceType::CPU) {
-    fail_value(where.str() + " is on device " + t.device().str() + ": expected a CPU tensor");
+    fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
   }
-  if (t.layout() != c10::kStrided) fail_value(where.str() + ": expected a dense (strided) tensor");
+  if (t.layout() != c10::kStrided) fail_value(where() + ": expected a dense (strided) tensor");
   if (t.scalar_type() != dtype) {
-    fail_type(where.str() + " has dtype " + dtype_name(t.scalar_type()) + ": expected " +
+    fail_type(where() + " has dtype " + dtype_name(t.scalar_type()) + ": expected " +
               dtype_name(dtype));
   }
   if (t.numel() != numel) {
     std::ostringstream msg;
-    msg << where.str() << " has " << t.numel() << " elements (shape " << t.sizes()
+    msg << where() << " has " << t.numel() << " elements (shape " << t.sizes()
         << "): expected " << numel << " like masters[" << i << "]";
     fail_value(msg.str());
   }
   if (!t.is_contiguous()) {
     std::ostringstream msg;
-    msg << where.str() << " is not contiguous (shape " << t.sizes() << ", strides "
+    msg << where() << " is not contiguous (shape " << t.sizes() << ", strides "
         << t.strides() << "): expected a contiguous tensor";
     fail_value(msg.str());
   }
-  if (t.is_conj() || t.is_neg()) fail_value(where.str() + " has a lazy conj/neg bit set");
+  if (t.is_conj() || t.is_neg()) fail_value(where() + " has a lazy conj/neg bit set");
 }
 
 struct Span {
@@ -281,7 +288,7 @@ struct Span {
   const char* name;
 };
 
-void check_no_overlap(const std::vector<Span>& spans, size_t i) {
+void check_no_overlap(const std::array<Span, 5>& spans, size_t i) {
   for (size_t a = 0; a < spans.size(); ++a) {
     for (size_t b = a + 1; b < spans.size(); ++b) {
       const Span& x = spans[a];
@@ -306,7 +313,7 @@ Span span_of(const at::Tensor& t, const char* name) {
 template <typename param_t, typename grad_t>
 void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
-         const std::vector<at::Tensor>& exp_avg_sqs, const Coeffs& c) {
+         const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<Coeffs>& coeffs) {
   const size_t n = masters.size();
   std::vector<param_t*> p_lp(n);
   std::vector<const grad_t*> g_lp(n);
@@ -326,9 +333,9 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   if (total_units == 0) return;
   const bool stream = total_units * kUnit >= kStreamMinElements;
 
-  // One parallel region over every element of every tensor: each tensor starts on a unit
-  // boundary, so a worker's range maps to unit-aligned slices of consecutive tensors.
-  at::parallel_for(0, total_units, kGrainUnits, [&](int64_t begin, int64_t end) {
+  // Units [begin, end) of the concatenation of all tensors: each tensor starts on a unit
+  // boundary, so the range maps to unit-aligned slices of consecutive tensors.
+  const auto update_units = [&](int64_t begin, int64_t end) {
     size_t i = static_cast<size_t>(
         std::upper_bound(unit_start.begin(), unit_start.end(), begin) - unit_start.begin() - 1);
     for (; i < n && unit_start[i] < end; ++i) {
@@ -338,17 +345,36 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
       const int64_t hi = std::min(hi_unit * kUnit, numel[i]);
       if (hi <= lo) continue;
       adamw_span<param_t, grad_t>(p_lp[i] + lo, g_lp[i] + lo, m32[i] + lo, ea[i] + lo,
-                                  eas[i] + lo, hi - lo, c, stream);
+                                  eas[i] + lo, hi - lo, coeffs[i], stream);
+    }
+  };
+  // One parallel region per call; its threads take blocks of kBlockUnits from a shared counter
+  // rather than a fixed 1/threads share each. A fixed share makes every call wait for its slowest
+  // thread, and on shared or noisy CPUs (another process, an interrupt) that wait is paid once
+  // per call, i.e. per chunk; with blocks the delayed thread just takes fewer of them. Which
+  // thread updates an element changes nothing in its arithmetic.
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(),
+                                            (total_units + kGrainUnits - 1) / kGrainUnits);
+  if (workers <= 1 || at::in_parallel_region()) {
+    update_units(0, total_units);
+    return;
+  }
+  const int64_t blocks = (total_units + kBlockUnits - 1) / kBlockUnits;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < blocks;
+         b = next.fetch_add(1, std::memory_order_relaxed)) {
+      update_units(b * kBlockUnits, std::min(total_units, (b + 1) * kBlockUnits));
     }
   });
 }
 
-void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
-                     const std::vector<at::Tensor>& grads_lowp,
-                     const std::vector<at::Tensor>& masters,
-                     const std::vector<at::Tensor>& exp_avgs,
-                     const std::vector<at::Tensor>& exp_avg_sqs, int64_t step, double lr,
-                     double beta1, double beta2, double eps, double weight_decay) {
+// Checks the five tensor lists (everything but the steps); returns the parameter and gradient
+// dtypes. Writes nothing.
+std::pair<at::ScalarType, at::ScalarType> check_lists(
+    const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+    const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+    const std::vector<at::Tensor>& exp_avg_sqs) {
   const size_t n = masters.size();
   const std::vector<std::pair<const char*, const std::vector<at::Tensor>*>> lists = {
       {"params_lowp", &params_lowp}, {"grads_lowp", &grads_lowp},
@@ -361,7 +387,7 @@ void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
       fail_value(msg.str());
     }
   }
-  if (n == 0) return;
+  if (n == 0) return {at::kBFloat16, at::kBFloat16};
 
   const at::ScalarType p_dtype = params_lowp[0].defined() ? params_lowp[0].scalar_type()
                                                           : at::kBFloat16;
@@ -388,26 +414,136 @@ void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
                       span_of(exp_avg_sqs[i], "exp_avg_sqs")},
                      i);
   }
-  // In-place semantics for autograd, as torch's own in-place ops: bump the version counters of
-  // the tensors written (raises, still before any write, for inference tensors outside
-  // InferenceMode).
-  for (size_t i = 0; i < n; ++i) {
+  return {p_dtype, g_dtype};
+}
+
+// After every check: bumps the version counters of the tensors written (in-place semantics for
+// autograd, as torch's own in-place ops). Raises, still before any write, for inference tensors
+// outside InferenceMode.
+void bump_versions(const std::vector<at::Tensor>& params_lowp,
+                   const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+                   const std::vector<at::Tensor>& exp_avg_sqs,
+                   const std::vector<at::Tensor>& steps = {}) {
+  for (size_t i = 0; i < masters.size(); ++i) {
     for (const at::Tensor* t : {&params_lowp[i], &masters[i], &exp_avgs[i], &exp_avg_sqs[i]}) {
       t->unsafeGetTensorImpl()->bump_version();
     }
   }
-  const Coeffs c = make_coeffs(step, lr, beta1, beta2, eps, weight_decay);
+  for (const at::Tensor& t : steps) t.unsafeGetTensorImpl()->bump_version();
+}
 
+// The update itself, with the GIL released.
+void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+            const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+            const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
+            at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs) {
+  if (masters.empty()) return;
   pybind11::gil_scoped_release no_gil;
   if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
-    run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+    run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs,
+                                      coeffs);
   } else if (p_dtype == at::kBFloat16) {
-    run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+    run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs);
   } else if (g_dtype == at::kBFloat16) {
-    run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+    run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs);
   } else {
-    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, c);
+    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs);
   }
+}
+
+// One step number for every tensor (validated in Python: an int >= 1).
+void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
+                     const std::vector<at::Tensor>& grads_lowp,
+                     const std::vector<at::Tensor>& masters,
+                     const std::vector<at::Tensor>& exp_avgs,
+                     const std::vector<at::Tensor>& exp_avg_sqs, int64_t step, double lr,
+                     double beta1, double beta2, double eps, double weight_decay) {
+  const auto [p_dtype, g_dtype] =
+      check_lists(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  if (masters.empty()) return;
+  // torch keeps the step in a float tensor: the int goes through float as it would there.
+  const std::vector<Coeffs> coeffs(
+      masters.size(),
+      make_coeffs(static_cast<float>(step), lr, beta1, beta2, eps, weight_decay));
+  bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs);
+  update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs);
+}
+
+// Checks a 0-d (or one-element) fp32 CPU step tensor; returns its address.
+float* step_ptr(const at::Tensor& t, const char* arg, size_t i) {
+  const auto where = [&]() {
+    std::ostringstream out;
+    out << "fused_mp_adamw_steps_: " << arg << "[" << i << "]";
+    return out.str();
+  };
+  if (!t.defined()) fail_value(where() + " is an undefined tensor");
+  if (t.device().type() != c10::DeviceType::CPU) {
+    fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
+  }
+  if (t.layout() != c10::kStrided || t.numel() != 1) {
+    std::ostringstream msg;
+    msg << where() << " has shape " << t.sizes() << ": expected a one-element step tensor";
+    fail_value(msg.str());
+  }
+  if (t.scalar_type() != at::kFloat) {
+    fail_type(where() + " has dtype " + dtype_name(t.scalar_type()) +
+              ": expected torch.float32 (torch's AdamW step tensor)");
+  }
+  return const_cast<float*>(t.const_data_ptr<float>());
+}
+
+// A step per tensor, read from its fp32 step tensor as torch's fused AdamW reads it, after adding
+// one to each of `steps_to_increment` (as torch._foreach_add_(steps, 1) does before the fused
+// call). The offload pipeline calls this once per chunk: the per-parameter step bookkeeping runs
+// here, not as one Python-level tensor op per parameter.
+void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
+                           const std::vector<at::Tensor>& grads_lowp,
+                           const std::vector<at::Tensor>& masters,
+                           const std::vector<at::Tensor>& exp_avgs,
+                           const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<at::Tensor>& state_steps,
+                           const std::vector<at::Tensor>& steps_to_increment, double lr,
+                           double beta1, double beta2, double eps, double weight_decay) {
+  const auto [p_dtype, g_dtype] =
+      check_lists(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  const size_t n = masters.size();
+  if (state_steps.size() != n) {
+    std::ostringstream msg;
+    msg << "fused_mp_adamw_steps_: state_steps has " << state_steps.size()
+        << " tensors: expected " << n << " like masters";
+    fail_value(msg.str());
+  }
+  // The values after the increments, computed before anything is written.
+  std::vector<std::pair<float*, float>> incremented;  // (address, new value), few entries
+  for (size_t j = 0; j < steps_to_increment.size(); ++j) {
+    float* ptr = step_ptr(steps_to_increment[j], "steps_to_increment", j);
+    auto it = std::find_if(incremented.begin(), incremented.end(),
+                           [ptr](const auto& e) { return e.first == ptr; });
+    if (it == incremented.end()) {
+      incremented.emplace_back(ptr, *ptr + 1.0f);
+    } else {
+      it->second += 1.0f;  // listed twice: incremented twice, like _foreach_add_
+    }
+  }
+  std::vector<Coeffs> coeffs;
+  coeffs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    float* ptr = step_ptr(state_steps[i], "state_steps", i);
+    float value = *ptr;
+    for (const auto& [p, v] : incremented) {
+      if (p == ptr) value = v;
+    }
+    if (!std::isfinite(value) || value < 1.0f) {
+      std::ostringstream msg;
+      msg << "fused_mp_adamw_steps_: state_steps[" << i << "] is " << value
+          << " after the increments: expected a finite step >= 1";
+      fail_value(msg.str());
+    }
+    coeffs.push_back(make_coeffs(value, lr, beta1, beta2, eps, weight_decay));
+  }
+  bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment);
+  for (const auto& [p, v] : incremented) *p = v;  // the first write
+  update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs);
 }
 
 // Distinct intra-op threads one parallel_for used: checks that the kernel's parallel regions run
@@ -442,6 +578,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("exp_avg_sqs"), pybind11::kw_only(), pybind11::arg("step"),
         pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"),
         pybind11::arg("eps"), pybind11::arg("weight_decay"));
+  m.def("fused_mp_adamw_steps_", &fused_mp_adamw_steps_, pybind11::arg("params_lowp"),
+        pybind11::arg("grads_lowp"), pybind11::arg("masters"), pybind11::arg("exp_avgs"),
+        pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"), pybind11::kw_only(),
+        pybind11::arg("steps_to_increment"), pybind11::arg("lr"), pybind11::arg("beta1"),
+        pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"));
   m.def("capability", &capability, "CPU_CAPABILITY this build was compiled for.");
   m.def("threads_used", &threads_used, pybind11::arg("units"),
         "Distinct intra-op threads a parallel_for over `units` work items ran on.");
