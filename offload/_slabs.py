@@ -53,6 +53,8 @@ class View:
     slot: int
     start: int
     stop: int
+    whole: bool = False
+    """The view covers the whole parameter."""
 
     @property
     def numel(self) -> int:
@@ -100,7 +102,7 @@ def plan_chunks(slots: list[ParamSlot], chunk_numel: int) -> tuple[Chunk, ...]:
             remaining = slot.numel - start
             room = chunk_numel - used
             if remaining <= room:
-                current.append(View(slot.index, start, slot.numel))
+                current.append(View(slot.index, start, slot.numel, whole=start == 0))
                 used += remaining
                 start = slot.numel
             else:
@@ -133,6 +135,9 @@ class HostSlabs:
                 {kind: torch.zeros(offset, dtype=torch.float32) for kind in SLAB_KINDS}
             )
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
+        # view() is on the step's hot path (several calls per parameter per step); the slabs are
+        # never reallocated, so each view tensor is made once and reused.
+        self._views: dict[tuple[SlabKind, int, int, int], Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +153,11 @@ class HostSlabs:
         return self.flat(kind, slot).view(self.slots[slot].shape)
 
     def view(self, kind: SlabKind, v: View) -> Tensor:
-        s = self.slots[v.slot]
-        base = s.offset
-        return self._slabs[s.group][kind][base + v.start : base + v.stop]
+        """Elements ``[v.start, v.stop)`` of parameter ``v.slot`` in slab ``kind`` (a cached view)."""
+        key = (kind, v.slot, v.start, v.stop)  # hashing a View runs Python code; a tuple does not
+        t = self._views.get(key)
+        if t is None:
+            s = self.slots[v.slot]
+            base = s.offset
+            t = self._views[key] = self._slabs[s.group][kind][base + v.start : base + v.stop]
+        return t
