@@ -336,6 +336,8 @@ class _Loader:
         self._reason = ""
 
     def get(self) -> tuple[ModuleType | None, str]:
+        if self._done:  # set last, under the lock, after _module and _reason
+            return self._module, self._reason
         with self._lock:
             if not self._done:
                 try:

@@ -29,10 +29,11 @@ Per-chunk Python. A memory-bound step keeps the memory bus busy only while a ker
 worker's Python between two kernel calls leaves it idle, and right after a kernel has streamed
 ~100 MB through the caches that Python runs slowly. Measured on a 2-core VM, 125M bf16 model,
 4 Mi-element chunks: 0.2-0.45 ms between kernel calls, 8-15% of the step, before the hot path was
-trimmed to about 0.1 ms: the slab views of a chunk are made once and reused (:meth:`_Worker._lists`),
-a whole parameter goes to the fused-mp kernel as it is (no view, :func:`_kernel_operand`), the step
-counters are incremented inside the kernel call, and the worker thread runs with grad mode off
-for good instead of entering ``no_grad`` per job.
+trimmed: the slab views of a chunk are made once and reused (:class:`_SlabListCache`), a whole
+parameter goes to the fused-mp kernel as it is (no view, :func:`_kernel_operand`), the step
+counters are incremented inside the kernel call, the worker thread runs with grad mode off for
+good, and on the CPU a step's fused-mp job gets its kernel arguments from the submitting thread
+(:meth:`HostTransport.prepare`), which builds them while the worker runs the previous kernel.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ class ChunkJob:
     transfer: Any = None
     lowp_grads: list[Tensor | None] | None = None
     """Per item: the low-precision gradient the fused-mp kernel reads (None for torch items)."""
+    operands: _Operands | None = None
+    """The fused-mp kernel's arguments, made by the submitting thread (see Transport.prepare)."""
     kernel_ran: bool = False
     skipped_stale: bool = False
     _fused_only: bool | None = None
@@ -158,8 +161,14 @@ class DrainResult:
     wait_s: float = 0.0
 
 
+_Operands = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]
+"""(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps) of one kernel call."""
+
+
 class Transport(Protocol):
     is_async: bool
+
+    def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None: ...
 
     def issue_d2h(self, job: ChunkJob) -> None: ...
 
@@ -229,10 +238,34 @@ class HostTransport:
     def __init__(self) -> None:
         self._lowp = _LowpBuffers(pin=False)
 
+    def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None:
+        """A step's fused-mp job: its kernel arguments, made here on the submitting thread.
+
+        The kernel reads the gradients where they are and writes the parameters itself, so the
+        whole call is known at submit time. Making it here, while the worker runs the previous
+        chunk's kernel with the GIL released, leaves the worker nothing but the call: no Python
+        per parameter between two kernels, when the memory bus would idle. (Jobs launched during
+        backward write a staging buffer and check gradient versions; the worker prepares those.)
+        """
+        if not (job.update and job.materialize and not job.check_versions and job.fused_only):
+            return
+        items = job.items
+        slab = lists.get(job.chunk, items, ("master", "exp_avg", "exp_avg_sq"))
+        job.operands = (
+            [_kernel_operand(it.param, it) for it in items],
+            [_kernel_operand(it.grad, it) for it in items],  # type: ignore[arg-type]
+            slab["master"],
+            slab["exp_avg"],
+            slab["exp_avg_sq"],
+            [it.step for it in items],
+        )
+
     def issue_d2h(self, job: ChunkJob) -> None:
         job.transfer = time.perf_counter()
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        if job.operands is not None:  # prepared at submit: nothing to copy, nothing to look up
+            return
         if job.fused_only:  # fused-mp reads the host gradients in place
             job.lowp_grads = [_kernel_operand(it.grad, it) for it in job.items]  # type: ignore[arg-type]
             return
@@ -346,6 +379,9 @@ class CudaTransport:
     def _event(self) -> Any:
         return torch.cuda.Event(enable_timing=True)
 
+    def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None:
+        """Nothing: the kernel's gradient operands exist only after the worker's d2h copy."""
+
     def issue_d2h(self, job: ChunkJob) -> None:
         t_issue = time.perf_counter()
         dtypes = [it.grad.dtype for it in job.items]  # type: ignore[union-attr]
@@ -435,16 +471,35 @@ class CudaTransport:
 
 @dataclass(slots=True)
 class _SlabLists:
-    """The slab views a kernel call of one chunk takes, per kind, in item order."""
-
     views: tuple[View, ...]
     lists: dict[str, list[Tensor]]
+
+
+class _SlabListCache:
+    """The slab views a kernel call of one chunk takes, per kind and in item order, made once per
+    chunk and reused while the chunk's items are the same views. Used by the submitting thread
+    and by the worker; a dict get/set is atomic, and either writer stores a correct entry."""
+
+    def __init__(self, slabs: HostSlabs) -> None:
+        self._slabs = slabs
+        self._entries: dict[tuple[int, bool], _SlabLists] = {}
+
+    def get(self, chunk: int, items: list[Item], kinds: tuple[SlabKind, ...]) -> dict[str, list[Tensor]]:
+        views = tuple(it.view for it in items)
+        key = (chunk, "grad" in kinds)
+        got = self._entries.get(key)
+        if got is None or got.views != views:
+            got = _SlabLists(views, {k: [self._slabs.view(k, v) for v in views] for k in kinds})
+            self._entries[key] = got
+        return got.lists
 
 
 class _Worker:
     """State owned by the worker thread (never touched by other threads while it runs)."""
 
-    def __init__(self, q: queue.Queue[Any], slabs: HostSlabs, transport: Transport) -> None:
+    def __init__(
+        self, q: queue.Queue[Any], slabs: HostSlabs, transport: Transport, lists: _SlabListCache
+    ) -> None:
         self.q = q
         self.slabs = slabs
         self.transport = transport
@@ -454,19 +509,7 @@ class _Worker:
         self.device: torch.device | None = getattr(transport, "device", None)
         self._threads: int | None = None
         self._limit = contextlib.ExitStack()
-        self._slab_lists: dict[tuple[int, bool], _SlabLists] = {}
-
-    def _lists(self, chunk: int, items: list[Item], kinds: tuple[SlabKind, ...]) -> dict[str, list[Tensor]]:
-        """The slab views of ``items`` for each kind, made once per chunk and reused while the
-        chunk's items are the same views (Python work per parameter per step is time the memory
-        bus spends idle between kernel calls)."""
-        views = tuple(it.view for it in items)
-        key = (chunk, "grad" in kinds)
-        got = self._slab_lists.get(key)
-        if got is None or got.views != views:
-            got = _SlabLists(views, {k: [self.slabs.view(k, v) for v in views] for k in kinds})
-            self._slab_lists[key] = got
-        return got.lists
+        self.lists = lists
 
     def _use_threads(self, threads: int) -> None:
         if threads != self._threads:
@@ -532,10 +575,17 @@ class _Worker:
             if it.view.slot not in self.stepped:
                 self.stepped.add(it.view.slot)
                 new_steps[it.fused].append(it.step)
-        plain = [it for it in job.items if not it.fused]
         t0 = time.perf_counter()
+        if job.operands is not None:
+            mixed_precision_adamw_(
+                *job.operands, steps_to_increment=new_steps[True], hyper=job.hyper
+            )
+            job.operands = None
+            self._record_kernel(job, t0)
+            return
+        plain = [it for it in job.items if not it.fused]
         if plain:
-            lists = self._lists(job.chunk, plain, ("master", "grad", "exp_avg", "exp_avg_sq"))
+            lists = self.lists.get(job.chunk, plain, ("master", "grad", "exp_avg", "exp_avg_sq"))
             fused_adamw_(
                 lists["master"],
                 lists["grad"],
@@ -552,7 +602,7 @@ class _Worker:
                 grads = [g for g, it in zip(job.lowp_grads, job.items) if it.fused]
             else:
                 fused, grads = job.items, job.lowp_grads
-            lists = self._lists(job.chunk, fused, ("master", "exp_avg", "exp_avg_sq"))
+            lists = self.lists.get(job.chunk, fused, ("master", "exp_avg", "exp_avg_sq"))
             mixed_precision_adamw_(
                 [self.transport.lowp_out(job, it) for it in fused],
                 grads,  # type: ignore[arg-type]
@@ -564,6 +614,9 @@ class _Worker:
                 hyper=job.hyper,
             )
         job.lowp_grads = None
+        self._record_kernel(job, t0)
+
+    def _record_kernel(self, job: ChunkJob, t0: float) -> None:
         t1 = time.perf_counter()
         job.kernel_ran = True
         self.records.append(StageRecord(job.chunk, "adam_kernel", t0, t1, t1 - t0))
@@ -601,7 +654,8 @@ class Pipeline:
 
     def __init__(self, slabs: HostSlabs, transport: Transport, *, name: str) -> None:
         self._q: queue.Queue[Any] = queue.Queue()
-        self._worker = _Worker(self._q, slabs, transport)
+        self._lists = _SlabListCache(slabs)
+        self._worker = _Worker(self._q, slabs, transport, self._lists)
         self._thread = threading.Thread(
             target=_worker_main, args=(self._worker,), name=name, daemon=True
         )
@@ -614,8 +668,14 @@ class Pipeline:
         return self._thread.is_alive()
 
     def submit(self, job: ChunkJob) -> None:
+        """Queue ``job``; first the transport may prepare its kernel arguments on this thread."""
         if not self._finalizer.alive:
             raise RuntimeError("the optimizer's pipeline is closed")
+        try:
+            self.transport.prepare(job, self._lists)
+        except Exception:  # noqa: BLE001 - the worker meets the same problem and reports it
+            logger.debug("chunk %d: preparing its kernel call failed", job.chunk, exc_info=True)
+            job.operands = None
         self._q.put(job)
 
     def drain(self) -> DrainResult:

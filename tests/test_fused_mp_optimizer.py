@@ -167,6 +167,32 @@ def test_chunks_mixing_bf16_and_fp16_parameters(kernel) -> None:
     _assert_matches(got_s, want_s, "state")
 
 
+def test_kernel_calls_prepared_at_submit_or_by_the_worker_agree(kernel, monkeypatch) -> None:
+    """On the CPU, step()'s fused-mp jobs get their kernel arguments from the submitting thread;
+    when that fails the worker builds them itself (and would report a real problem)."""
+    from offload import _pipeline
+
+    (want_p, want_s), _, _ = _run(torch.bfloat16, "fused-mp", chunk=3000)
+    prepared = []
+    real_prepare = _pipeline.HostTransport.prepare
+
+    def counting(self, job, lists):
+        real_prepare(self, job, lists)
+        prepared.append(job.operands is not None)
+
+    monkeypatch.setattr(_pipeline.HostTransport, "prepare", counting)
+    _run(torch.bfloat16, "fused-mp", chunk=3000)
+    assert prepared and all(prepared), "step()'s fused-mp jobs were not prepared at submit"
+
+    def failing(self, job, lists):
+        raise RuntimeError("prepare failed")
+
+    monkeypatch.setattr(_pipeline.HostTransport, "prepare", failing)
+    (got_p, got_s), _, _ = _run(torch.bfloat16, "fused-mp", chunk=3000)
+    assert_bitwise(got_p, want_p, "params")
+    assert_bitwise(got_s, want_s, "state")
+
+
 def test_fp32_model_with_fused_mp_set_is_torch_exact(kernel) -> None:
     model = make_model(torch.float32)
     reference = copy.deepcopy(model)
