@@ -8,7 +8,11 @@ with trivial arithmetic, and report GB/s from the bytes they really move:
 ``c_4r3w``
     One pass of a C loop (compiled here with the system C compiler, threads with pthreads, no
     OpenMP runtime that could spin against torch's): per element it loads p, g, m, v and stores
-    p, m, v. 28 B per element. Skipped, with the reason recorded, if no C compiler works.
+    p, m, v. 28 B per element. Threads take 16 Ki-element blocks from a shared counter, like the
+    fused-mp kernel's threads: with a fixed 1/threads share each, one thread delayed by another
+    process on a shared machine held up the whole pass, and the probe then understated the
+    bandwidth a kernel could reach (before 2026-11-30 03:45 UTC the probe used fixed shares).
+    Skipped, with the reason recorded, if no C compiler works.
 ``torch_3pass``
     The cheapest torch expression of the same update, three in-place streaming ops over the
     whole buffers: ``m.lerp_(g)`` (reads m, g; writes m: 12 B), ``v.addcmul_(g, g)`` (reads v, g
@@ -46,46 +50,48 @@ _C_SOURCE = r"""
 #include <pthread.h>
 #include <stddef.h>
 
-typedef struct { float *p; const float *g; float *m; float *v; long lo, hi; } job_t;
+/* Elements a thread takes at a time, the block size of the fused-mp kernel's threads too. */
+enum { BLOCK = 16384 };
+
+typedef struct { float *p; const float *g; float *m; float *v; long n; long next; } job_t;
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
     float *restrict p = j->p; const float *restrict g = j->g;
     float *restrict m = j->m; float *restrict v = j->v;
-    for (long i = j->lo; i < j->hi; i++) {
-        float gi = g[i];
-        float mi = m[i] + 0.1f * (gi - m[i]);
-        float vi = v[i] + 1e-3f * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] -= 1e-6f * mi * vi;
+    for (;;) {
+        long lo = __atomic_fetch_add(&j->next, BLOCK, __ATOMIC_RELAXED);
+        if (lo >= j->n) break;
+        long hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+        for (long i = lo; i < hi; i++) {
+            float gi = g[i];
+            float mi = m[i] + 0.1f * (gi - m[i]);
+            float vi = v[i] + 1e-3f * gi * gi;
+            m[i] = mi;
+            v[i] = vi;
+            p[i] -= 1e-6f * mi * vi;
+        }
     }
     return NULL;
 }
 
-/* Splits [0, n) into `threads` contiguous ranges (multiples of 64 elements), runs one on the
-   calling thread and the rest on fresh pthreads. Returns 0, or -1 if a thread failed to start. */
+/* Runs [0, n) on the calling thread and `threads - 1` fresh pthreads, which take blocks of
+   BLOCK elements from a shared counter: a thread slowed by another process takes fewer blocks
+   instead of holding up the whole pass. Returns 0, or -1 if a thread failed to start (the
+   threads that did start, and the calling thread, still finish the pass). */
 int stream_4r3w(float *p, const float *g, float *m, float *v, long n, int threads) {
     enum { MAXT = 1024 };
     pthread_t tid[MAXT];
-    job_t jobs[MAXT];
+    job_t job = {p, g, m, v, n, 0};
     if (threads < 1) threads = 1;
     if (threads > MAXT) threads = MAXT;
-    long per = ((n + threads - 1) / threads + 63) / 64 * 64;
     int started = 0, rc = 0;
-    for (int t = 0; t < threads; t++) {
-        long lo = per * t, hi = lo + per;
-        if (lo > n) lo = n;
-        if (hi > n) hi = n;
-        jobs[t] = (job_t){p, g, m, v, lo, hi};
-    }
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tid[t], NULL, run, &jobs[t]) != 0) { rc = -1; break; }
+        if (pthread_create(&tid[t], NULL, run, &job) != 0) { rc = -1; break; }
         started = t;
     }
-    run(&jobs[0]);
+    run(&job);
     for (int t = 1; t <= started; t++) pthread_join(tid[t], NULL);
-    if (rc != 0) for (int t = started + 1; t < threads; t++) run(&jobs[t]);
     return rc;
 }
 """
@@ -109,7 +115,7 @@ def _c_kernel() -> tuple[Callable[..., int] | None, str]:
     fn = ctypes.CDLL(str(lib)).stream_4r3w
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_int]
-    return fn, f"compiled with {' '.join(cmd[:6])}"
+    return fn, f"compiled with {' '.join(cmd[:6])}; threads take 16 Ki-element blocks"
 
 
 def c_kernel_status() -> str:
