@@ -2,7 +2,7 @@
 
     python -m bench.fused_mp_optimizer                       # 125M-parameter bf16 GPT, threads 1..cpus
     python -m bench.fused_mp_optimizer --threads 2 --rounds 9
-    python -m bench.fused_mp_optimizer --model-size tiny --allow-small --rounds 2   # smoke run
+    python -m bench.fused_mp_optimizer --quick --out-dir /tmp/fmo   # smoke run, seconds
 
 One ``CPUOffloadAdamW`` over a bf16 GPT's parameters on the CPU (synthetic bf16 gradients, no
 forward or backward); between measurements ``apply_settings`` switches the kernel and thread
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="fused_mp_optimizer", help="result file stem")
     p.add_argument("--note", default="", help="free text stored with the result")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny model (implies --allow-small), 2 rounds, 1 step per visit")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
@@ -249,10 +252,12 @@ def render_markdown(r: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.quick:
+        args.model_size, args.allow_small, args.rounds, args.steps = "tiny", True, 2, 1
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         build_parser().error(f"--rounds {args.rounds} / --steps {args.steps} / --warmup {args.warmup}: "
                              "expected >= 1 / >= 1 / >= 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     started = time.time()
     result = run(args, argv)
     result["duration_s"] = round(time.time() - started, 1)

@@ -18,6 +18,10 @@ Sections (``--only`` picks some):
 ``roofline``
     ``bench.bandwidth`` (the read-4/write-3 probe and the offload kernel's effective GB/s per
     thread count, interleaved) plus a PNG of both against threads.
+``fused_mp``
+    ``bench.fused_mp_optimizer``: the whole offload step of the ``125m`` bf16 preset with
+    ``kernel="fused-mp"`` against ``kernel="torch"`` and the read-4/write-3 probe, interleaved;
+    the suite's table quotes its speed-up and bandwidth ratio at the best thread count.
 ``tuner_quality``, ``simulate``
     ``bench.tuner_quality`` and ``bench.simulate``, run in this process when those modules exist
     (they write their own files into the same folder); a missing module is a note, not an error.
@@ -50,7 +54,7 @@ logger = logging.getLogger("bench.suite")
 
 __all__ = ["SECTIONS", "build_parser", "main", "run"]
 
-SECTIONS = ("scenarios", "roofline", "tuner_quality", "simulate")
+SECTIONS = ("scenarios", "roofline", "fused_mp", "tuner_quality", "simulate")
 RESULTS = Path(__file__).resolve().parent / "results"
 _DTYPES = ("bf16", "fp32")
 #: Table rows of the scenarios section; 5a is reported twice (probing included / excluded).
@@ -358,7 +362,8 @@ def run_roofline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- other engineers' sections
 
 
-_EXTERNAL = {"tuner_quality": ("bench.tuner_quality", "tuner_quality"),
+_EXTERNAL = {"fused_mp": ("bench.fused_mp_optimizer", "fused_mp_optimizer"),
+             "tuner_quality": ("bench.tuner_quality", "tuner_quality"),
              "simulate": ("bench.simulate", "simulated_nodes")}
 
 
@@ -368,6 +373,12 @@ def run_external(section: str, args: argparse.Namespace) -> dict[str, Any]:
     name = f"{stem}-quick" if args.quick else stem
     if importlib.util.find_spec(module) is None:
         return {"status": "skipped", "note": f"{module} is not present in this checkout: section skipped"}
+    if section == "fused_mp":
+        from offload._fused_mp import fused_mp_available
+
+        ok, reason = fused_mp_available()
+        if not ok:
+            return {"status": "skipped", "note": f"the fused-mp kernel is unavailable here: {reason}"}
     argv = ["--out-dir", str(args.out_dir), "--name", name, "--log-level", "WARNING"]
     if args.quick:
         argv.insert(0, "--quick")
@@ -383,8 +394,26 @@ def run_external(section: str, args: argparse.Namespace) -> dict[str, Any]:
                 "duration_s": round(time.perf_counter() - started, 1)}
     files = sorted(p.name for p in args.out_dir.glob(f"{name}.*"))
     status = "ok" if rc in (0, None) else "failed"
-    return {"status": status, "command": f"python -m {module} {shlex.join(argv)}", "returncode": rc,
-            "files": files, "duration_s": round(time.perf_counter() - started, 1)}
+    out = {"status": status, "command": f"python -m {module} {shlex.join(argv)}", "returncode": rc,
+           "files": files, "duration_s": round(time.perf_counter() - started, 1)}
+    if section == "fused_mp" and status == "ok":
+        out["headline"] = _fused_mp_headline(args.out_dir / f"{name}.json")
+    return out
+
+
+def _fused_mp_headline(path: Path) -> str:
+    """The fused-mp section's figures, read back from the file it wrote."""
+    import json
+
+    try:
+        r = json.loads(path.read_text(encoding="utf-8"))
+        pa = r["paired_at_fused_best_threads"]
+        return (f"at the best thread count ({r['best_threads']['fused-mp']}): "
+                f"torch/fused-mp {r['speedup_torch_over_fused']:.2f}x (per round "
+                f"{pa['torch_over_fused']['median']:.2f}x), fused-mp/probe GB/s "
+                f"{r['fused_over_probe_gbps']:.2f} (per round {pa['fused_over_probe_gbps']['median']:.2f})")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"figures unreadable from {path.name}: {exc!r}"
 
 
 # --------------------------------------------------------------------------- rendering
@@ -532,10 +561,13 @@ def render_suite_md(result: dict[str, Any]) -> str:
                            f"{p['adam_gbps']:.2f} | {p['ratio']:.3f} |")
         if r.get("error"):
             out.append(f"\nRoofline failed: {r['error']}")
-    for section, title in (("tuner_quality", "Tuner quality"), ("simulate", "Simulated large nodes")):
+    for section, title in (("fused_mp", "fused-mp kernel vs the torch path (whole optimizer step)"),
+                           ("tuner_quality", "Tuner quality"), ("simulate", "Simulated large nodes")):
         if section in result:
             e = result[section]
             line = f"- status: {e['status']}"
+            if e.get("headline"):
+                line += f"; {e['headline']}"
             if e.get("note"):
                 line += f"; {e['note']}"
             if e.get("command"):
@@ -649,7 +681,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 logger.info("round %d of %d done: partial results written", partial["rounds_completed"], args.rounds)
 
             result["scenarios"] = run_scenarios(args, workdir / "scenarios", on_round)
-        for section in ("tuner_quality", "simulate"):
+        for section in ("fused_mp", "tuner_quality", "simulate"):
             if section in args.only:
                 result[section] = run_external(section, args)
             else:
@@ -714,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in result["written"]:
         print(f"wrote {path}", flush=True)
     failed = bool(result.get("scenarios", {}).get("errors")) or bool(result.get("roofline", {}).get("error"))
-    failed |= any(result.get(s, {}).get("status") == "failed" for s in ("tuner_quality", "simulate"))
+    failed |= any(result.get(s, {}).get("status") == "failed" for s in ("fused_mp", "tuner_quality", "simulate"))
     return 1 if failed else 0
 
 

@@ -188,3 +188,16 @@ def test_quick_two_ranks_under_torchrun(tmp_path: Path, _restore_threads) -> Non
     assert g["ranks"] == 2 and "torchrun" in g["launcher"]
     (row,) = g["rows"]
     assert row["row"] == "4" and "torch.distributed.run" in row["command"] and len(row["compute_threads"]) == 2
+
+
+def test_fused_mp_section_runs_the_whole_step_benchmark(tmp_path: Path) -> None:
+    """The suite's fused-mp section: bench.fused_mp_optimizer --quick, figures read back."""
+    p = suite.build_parser()
+    args = suite._resolve(p, p.parse_args(["--out-dir", str(tmp_path), "--quick"]))
+    out = suite.run_external("fused_mp", args)
+    if out["status"] == "skipped":
+        assert "fused-mp kernel is unavailable" in out["note"]
+        pytest.skip(out["note"])
+    assert out["status"] == "ok", out
+    assert out["files"] == ["fused_mp_optimizer-quick.json", "fused_mp_optimizer-quick.md"]
+    assert "torch/fused-mp" in out["headline"] and "fused-mp/probe GB/s" in out["headline"]
