@@ -78,6 +78,7 @@ __all__ = [
     "STEP_RTOL",
     "FusedMPUnavailable",
     "bitwise_matches_torch",
+    "call_steps_unchecked",
     "fused_mp_adamw_",
     "fused_mp_adamw_steps_",
     "fused_mp_available",

@@ -687,6 +687,12 @@ class CPUOffloadAdamW(Optimizer):
                 raise RuntimeError(
                     f"parameter {slot} has a sparse gradient: CPUOffloadAdamW supports dense only"
                 )
+            if not p.is_contiguous():  # checked at construction; .data may have been replaced
+                raise RuntimeError(
+                    f"parameter {slot} (shape {tuple(p.shape)}, strides {p.stride()}) is not "
+                    "contiguous: expected a contiguous parameter (the optimizer writes it in place "
+                    "through a flat view; was its .data replaced, e.g. by a memory-format change?)"
+                )
             if g.device != p.device or g.shape != p.shape:
                 raise RuntimeError(
                     f"parameter {slot} ({tuple(p.shape)} on {p.device}) has a gradient of shape "

@@ -30,7 +30,7 @@ worker's Python between two kernel calls leaves it idle, and right after a kerne
 ~100 MB through the caches that Python runs slowly. Measured on a 2-core VM, 125M bf16 model,
 4 Mi-element chunks: 0.2-0.45 ms between kernel calls, 8-15% of the step, before the hot path was
 trimmed: the slab views of a chunk are made once and reused (:class:`_SlabListCache`), a whole
-parameter goes to the fused-mp kernel as it is (no view, :func:`_kernel_operand`), the step
+parameter goes to the fused-mp kernel as it is (no view, :func:`_param_operand`), the step
 counters are incremented inside the kernel call, the worker thread runs with grad mode off for
 good, and on the CPU a step's fused-mp job gets its kernel arguments from the submitting thread
 (:meth:`HostTransport.prepare`), which builds them while the worker runs the previous kernel.
@@ -190,14 +190,23 @@ def _param_view(it: Item) -> Tensor:
     return it.param.detach().view(-1)[it.view.start : it.view.stop]
 
 
-def _kernel_operand(t: Tensor, it: Item) -> Tensor:
-    """``t`` (the item's parameter or gradient) as the fused-mp kernel takes it: ``t`` itself when
-    the item covers all of a contiguous ``t`` (the kernel reads any shape, and a view made per
-    parameter per step costs Python time while the memory bus idles), else a flat slice."""
-    v = it.view
-    if v.whole and t.is_contiguous():
-        return t
-    return _flat(t)[v.start : v.stop]
+def _grad_operand(it: Item) -> Tensor:
+    """The item's gradient as the fused-mp kernel reads it: the gradient itself when the item
+    covers all of it and it is contiguous (the kernel reads any shape, and a view made per
+    parameter per step costs Python time while the memory bus idles), else a flat slice (of a
+    contiguous copy, for a non-contiguous gradient: it is only read)."""
+    g = it.grad
+    assert g is not None  # jobs with update=True only hold items with a gradient
+    if it.view.whole and g.is_contiguous():
+        return g
+    return _flat(g)[it.view.start : it.view.stop]
+
+
+def _param_operand(it: Item) -> Tensor:
+    """The item's parameter as the fused-mp kernel writes it: the parameter itself for a whole
+    one, else a flat view. Never a copy: ``step()`` checked the parameter is contiguous, and a
+    non-contiguous one makes ``view`` raise rather than the update land in a temporary."""
+    return it.param if it.view.whole else _param_view(it)
 
 
 class _LowpBuffers:
@@ -252,8 +261,8 @@ class HostTransport:
         items = job.items
         slab = lists.get(job.chunk, items, ("master", "exp_avg", "exp_avg_sq"))
         job.operands = (
-            [_kernel_operand(it.param, it) for it in items],
-            [_kernel_operand(it.grad, it) for it in items],  # type: ignore[arg-type]
+            [_param_operand(it) for it in items],
+            [_grad_operand(it) for it in items],
             slab["master"],
             slab["exp_avg"],
             slab["exp_avg_sq"],
@@ -267,14 +276,14 @@ class HostTransport:
         if job.operands is not None:  # prepared at submit: nothing to copy, nothing to look up
             return
         if job.fused_only:  # fused-mp reads the host gradients in place
-            job.lowp_grads = [_kernel_operand(it.grad, it) for it in job.items]  # type: ignore[arg-type]
+            job.lowp_grads = [_grad_operand(it) for it in job.items]
             return
         t0 = time.perf_counter()
         lowp: list[Tensor | None] = []
         for it in job.items:
             assert it.grad is not None  # jobs with update=True only hold items with a grad
             if it.fused:
-                lowp.append(_kernel_operand(it.grad, it))
+                lowp.append(_grad_operand(it))
             else:
                 slabs.view("grad", it.view).copy_(_flat(it.grad)[it.view.start : it.view.stop])
                 lowp.append(None)
@@ -285,7 +294,7 @@ class HostTransport:
     def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
         """Straight into the parameter, unless the chunk started during backward (see module doc)."""
         if job.materialize:
-            return _kernel_operand(item.param, item)
+            return _param_operand(item)
         return self._lowp.view(item, for_write=True)
 
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
@@ -655,6 +664,7 @@ class Pipeline:
     def __init__(self, slabs: HostSlabs, transport: Transport, *, name: str) -> None:
         self._q: queue.Queue[Any] = queue.Queue()
         self._lists = _SlabListCache(slabs)
+        self._prepare_failed = False
         self._worker = _Worker(self._q, slabs, transport, self._lists)
         self._thread = threading.Thread(
             target=_worker_main, args=(self._worker,), name=name, daemon=True
@@ -674,8 +684,11 @@ class Pipeline:
         try:
             self.transport.prepare(job, self._lists)
         except Exception:  # noqa: BLE001 - the worker meets the same problem and reports it
-            logger.debug("chunk %d: preparing its kernel call failed", job.chunk, exc_info=True)
             job.operands = None
+            if not self._prepare_failed:  # the worker's path still works, but slower: say so once
+                self._prepare_failed = True
+                logger.warning("preparing chunk %d's kernel call at submit failed; the worker "
+                               "prepares it instead (slower)", job.chunk, exc_info=True)
         self._q.put(job)
 
     def drain(self) -> DrainResult:

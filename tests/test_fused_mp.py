@@ -186,6 +186,50 @@ def test_state_steps_match_an_int_step_per_tensor(kernel) -> None:
             assert torch.equal(got[i], want[i]), f"{name}[{i}]"
 
 
+def test_state_steps_alias_by_storage_not_by_tensor_object(kernel) -> None:
+    """Two views of one step element listed for increment go up twice (as with _foreach_add_),
+    and a lazily cloned (copy-on-write) step tensor keeps its own value."""
+    a = torch.tensor(1.0)
+    fused_mp_adamw_steps_([], [], [], [], [], [], steps_to_increment=[a, a.view(1)], **HYPER)
+    assert a.item() == 3.0
+
+    gen = torch.Generator().manual_seed(8)
+    params, masters, exp_avgs, exp_avg_sqs = _state((40,), torch.bfloat16, gen)
+    grads = _grads((40,), torch.bfloat16, gen)
+    ref = [_clone(x) for x in (params, masters, exp_avgs, exp_avg_sqs)]
+    original = torch.tensor(4.0)
+    lazy = torch._lazy_clone(original) if hasattr(torch, "_lazy_clone") else original.clone()
+    fused_mp_adamw_steps_(params, grads, masters, exp_avgs, exp_avg_sqs, [lazy],
+                          steps_to_increment=[original], **HYPER)
+    assert (original.item(), lazy.item()) == (5.0, 4.0)
+    fused_mp_adamw_(ref[0], grads, *ref[1:], step=4, **HYPER)  # the clone's own step
+    for got, want in zip((params, masters, exp_avgs, exp_avg_sqs), ref):
+        assert torch.equal(got[0], want[0])
+
+
+def test_state_steps_thread_counts_give_identical_results(kernel) -> None:
+    sizes = (200_003, 70_001, 5)
+    gen = torch.Generator().manual_seed(9)
+    start = _state(sizes, torch.bfloat16, gen)
+    grads = _grads(sizes, torch.bfloat16, gen)
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            state = [_clone(x) for x in start]
+            steps = [torch.tensor(0.0) for _ in sizes]
+            for _ in range(3):
+                fused_mp_adamw_steps_(state[0], grads, *state[1:], steps,
+                                      steps_to_increment=steps, **HYPER)
+            results.append(state)
+    finally:
+        torch.set_num_threads(previous)
+    for one, two in zip(*results):
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+
+
 def test_state_steps_only_increment_when_there_is_nothing_to_update(kernel) -> None:
     step = torch.tensor(2.0)
     fused_mp_adamw_steps_([], [], [], [], [], [], steps_to_increment=[step], **HYPER)

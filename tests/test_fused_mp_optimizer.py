@@ -193,6 +193,27 @@ def test_kernel_calls_prepared_at_submit_or_by_the_worker_agree(kernel, monkeypa
     assert_bitwise(got_s, want_s, "state")
 
 
+@pytest.mark.parametrize("kernel_name", ["torch", "fused-mp"])
+def test_parameter_made_non_contiguous_is_refused_before_any_update(kernel, kernel_name) -> None:
+    """A parameter whose .data became non-contiguous after construction (e.g. a memory-format
+    change) is an error naming it, raised before anything is written: never an update written
+    into a temporary copy while the parameter keeps its old value."""
+    weight = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    bias = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    opt = CPUOffloadAdamW([weight, bias], lr=1e-2, settings=_settings(kernel_name))
+    for p in (weight, bias):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    weight.data = weight.data.t().contiguous().t()  # same values, transposed strides
+    assert not weight.is_contiguous()
+    before = [t.clone() for t in (weight, bias, *_state(opt, [weight, bias]))]
+    with pytest.raises(RuntimeError, match=r"parameter 0 \(shape \(64, 64\), strides \(1, 64\)\) is not contiguous"):
+        opt.step()
+    after = [weight, bias, *_state(opt, [weight, bias])]
+    assert_bitwise(after, before, "parameters and state after the refused step")
+    opt.close()
+
+
 def test_fp32_model_with_fused_mp_set_is_torch_exact(kernel) -> None:
     model = make_model(torch.float32)
     reference = copy.deepcopy(model)

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -250,12 +251,13 @@ std::string dtype_name(at::ScalarType t) {
 [[noreturn]] void fail_value(const std::string& msg) { throw pybind11::value_error(msg); }
 [[noreturn]] void fail_type(const std::string& msg) { throw pybind11::type_error(msg); }
 
-void check_tensor(const at::Tensor& t, const char* arg, size_t i, int64_t numel,
+// `fn`: the entry point's name, which every message starts with.
+void check_tensor(const char* fn, const at::Tensor& t, const char* arg, size_t i, int64_t numel,
                   at::ScalarType dtype) {
   // The message prefix is built only on failure: this runs five times per tensor per call.
   const auto where = [&]() {
     std::ostringstream out;
-    out << "fused_mp_adamw_: " << arg << "[" << i << "]";
+    out << fn << ": " << arg << "[" << i << "]";
     return out.str();
   };
   if (!t.defined()) fail_value(where() + " is an undefined tensor");
@@ -288,14 +290,14 @@ struct Span {
   const char* name;
 };
 
-void check_no_overlap(const std::array<Span, 5>& spans, size_t i) {
+void check_no_overlap(const char* fn, const std::array<Span, 5>& spans, size_t i) {
   for (size_t a = 0; a < spans.size(); ++a) {
     for (size_t b = a + 1; b < spans.size(); ++b) {
       const Span& x = spans[a];
       const Span& y = spans[b];
       if (x.begin < x.end && y.begin < y.end && x.begin < y.end && y.begin < x.end) {
         std::ostringstream msg;
-        msg << "fused_mp_adamw_: " << x.name << "[" << i << "] and " << y.name << "[" << i
+        msg << fn << ": " << x.name << "[" << i << "] and " << y.name << "[" << i
             << "] share memory: expected five distinct buffers per parameter";
         fail_value(msg.str());
       }
@@ -372,7 +374,7 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
 // Checks the five tensor lists (everything but the steps); returns the parameter and gradient
 // dtypes. Writes nothing.
 std::pair<at::ScalarType, at::ScalarType> check_lists(
-    const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+    const char* fn, const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
     const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
     const std::vector<at::Tensor>& exp_avg_sqs) {
   const size_t n = masters.size();
@@ -382,7 +384,7 @@ std::pair<at::ScalarType, at::ScalarType> check_lists(
   for (const auto& [name, list] : lists) {
     if (list->size() != n) {
       std::ostringstream msg;
-      msg << "fused_mp_adamw_: " << name << " has " << list->size()
+      msg << fn << ": " << name << " has " << list->size()
           << " tensors: expected " << n << " like masters";
       fail_value(msg.str());
     }
@@ -396,20 +398,20 @@ std::pair<at::ScalarType, at::ScalarType> check_lists(
   for (const auto& [name, dt] : {std::pair{"params_lowp", p_dtype},
                                  std::pair{"grads_lowp", g_dtype}}) {
     if (dt != at::kBFloat16 && dt != at::kHalf) {
-      fail_type(std::string("fused_mp_adamw_: ") + name + "[0] has dtype " + dtype_name(dt) +
+      fail_type(std::string(fn) + ": " + name + "[0] has dtype " + dtype_name(dt) +
                 ": expected torch.bfloat16 or torch.float16 (the same for the whole list)");
     }
   }
   for (size_t i = 0; i < n; ++i) {
-    if (!masters[i].defined()) fail_value("fused_mp_adamw_: masters[" + std::to_string(i) +
+    if (!masters[i].defined()) fail_value(std::string(fn) + ": masters[" + std::to_string(i) +
                                           "] is an undefined tensor");
     const int64_t numel = masters[i].numel();
-    check_tensor(masters[i], "masters", i, numel, at::kFloat);
-    check_tensor(exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
-    check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
-    check_tensor(params_lowp[i], "params_lowp", i, numel, p_dtype);
-    check_tensor(grads_lowp[i], "grads_lowp", i, numel, g_dtype);
-    check_no_overlap({span_of(params_lowp[i], "params_lowp"), span_of(grads_lowp[i], "grads_lowp"),
+    check_tensor(fn, masters[i], "masters", i, numel, at::kFloat);
+    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
+    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
+    check_tensor(fn, params_lowp[i], "params_lowp", i, numel, p_dtype);
+    check_tensor(fn, grads_lowp[i], "grads_lowp", i, numel, g_dtype);
+    check_no_overlap(fn, {span_of(params_lowp[i], "params_lowp"), span_of(grads_lowp[i], "grads_lowp"),
                       span_of(masters[i], "masters"), span_of(exp_avgs[i], "exp_avgs"),
                       span_of(exp_avg_sqs[i], "exp_avg_sqs")},
                      i);
@@ -459,7 +461,7 @@ void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
                      const std::vector<at::Tensor>& exp_avg_sqs, int64_t step, double lr,
                      double beta1, double beta2, double eps, double weight_decay) {
   const auto [p_dtype, g_dtype] =
-      check_lists(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+      check_lists("fused_mp_adamw_", params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
   if (masters.empty()) return;
   // torch keeps the step in a float tensor: the int goes through float as it would there.
   const std::vector<Coeffs> coeffs(
@@ -469,8 +471,8 @@ void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs);
 }
 
-// Checks a 0-d (or one-element) fp32 CPU step tensor; returns its address.
-float* step_ptr(const at::Tensor& t, const char* arg, size_t i) {
+// Checks a 0-d (or one-element) fp32 CPU step tensor.
+void check_step(const at::Tensor& t, const char* arg, size_t i) {
   const auto where = [&]() {
     std::ostringstream out;
     out << "fused_mp_adamw_steps_: " << arg << "[" << i << "]";
@@ -489,7 +491,6 @@ float* step_ptr(const at::Tensor& t, const char* arg, size_t i) {
     fail_type(where() + " has dtype " + dtype_name(t.scalar_type()) +
               ": expected torch.float32 (torch's AdamW step tensor)");
   }
-  return const_cast<float*>(t.const_data_ptr<float>());
 }
 
 // A step per tensor, read from its fp32 step tensor as torch's fused AdamW reads it, after adding
@@ -504,8 +505,8 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                            const std::vector<at::Tensor>& state_steps,
                            const std::vector<at::Tensor>& steps_to_increment, double lr,
                            double beta1, double beta2, double eps, double weight_decay) {
-  const auto [p_dtype, g_dtype] =
-      check_lists(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  const auto [p_dtype, g_dtype] = check_lists("fused_mp_adamw_steps_", params_lowp, grads_lowp,
+                                               masters, exp_avgs, exp_avg_sqs);
   const size_t n = masters.size();
   if (state_steps.size() != n) {
     std::ostringstream msg;
@@ -513,26 +514,27 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
         << " tensors: expected " << n << " like masters";
     fail_value(msg.str());
   }
-  // The values after the increments, computed before anything is written.
-  std::vector<std::pair<float*, float>> incremented;  // (address, new value), few entries
   for (size_t j = 0; j < steps_to_increment.size(); ++j) {
-    float* ptr = step_ptr(steps_to_increment[j], "steps_to_increment", j);
-    auto it = std::find_if(incremented.begin(), incremented.end(),
-                           [ptr](const auto& e) { return e.first == ptr; });
-    if (it == incremented.end()) {
-      incremented.emplace_back(ptr, *ptr + 1.0f);
-    } else {
-      it->second += 1.0f;  // listed twice: incremented twice, like _foreach_add_
-    }
+    check_step(steps_to_increment[j], "steps_to_increment", j);
+  }
+  // The values after the increments, by address, computed before anything is written. A storage
+  // listed twice (the same tensor, or two views of one element) goes up twice, as with
+  // _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
+  // lazily cloned step tensor never shares the address its original is incremented at.
+  std::unordered_map<float*, float> incremented;
+  incremented.reserve(steps_to_increment.size());
+  for (const at::Tensor& t : steps_to_increment) {
+    float* ptr = t.mutable_data_ptr<float>();
+    const auto it = incremented.try_emplace(ptr, *ptr).first;
+    it->second += 1.0f;
   }
   std::vector<Coeffs> coeffs;
   coeffs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    float* ptr = step_ptr(state_steps[i], "state_steps", i);
-    float value = *ptr;
-    for (const auto& [p, v] : incremented) {
-      if (p == ptr) value = v;
-    }
+    check_step(state_steps[i], "state_steps", i);
+    const float* ptr = state_steps[i].const_data_ptr<float>();
+    const auto found = incremented.find(const_cast<float*>(ptr));
+    const float value = found == incremented.end() ? *ptr : found->second;
     if (!std::isfinite(value) || value < 1.0f) {
       std::ostringstream msg;
       msg << "fused_mp_adamw_steps_: state_steps[" << i << "] is " << value
