@@ -128,7 +128,8 @@ def test_large_call_with_streaming_stores_matches_torch_path(kernel, offset) -> 
         _assert_same(got[0], want[0], what=name, lr=HYPER["lr"])
 
 
-def test_thread_counts_give_identical_results(kernel) -> None:
+@pytest.mark.parametrize("api", ["int-step", "state-steps"])
+def test_thread_counts_give_identical_results(kernel, api) -> None:
     sizes = (200_003, 70_001, 5, 131_072)  # ~6,300 units of 64: split across threads
     gen = torch.Generator().manual_seed(1)
     start = _state(sizes, torch.bfloat16, gen)
@@ -139,8 +140,13 @@ def test_thread_counts_give_identical_results(kernel) -> None:
         for threads in (1, 2, 3):  # 3 > cores here: blocks go to whichever thread runs
             torch.set_num_threads(threads)
             state = [_clone(x) for x in start]
+            steps = [torch.tensor(0.0) for _ in sizes]
             for step in (1, 2, 3):
-                fused_mp_adamw_(state[0], grads, *state[1:], step=step, **HYPER)
+                if api == "int-step":
+                    fused_mp_adamw_(state[0], grads, *state[1:], step=step, **HYPER)
+                else:
+                    fused_mp_adamw_steps_(state[0], grads, *state[1:], steps,
+                                          steps_to_increment=steps, **HYPER)
             results.append(state)
     finally:
         torch.set_num_threads(previous)
@@ -205,29 +211,6 @@ def test_state_steps_alias_by_storage_not_by_tensor_object(kernel) -> None:
     fused_mp_adamw_(ref[0], grads, *ref[1:], step=4, **HYPER)  # the clone's own step
     for got, want in zip((params, masters, exp_avgs, exp_avg_sqs), ref):
         assert torch.equal(got[0], want[0])
-
-
-def test_state_steps_thread_counts_give_identical_results(kernel) -> None:
-    sizes = (200_003, 70_001, 5)
-    gen = torch.Generator().manual_seed(9)
-    start = _state(sizes, torch.bfloat16, gen)
-    grads = _grads(sizes, torch.bfloat16, gen)
-    results = []
-    previous = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            state = [_clone(x) for x in start]
-            steps = [torch.tensor(0.0) for _ in sizes]
-            for _ in range(3):
-                fused_mp_adamw_steps_(state[0], grads, *state[1:], steps,
-                                      steps_to_increment=steps, **HYPER)
-            results.append(state)
-    finally:
-        torch.set_num_threads(previous)
-    for one, two in zip(*results):
-        for a, b in zip(one, two):
-            assert torch.equal(a, b)
 
 
 def test_state_steps_only_increment_when_there_is_nothing_to_update(kernel) -> None:
