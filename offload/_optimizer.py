@@ -477,6 +477,9 @@ class CPUOffloadAdamW(Optimizer):
             self._chunks = plan_chunks(list(self._slabs.slots), settings.chunk_numel)
             if self._overlap is not None:
                 self._overlap.set_chunks(self._chunks)
+            # Cached views of the old layout: a tuner tries several, none should pile up.
+            self._slabs.forget_views()
+            self._pipeline.forget_layout()
         self._settings = settings
 
     @property

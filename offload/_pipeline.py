@@ -493,6 +493,9 @@ class _SlabListCache:
         self._slabs = slabs
         self._entries: dict[tuple[int, bool], _SlabLists] = {}
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def get(self, chunk: int, items: list[Item], kinds: tuple[SlabKind, ...]) -> dict[str, list[Tensor]]:
         views = tuple(it.view for it in items)
         key = (chunk, "grad" in kinds)
@@ -690,6 +693,10 @@ class Pipeline:
                 logger.warning("preparing chunk %d's kernel call at submit failed; the worker "
                                "prepares it instead (slower)", job.chunk, exc_info=True)
         self._q.put(job)
+
+    def forget_layout(self) -> None:
+        """Drop the cached kernel argument lists of the old chunk layout (call between steps)."""
+        self._lists.clear()
 
     def drain(self) -> DrainResult:
         """Wait until every submitted job is done; return their records and the first error."""

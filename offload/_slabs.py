@@ -152,6 +152,10 @@ class HostSlabs:
         """The parameter ``slot`` in slab ``kind``, shaped like the parameter (a view)."""
         return self.flat(kind, slot).view(self.slots[slot].shape)
 
+    def forget_views(self) -> None:
+        """Drop the cached views (after the chunk layout changed; they are remade on demand)."""
+        self._views.clear()
+
     def view(self, kind: SlabKind, v: View) -> Tensor:
         """Elements ``[v.start, v.stop)`` of parameter ``v.slot`` in slab ``kind`` (a cached view)."""
         key = (kind, v.slot, v.start, v.stop)  # hashing a View runs Python code; a tuple does not
