@@ -507,7 +507,8 @@ class _SlabListCache:
 
 
 class _Worker:
-    """State owned by the worker thread (never touched by other threads while it runs)."""
+    """State owned by the worker thread (never touched by other threads while it runs), except
+    :attr:`lists`, which the submitting thread shares (see :class:`_SlabListCache`)."""
 
     def __init__(
         self, q: queue.Queue[Any], slabs: HostSlabs, transport: Transport, lists: _SlabListCache
@@ -581,7 +582,6 @@ class _Worker:
             self.transport.materialize(job, self.slabs, self.records)
 
     def _kernel(self, job: ChunkJob) -> None:
-        s = self.slabs
         new_steps: dict[bool, list[Tensor]] = {False: [], True: []}
         for it in job.items:
             if it.view.slot not in self.stepped:
