@@ -76,7 +76,10 @@ class AutotuneConfig:
     force_retune: bool = False
     """Ignore a cached choice and probe again (the new result replaces the cache entry)."""
     recheck_tolerance: float = 0.2
-    """A cached choice is re-tuned if its re-check median exceeds the recorded median by more than this fraction."""
+    """A cached choice whose re-check median exceeds the recorded median by more than this fraction
+    (and the noise) is measured next to the static plan for as many steps; it is re-tuned only if
+    it is then slower than the static plan by more than ``min_gain``, so a machine that is slower
+    for every setting keeps its cached choice."""
     drift_window: int = 0
     """Locked steps per drift check (0: no drift watch). Each check costs one all-reduce of a float."""
     drift_factor: float = 1.25
@@ -535,22 +538,41 @@ class OnlineTuner:
         if slot is not None:
             return self._directive(step, "checking", slot.phase, self.space.setting(slot.key))
         measured = check.measurement()
+        described = self.space.describe(self.space.setting(check.key))
+        reason = f"cached choice confirmed ({measured}; recorded median {check.recorded_median_s:.4g} s)"
+        measurements = [(check.key, measured)]
         if check.clearly_slower():
-            logger.warning(
-                "%s: the cached choice %s is clearly slower than recorded (%s vs recorded median %.4g s); re-tuning",
-                OWNER,
-                self.space.describe(self.space.setting(check.key)),
-                measured,
-                check.recorded_median_s,
+            if check.baseline_key is None and check.key != self._baseline_key:
+                # Slower than recorded: the choice, or the whole machine? Ask the static plan.
+                slot = check.measure_baseline(self._baseline_key)
+                return self._directive(step, "checking", slot.phase, self.space.setting(slot.key))
+            if check.baseline_key is None or not check.still_ahead_of_baseline():
+                logger.warning(
+                    "%s: the cached choice %s is clearly slower than recorded (%s vs recorded median %.4g s)%s; "
+                    "re-tuning",
+                    OWNER,
+                    described,
+                    measured,
+                    check.recorded_median_s,
+                    "" if check.baseline_key is None else f" and than the static plan ({check.baseline_measurement()})",
+                )
+                return self._new_session_directive(step, cache_status="stale")
+            static = check.baseline_measurement()
+            logger.info(
+                "%s: the cached choice %s is slower than recorded (%s vs %.4g s) but so is the static plan (%s): "
+                "the machine is slower, the choice holds",
+                OWNER, described, measured, check.recorded_median_s, static,
             )
-            return self._new_session_directive(step, cache_status="stale")
+            reason = (f"cached choice confirmed against the static plan measured next to it ({measured} vs "
+                      f"{static}); both slower than recorded (median {check.recorded_median_s:.4g} s)")
+            measurements.append((check.baseline_key, static))
         entry = self._cached_entry
         decision = self._decision_record(
             winner=self.space.setting(check.key),
             winner_median_s=float(entry["winner_median_s"]),
             baseline_median_s=float(entry["baseline_median_s"]),
-            reason=f"cached choice confirmed ({measured}; recorded median {check.recorded_median_s:.4g} s)",
-            measurements=[(check.key, measured)],
+            reason=reason,
+            measurements=measurements,
             sampler="cache",
             steps=0,
             reference_s=measured.median,

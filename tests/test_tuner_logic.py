@@ -594,10 +594,40 @@ def test_cached_choice_clearly_slower_on_recheck_is_retuned(caplog):
         tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=80))
         client.run(tuner, 100)
     s = tuner.summary()
-    assert "clearly slower than recorded" in caplog.text
-    assert s["cache_status"] == "stale" and s["cache_hit"] and s["check_steps"] == 4 and s["probe_steps"] > 0
+    assert "clearly slower than recorded" in caplog.text and "and than the static plan" in caplog.text
+    # 4 steps of the cached choice, 4 of the static plan next to it (2.2 s vs 1.9 s), then re-tuning.
+    assert s["cache_status"] == "stale" and s["cache_hit"] and s["check_steps"] == 8 and s["probe_steps"] > 0
     assert s["winner"] == best and cache.puts[-1][1]["winner"] == best
     assert client.applied[:2] == [(0, stale), (4, BASELINE)]  # re-probing starts from the static plan
+
+
+def test_machine_slower_for_every_setting_keeps_the_cached_choice(caplog):
+    """Everything 2.5x slower than when the entry was recorded (another job on the node): the
+    cached choice, measured next to the static plan, still beats it, so it is kept, not re-tuned."""
+    winner = {"threads": 4, "chunk_numel": 1 << 22}
+    fast = valley(winner)
+    client = Client(lambda setting: 2.5 * fast(setting))
+    cache = cache_for(cached_entry(winner, winner_median_s=1.0, baseline_median_s=fast(BASELINE)))
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=80))
+        client.run(tuner, 20)
+    s = tuner.summary()
+    assert "the machine is slower, the choice holds" in caplog.text
+    assert s["state"] == "locked" and s["cache_status"] == "hit" and s["probe_steps"] == 0
+    assert s["check_steps"] == 8 and s["winner"] == winner and cache.puts == []
+    assert client.applied == [(0, winner), (4, BASELINE), (8, winner)]
+    assert "confirmed against the static plan" in s["reason"]
+
+
+def test_kept_static_plan_slower_than_recorded_is_retuned():
+    """A cached choice that is the static plan itself has nothing to be compared with: clearly
+    slower than recorded, it is re-tuned as before."""
+    client = Client(lambda setting: 2.5)
+    cache = cache_for(cached_entry(BASELINE, winner_median_s=1.0, baseline_median_s=1.0))
+    tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=80))
+    client.run(tuner, 10)
+    s = tuner.summary()
+    assert s["cache_status"] == "stale" and s["check_steps"] == 4 and s["probe_steps"] > 0
 
 
 def test_force_retune_ignores_a_valid_cached_choice():
