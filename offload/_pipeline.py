@@ -134,7 +134,7 @@ class ChunkJob:
     """The fused-mp kernel's arguments, made by the submitting thread (see Transport.prepare)."""
     kernel_ran: bool = False
     skipped_stale: bool = False
-    _fused_only: bool | None = None
+    _fused_only: bool | None = field(default=None, init=False, repr=False)
 
     @property
     def fused_only(self) -> bool:
