@@ -8,6 +8,13 @@ survivors find out which local rank is missing from a small side channel: a priv
 and step of the last collective it entered (one ~10 us store write per collective). The error then
 names the owner ("OnlineTuner"), the step, the collective and the missing rank(s).
 
+Every read of that store runs under a deadline (:func:`autotune._peers.call_with_deadline`):
+``TCPStore.check``/``get`` wait forever for a reply when rank 0's process is stopped, so an
+unbounded read would turn one frozen rank into a hung node. Local ranks also exchange their pids
+at setup, so the error says what happened to a missing rank (exited, stopped, or running but
+silent) and whether the collective timed out or failed early (a peer that exits closes its
+connections: the collective fails at once, not after ``timeout_s``).
+
 Single-process runs use :class:`LocalAgreement`, which needs no ``torch.distributed`` at all.
 """
 
@@ -19,6 +26,15 @@ import socket
 import sys
 import time
 from typing import Any, Protocol, Sequence, runtime_checkable
+
+from autotune._peers import (
+    ProcessInfo,
+    StoreUnresponsive,
+    call_with_deadline,
+    describe_state,
+    me,
+    peer_states,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +50,14 @@ __all__ = [
 
 #: Longest wait, after a collective failed, for peers that entered it to report their own failure.
 DIAGNOSIS_GRACE_S = 2.0
+#: Extra time a diagnosis's store reads may take beyond the grace before the store counts as
+#: unresponsive (its process, local rank 0, is stopped or hung).
+STORE_READ_GRACE_S = 1.0
+#: A collective that failed after this fraction of ``timeout_s`` timed out; earlier, a peer
+#: closed its connection (it exited) or the collective failed for another reason.
+_TIMED_OUT_FRACTION = 0.9
+#: How long a diagnosis watches a missing rank that still looks alive before calling it running.
+_SETTLE_S = 0.5
 
 
 def where(step: int | None, what: str) -> str:
@@ -145,6 +169,8 @@ class GlooAgreement:
         self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self._seq = 0
         self._store: Any = None
+        self._me = me()
+        self._procs: list[ProcessInfo | None] = []
         self._setup_store()
 
     @classmethod
@@ -200,16 +226,18 @@ class GlooAgreement:
         if self.rank == 0:
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
             port = self._store.port
-        box = [port]
+        out: list[Any] = [None] * self.world_size
         try:
-            dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._group)
+            dist.all_gather_object(out, {"port": port, "process": self._me.to_dict()}, group=self._group)
         except RuntimeError as exc:
             raise AgreementTimeout(
                 f"{self._owner}: {where(None, 'creation of the agreement group')}: not every local rank "
                 f"joined within {self.timeout_s:g} s: {_first_line(exc)}"
             ) from exc
+        self._procs = [ProcessInfo.from_dict(item.get("process")) if isinstance(item, dict) else None
+                       for item in out]
         if self.rank != 0:
-            self._store = dist.TCPStore("127.0.0.1", int(box[0]), is_master=False, timeout=timeout)
+            self._store = dist.TCPStore("127.0.0.1", int(out[0]["port"]), is_master=False, timeout=timeout)
         self._store.set(f"seq/{self.rank}", "0:start")
 
     def _describe_ranks(self, ranks: Sequence[int]) -> str:
@@ -238,37 +266,52 @@ class GlooAgreement:
         seq, _, step = self._store.get(key).decode().partition(":")
         return int(seq), step
 
-    def _diagnose(self, exc: BaseException, step: int | None, what: str) -> AgreementError:
-        seq = self._seq
+    def _poll_progress(self, seq: int, others: list[int]) -> tuple[list[int], list[int], dict[int, str]]:
+        """Ranks behind ``seq``, ranks at ``seq`` that have not reported a failure, last steps seen.
+
+        Waits up to :data:`DIAGNOSIS_GRACE_S` for peers in the same collective to report theirs.
+        Blocks while the store's process is stopped: run it under a deadline.
+        """
+        self._store.set(f"fail/{self.rank}", str(seq))
+        deadline = time.monotonic() + min(DIAGNOSIS_GRACE_S, self.timeout_s)
+        while True:
+            behind, pending, seen = [], [], {}
+            for r in others:
+                r_seq, r_step = self._read_progress(r)
+                seen[r] = r_step
+                if r_seq < seq:
+                    behind.append(r)
+                elif r_seq == seq:
+                    failed = self._store.check([f"fail/{r}"]) and int(self._store.get(f"fail/{r}")) >= seq
+                    if not failed:
+                        pending.append(r)
+            if not pending or time.monotonic() >= deadline:
+                return behind, pending, seen
+            time.sleep(0.05)
+
+    def _diagnose(self, exc: BaseException, step: int | None, what: str, elapsed_s: float) -> AgreementError:
         others = [r for r in range(self.world_size) if r != self.rank]
+        store_note = ""
         try:
-            self._store.set(f"fail/{self.rank}", str(seq))
-            deadline = time.monotonic() + min(DIAGNOSIS_GRACE_S, self.timeout_s)
-            while True:
-                behind, pending, seen = [], [], {}
-                for r in others:
-                    r_seq, r_step = self._read_progress(r)
-                    seen[r] = r_step
-                    if r_seq < seq:
-                        behind.append(r)
-                    elif r_seq == seq:
-                        failed = self._store.check([f"fail/{r}"]) and int(self._store.get(f"fail/{r}")) >= seq
-                        if not failed:
-                            pending.append(r)
-                if not pending or time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
-        except RuntimeError as store_exc:
-            if self.rank == 0:
-                behind, pending, seen = others, [], {}
-            else:
-                return AgreementTimeout(
-                    f"{self._owner}: {where(step, what)}: {self._describe_ranks([0])} did not answer "
-                    f"(its store is unreachable: {_first_line(store_exc)}); collective error: {_first_line(exc)}",
-                    step=step,
-                    ranks=(0,),
-                )
-        missing = sorted(behind + pending)
+            if self._store is None:
+                raise RuntimeError("the agreement was closed")
+            behind, pending, seen = call_with_deadline(
+                lambda: self._poll_progress(self._seq, others),
+                min(DIAGNOSIS_GRACE_S, self.timeout_s) + STORE_READ_GRACE_S,
+                "a read of the tuner's store on local rank 0",
+            )
+        except (RuntimeError, StoreUnresponsive) as store_exc:
+            # The store lives in local rank 0's process: unreachable or silent means rank 0 is;
+            # any other rank whose process is gone or stopped is named too.
+            behind, pending, seen = [0] if self.rank != 0 else [], [], {}
+            if self.rank != 0:
+                store_note = f"; its store is unreachable ({_first_line(store_exc)})"
+            suspects = others
+        else:
+            suspects = sorted(set(behind) | set(pending))
+        states = self._states(settle=suspects)
+        gone = [r for r in others if states.get(r) in ("exited", "stopped")]
+        missing = sorted(set(behind) | set(pending) | set(gone))
         if not missing:
             return AgreementError(
                 f"{self._owner}: {where(step, what)} failed although every local rank reached it: "
@@ -276,24 +319,48 @@ class GlooAgreement:
                 step=step,
             )
         details = []
-        if behind:
-            last = ", ".join(f"local rank {r} {_progress_text(seen.get(r, 'nothing'))}" for r in behind)
-            details.append(f"last seen: {last}")
-        if pending:
-            details.append(f"{self._describe_ranks(pending)} entered it but did not complete it")
+        for r in missing:
+            proc = self._procs[r] if r < len(self._procs) else None
+            state = states.get(r, "unknown")
+            parts = []
+            if proc is not None and state != "unknown":
+                parts.append(describe_state(proc.pid, state))
+            if r in pending:
+                parts.append("entered it but did not complete it")
+            elif r in seen:
+                parts.append(f"last seen {_progress_text(seen[r])}")
+            details.append(f"local rank {r} {', '.join(parts) or 'did not answer'}{store_note if r == 0 else ''}")
+        if elapsed_s >= _TIMED_OUT_FRACTION * self.timeout_s:
+            verdict = f"did not answer within {self.timeout_s:g} s"
+        else:
+            verdict = f"made it fail after {elapsed_s:.1f} s (before the {self.timeout_s:g} s timeout)"
         return AgreementTimeout(
-            f"{self._owner}: {where(step, what)}: {self._describe_ranks(missing)} did not answer within "
-            f"{self.timeout_s:g} s ({'; '.join(details)}); collective error: {_first_line(exc)}",
+            f"{self._owner}: {where(step, what)}: {self._describe_ranks(missing)} {verdict} "
+            f"({'; '.join(details)}); collective error: {_first_line(exc)}",
             step=step,
             ranks=missing,
         )
 
+    def _states(self, settle: Sequence[int] = ()) -> dict[int, str]:
+        """Process state per local rank; ranks in ``settle`` seen running are looked at again for
+        up to :data:`_SETTLE_S` (a killed process closes its sockets before the kernel marks it
+        gone, so the collective can fail a moment before the process looks exited)."""
+        if not self._procs:
+            return {}
+        deadline = time.monotonic() + _SETTLE_S
+        while True:
+            states = dict(enumerate(peer_states(self._procs, self._me)))
+            if time.monotonic() >= deadline or all(states.get(r) != "running" for r in settle):
+                return states
+            time.sleep(0.05)
+
     def _run(self, step: int | None, what: str, fn: Any) -> Any:
         self._mark(step, what)
+        began = time.monotonic()
         try:
             return fn()
         except RuntimeError as exc:
-            raise self._diagnose(exc, step, what) from exc
+            raise self._diagnose(exc, step, what, time.monotonic() - began) from exc
 
     # -- collectives ----------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,7 +49,7 @@ class _Records(logging.Handler):
 
 
 def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, stop_at: int | None = None,
-          stop: str = "", slow_from: int | None = None) -> dict[str, Any]:
+          stop: str = "", slow_from: int | None = None, stop_file: str = "") -> dict[str, Any]:
     from autotune._tuner import OnlineTuner, StepSample
 
     applied: list[tuple[int, dict[str, Any]]] = []
@@ -66,6 +68,10 @@ def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, 
                 os._exit(3)
             if stop == "hang":
                 time.sleep(120)
+            if stop in ("sigstop", "sigkill"):
+                if stop_file:
+                    Path(stop_file).write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP if stop == "sigstop" else signal.SIGKILL)
         t = _cost(rank, tuner.current) * (3.0 if slow_from is not None and step >= slow_from else 1.0)
         tuner.observe(StepSample(time_s=t, stages={"step_s": t}))
         states.append(tuner.state)
@@ -154,7 +160,7 @@ def _worker_stops(rank: int, world_size: int, *, victim: int, stop: str) -> dict
                  stop_at=5 if rank == victim else None, stop=stop)
 
 
-@pytest.mark.parametrize(("victim", "stop"), [(1, "exit"), (0, "exit"), (1, "hang")])
+@pytest.mark.parametrize(("victim", "stop"), [(1, "exit"), (1, "hang")])
 def test_a_rank_that_stops_answering_fails_the_other_with_a_named_error(victim, stop):
     survivor = 1 - victim
     results = run_workers(_worker_stops, 2, kwargs={"victim": victim, "stop": stop}, timeout_s=60,
@@ -168,3 +174,48 @@ def test_a_rank_that_stops_answering_fails_the_other_with_a_named_error(victim, 
         assert results[victim].returncode == 3
     else:
         assert "within 5 s" in alive.error and results[victim].killed
+
+
+#: Survivors must fail within timeout_s plus this; generous because the test machine is loaded.
+_GRACE_S = 20.0
+
+
+def _worker_signalled(rank: int, world_size: int, *, victim: int, stop: str, timeout_s: float,
+                      tmp: str) -> dict[str, Any]:
+    from autotune._tuner import AutotuneConfig
+
+    try:
+        return _tune(rank, space=_space(), config=AutotuneConfig(timeout_s=timeout_s), steps=20,
+                     stop_at=5 if rank == victim else None, stop=stop, stop_file=f"{tmp}/stopped")
+    except Exception:
+        Path(f"{tmp}/failed.{rank}").write_text(repr(time.time()))
+        raise
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("stop", ["sigstop", "sigkill"])
+def test_a_stopped_or_killed_rank_fails_every_survivor_in_time(tmp_path, victim, stop):
+    """Real signals on 3 ranks: SIGSTOP freezes the victim's whole process, the store that local
+    rank 0 hosts included; SIGKILL closes its connections. Every survivor must fail within the
+    tuner's timeout plus a grace, naming the step, the rank and what happened to it."""
+    timeout_s = 5.0
+    survivors = [r for r in range(3) if r != victim]
+    results = run_workers(_worker_signalled, 3, timeout_s=150, wait_ranks=survivors,
+                          kwargs={"victim": victim, "stop": stop, "timeout_s": timeout_s, "tmp": str(tmp_path)})
+    stopped_at = float((tmp_path / "stopped").read_text())
+    for r in survivors:
+        alive = results[r]
+        assert not alive.killed and not alive.ok, alive.describe()
+        assert alive.error_type == "AgreementTimeout", alive.describe()
+        named = re.search(r"local rank\(s\) ([\d, ]+) \(", alive.error)
+        assert "step 5" in alive.error and named, alive.error
+        # A survivor that fails fast exits, so a third rank may find it gone too: it names both.
+        assert victim in [int(x) for x in named.group(1).split(",")], alive.error
+        state = "is stopped" if stop == "sigstop" else "exited"
+        assert f"local rank {victim} {state}" in alive.error, alive.error
+        if stop == "sigkill":  # its connections closed at once: no claim that it was silent for 5 s
+            assert "did not answer within" not in alive.error and "made it fail after" in alive.error, alive.error
+        else:
+            assert f"did not answer within {timeout_s:g} s" in alive.error, alive.error
+        failed_after = float((tmp_path / f"failed.{r}").read_text()) - stopped_at
+        assert failed_after < timeout_s + _GRACE_S, (failed_after, alive.error)
