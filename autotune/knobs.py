@@ -11,12 +11,14 @@ variable, the bad value and what was expected. The list is documented in ``docs/
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 __all__ = [
     "KnobError",
     "THREADS_VAR",
     "CACHE_VAR",
+    "MAX_THREADS",
     "threads_override",
     "cache_path",
     "local_world_size",
@@ -31,35 +33,63 @@ THREADS_VAR = "OFFLOAD_AUTOTUNE_THREADS"
 CACHE_VAR = "OFFLOAD_AUTOTUNE_CACHE"
 
 
+#: Most intra-op threads one rank may ask for, from any source (argument, settings, environment).
+#: Far above the cores of any single machine's rank; a count beyond it is a typo, and reached
+#: ``torch.set_num_threads`` unchecked it crashed the process (100000: libgomp cannot create the
+#: threads and the process dies with SIGSEGV). Counts between the rank's CPUs and this are
+#: clamped with a warning by ``offload.plan_cpu_threads``.
+MAX_THREADS = 1024
+
+#: Only plain ASCII digits: ``int()`` also accepts "٣", "1_000" and surrounding whitespace.
+_ASCII_INT = re.compile(r"[0-9]+")
+#: More digits than any value this module accepts; longer strings are not converted at all.
+_MAX_DIGITS = 18
+
+
 class KnobError(ValueError):
     """An environment variable holds a value this project cannot use."""
 
 
-def _positive_int(name: str) -> int | None:
+def _int(name: str, *, minimum: int, maximum: int | None = None) -> int | None:
+    """The ASCII integer in ``name`` (surrounding whitespace allowed), or None when unset or empty."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise KnobError(f"Unable to use {name}={raw!r}: expected a positive integer") from None
-    if value < 1:
-        raise KnobError(f"Unable to use {name}={raw!r}: expected a positive integer")
+    text = raw.strip()
+    expected = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+    if not _ASCII_INT.fullmatch(text) or len(text.lstrip("0")) > _MAX_DIGITS:
+        raise KnobError(f"Unable to use {name}={raw!r}: expected {expected} in ASCII digits")
+    value = int(text)
+    if value < minimum or (maximum is not None and value > maximum):
+        raise KnobError(f"Unable to use {name}={raw!r}: expected {expected}")
     return value
 
 
+def _positive_int(name: str) -> int | None:
+    return _int(name, minimum=1)
+
+
 def threads_override() -> int | None:
-    """``OFFLOAD_AUTOTUNE_THREADS``: explicit intra-op thread count for this rank, or None."""
-    return _positive_int(THREADS_VAR)
+    """``OFFLOAD_AUTOTUNE_THREADS``: explicit intra-op thread count for this rank, or None.
+
+    An integer from 1 to :data:`MAX_THREADS`; ``plan_cpu_threads`` clamps it to the rank's CPUs.
+    """
+    return _int(THREADS_VAR, minimum=1, maximum=MAX_THREADS)
 
 
 def cache_path() -> Path:
     """``OFFLOAD_AUTOTUNE_CACHE``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)/offload-autotune/cache.json."""
     raw = os.environ.get(CACHE_VAR)
-    if raw:
-        return Path(raw).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "offload-autotune" / "cache.json"
+    name = CACHE_VAR
+    try:
+        if raw:
+            return Path(raw).expanduser()
+        name = "XDG_CACHE_HOME"
+        base = os.environ.get(name) or str(Path.home() / ".cache")
+        return Path(base).expanduser() / "offload-autotune" / "cache.json"
+    except RuntimeError as exc:  # "~user/..." of an unknown user, or no home directory at all
+        value = os.environ.get(name, "")
+        raise KnobError(f"Unable to use {name}={value!r}: {exc} (expected a path)") from None
 
 
 def local_world_size() -> int | None:
@@ -69,16 +99,7 @@ def local_world_size() -> int | None:
 
 def local_rank() -> int | None:
     """``LOCAL_RANK`` as set by torchrun, or None outside a launcher."""
-    raw = os.environ.get("LOCAL_RANK")
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise KnobError(f"Unable to use LOCAL_RANK={raw!r}: expected an integer >= 0") from None
-    if value < 0:
-        raise KnobError(f"Unable to use LOCAL_RANK={raw!r}: expected an integer >= 0")
-    return value
+    return _int("LOCAL_RANK", minimum=0)
 
 
 def omp_num_threads() -> int | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from autotune.knobs import MAX_THREADS
+
 __all__ = ["OffloadSettings", "StepStats", "StageSpan", "DEFAULT_CHUNK_NUMEL", "KERNELS", "Kernel"]
 
 #: Default pipeline chunk: 4 Mi elements (16 MiB of fp32 per slab) keeps several chunks in flight
@@ -38,9 +40,10 @@ class OffloadSettings:
 
     def __post_init__(self) -> None:
         if self.threads is not None and (
-            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+            isinstance(self.threads, bool) or not isinstance(self.threads, int)
+            or not 1 <= self.threads <= MAX_THREADS
         ):
-            raise ValueError(f"OffloadSettings.threads={self.threads!r}: expected None or an int >= 1")
+            raise ValueError(f"OffloadSettings.threads={self.threads!r}: expected None or an int from 1 to {MAX_THREADS}")
         if (
             isinstance(self.chunk_numel, bool)
             or not isinstance(self.chunk_numel, int)

@@ -15,6 +15,9 @@ The rule (docs/environment.md explains it to users; :func:`allocate_threads` imp
 4. A cgroup CPU quota caps the total threads of the local ranks in that cgroup at floor(quota)
    (at least one per rank).
 5. An explicit override wins: the ``threads=`` argument, then ``OFFLOAD_AUTOTUNE_THREADS``.
+   It is clamped, with a warning naming the value used, to the CPUs of this rank's affinity mask
+   (more threads than CPUs only time-slice them: 1000 threads on 2 CPUs measured 80x slower), and
+   above ``autotune.knobs.MAX_THREADS`` it is an error (torch.set_num_threads(100000) crashes).
 
 Every rank computes the whole node's allocation from the same gathered masks, so the plans agree.
 """
@@ -145,9 +148,33 @@ class Allocation:
 
 
 def _check_threads(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ThreadPlanError(f"Unable to use {what}={value!r}: expected an int >= 1")
+    """``value`` if it is an int from 1 to ``MAX_THREADS``: nothing else reaches set_num_threads."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= knobs.MAX_THREADS:
+        raise ThreadPlanError(f"Unable to use {what}={value!r}: expected an int from 1 to {knobs.MAX_THREADS}")
     return value
+
+
+_WARNED: set[tuple[str, int, frozenset[int]]] = set()
+
+
+def _warn_once(what: str, requested: int, cpus: frozenset[int], message: str, *args: object) -> None:
+    key = (what, requested, cpus)
+    with _LOG_LOCK:
+        first = key not in _WARNED
+        _WARNED.add(key)
+    if first:
+        logger.warning(message, *args)
+
+
+def _clamp_to_mask(requested: int, what: str, cpus: frozenset[int]) -> int:
+    """``requested`` capped at the CPUs of ``cpus`` (the rank's mask), with a warning once."""
+    if requested <= len(cpus):
+        return requested
+    _warn_once(what, requested, cpus,
+               "%s=%d asks for more threads than the %d CPUs of this rank's affinity mask (%s): using %d "
+               "(threads beyond the CPUs only time-slice them and slow the step down)",
+               what, requested, len(cpus), format_cpulist(cpus), len(cpus))
+    return len(cpus)
 
 
 def _trim(threads: list[int], shares: Sequence[Fraction], members: Sequence[int], limit: int,
@@ -398,7 +425,7 @@ def _count(x: int | Fraction, word: str) -> str:
 
 def _reason(*, alloc: Allocation, index: int, masks: Sequence[RankCpus], masks_from: str,
             topology: CpuTopology, smt: bool, static: int, statics: Sequence[int], cpu_count: int,
-            oversubscribed: bool, chosen: int, source: str) -> str:
+            oversubscribed: bool, chosen: int, source: str, requested: int) -> str:
     n = len(masks)
     mine = masks[index].cpus
     parts = [f"local rank {index} of {n}" + {
@@ -435,10 +462,11 @@ def _reason(*, alloc: Allocation, index: int, masks: Sequence[RankCpus], masks_f
     if oversubscribed:
         rule += f" oversubscribes ({sum(statics)} threads over local ranks on a budget of {alloc.capacity})"
     parts.append(rule)
+    clamped = f" (clamped to {chosen}, the CPUs of the mask)" if requested != chosen else ""
     if source == "argument":
-        parts.append(f"threads={chosen} argument overrides the plan's {planned}")
+        parts.append(f"threads={requested} argument{clamped} overrides the plan's {planned}")
     elif source == "environment":
-        parts.append(f"{knobs.THREADS_VAR}={chosen} overrides the plan's {planned}")
+        parts.append(f"{knobs.THREADS_VAR}={requested}{clamped} overrides the plan's {planned}")
     try:
         omp = knobs.omp_num_threads()
     except knobs.KnobError:  # e.g. OpenMP's nested "4,2": not ours to judge, only reported
@@ -509,14 +537,17 @@ def plan_cpu_threads(
     planned = alloc.threads[index]
     source: PlanSource
     if threads is not None:
-        chosen, source = threads, "argument"
+        requested, source = threads, "argument"
+        chosen = _clamp_to_mask(threads, "threads", mine)
     elif env_threads is not None:
-        chosen, source = env_threads, "environment"
+        requested, source = env_threads, "environment"
+        chosen = _clamp_to_mask(env_threads, knobs.THREADS_VAR, mine)
     else:
-        chosen, source = planned, "plan"
+        requested = chosen = planned
+        source = "plan"
     reason = _reason(alloc=alloc, index=index, masks=masks, masks_from=masks_from, topology=topo,
                      smt=smt, static=statics[index], statics=statics, cpu_count=ncpu,
-                     oversubscribed=oversubscribed, chosen=chosen, source=source)
+                     oversubscribed=oversubscribed, chosen=chosen, source=source, requested=requested)
     plan = ThreadPlan(
         threads=chosen,
         reason=reason,
@@ -542,8 +573,17 @@ def plan_cpu_threads(
 
 @contextlib.contextmanager
 def thread_limit(threads: int) -> Iterator[None]:
-    """Set torch's intra-op thread count for the block; restore the previous count after."""
+    """Set torch's intra-op thread count for the block; restore the previous count after.
+
+    ``threads`` above ``autotune.knobs.MAX_THREADS`` raises :class:`ThreadPlanError`; above this
+    process's CPUs it is used as given, with a warning once (the plan clamps; this is the mechanism).
+    """
     _check_threads(threads, "threads")
+    cpus = _affinity()
+    if threads > len(cpus):
+        _warn_once("thread_limit", threads, cpus,
+                   "thread_limit(%d): more threads than the %d CPUs of this process's affinity mask (%s); "
+                   "they only time-slice them", threads, len(cpus), format_cpulist(cpus))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -243,8 +243,9 @@ def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads(monkeypa
 def test_threads_default_comes_from_the_thread_plan(monkeypatch) -> None:
     import offload._optimizer as optimizer_mod
     from offload._threads import plan_cpu_threads
+    from offload._topology import CpuTopology
 
-    plan = plan_cpu_threads(threads=5)
+    plan = plan_cpu_threads(threads=5, topology=CpuTopology.from_cores([[c] for c in range(8)]), cpus=range(8))
     monkeypatch.setattr(optimizer_mod, "plan_cpu_threads", lambda threads=None: plan if threads is None else plan_cpu_threads(threads=threads))
     opt = CPUOffloadAdamW(_params())
     assert opt.settings.threads == 5

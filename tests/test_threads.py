@@ -285,16 +285,56 @@ def test_plan_respects_cgroup_quota() -> None:
 
 
 def test_argument_then_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = plan_cpu_threads(threads=3, topology=FLAT8, cpus={0, 1})
-    assert (plan.threads, plan.source, plan.planned_threads) == (3, "argument", 2)
+    plan = plan_cpu_threads(threads=3, topology=FLAT8, cpus=range(6))
+    assert (plan.threads, plan.source, plan.planned_threads) == (3, "argument", 6)
     monkeypatch.setenv(knobs.THREADS_VAR, "5")
-    plan = plan_cpu_threads(topology=FLAT8, cpus={0, 1})
+    plan = plan_cpu_threads(topology=FLAT8, cpus=range(6))
     assert (plan.threads, plan.source) == (5, "environment")
     assert f"{knobs.THREADS_VAR}=5 overrides" in plan.reason
-    assert plan_cpu_threads(threads=3, topology=FLAT8, cpus={0, 1}).source == "argument"
+    assert plan_cpu_threads(threads=3, topology=FLAT8, cpus=range(6)).source == "argument"
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5"])
+@pytest.mark.parametrize("source", ["argument", "environment"])
+def test_override_beyond_the_mask_is_clamped_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, source: str
+) -> None:
+    # 1000 threads on 2 CPUs ran 80x slower without a word; now: the mask's 2, and a warning.
+    if source == "environment":
+        monkeypatch.setenv(knobs.THREADS_VAR, "1000")
+    with caplog.at_level(logging.WARNING, logger="offload._threads"):
+        plan = plan_cpu_threads(threads=1000 if source == "argument" else None, topology=FLAT8, cpus={2, 3})
+    assert (plan.threads, plan.source) == (2, source)
+    assert "1000" in plan.reason and "clamped to 2" in plan.reason
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    name = "threads" if source == "argument" else knobs.THREADS_VAR
+    assert any(f"{name}=1000 asks for more threads than the 2 CPUs" in m and "using 2" in m for m in warned), warned
+
+
+@pytest.mark.parametrize("raw", ["100000", "99999999999999999999", "1025"])
+def test_environment_override_above_the_hard_maximum_raises(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    # 100000 reached torch.set_num_threads and crashed the process; 99999999999999999999 failed
+    # only at step() with "Overflow when unpacking long long".
+    monkeypatch.setenv(knobs.THREADS_VAR, raw)
+    with pytest.raises(knobs.KnobError, match=re.escape(f"{knobs.THREADS_VAR}={raw!r}: expected an integer from 1 to 1024")):
+        plan_cpu_threads(topology=FLAT8, cpus={0})
+
+
+@pytest.mark.parametrize("bad", [1025, 100000, 10**20])
+def test_thread_counts_above_the_hard_maximum_never_reach_torch(bad: int) -> None:
+    before = torch.get_num_threads()
+    with pytest.raises(ThreadPlanError, match=f"threads={bad}: expected an int from 1 to 1024"):
+        plan_cpu_threads(threads=bad, topology=FLAT8, cpus={0})
+    with pytest.raises(ThreadPlanError, match="expected an int from 1 to 1024"):
+        with _threads.thread_limit(bad):
+            pass
+    from offload import OffloadSettings
+
+    with pytest.raises(ValueError, match=f"OffloadSettings.threads={bad}: expected None or an int from 1 to 1024"):
+        OffloadSettings(threads=bad)
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", "\u0663", "1_0", "+4", "\uff14"])
 def test_malformed_environment_override_raises(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     monkeypatch.setenv(knobs.THREADS_VAR, raw)
     with pytest.raises(knobs.KnobError, match=re.escape(f"{knobs.THREADS_VAR}={raw!r}")):
@@ -303,7 +343,7 @@ def test_malformed_environment_override_raises(monkeypatch: pytest.MonkeyPatch, 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "4"])
 def test_bad_thread_argument_raises(bad: object) -> None:
-    with pytest.raises(ThreadPlanError, match="expected an int >= 1"):
+    with pytest.raises(ThreadPlanError, match="expected an int from 1 to"):
         plan_cpu_threads(threads=bad, topology=FLAT8, cpus={0})  # type: ignore[arg-type]
 
 
