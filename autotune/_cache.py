@@ -26,6 +26,11 @@ Guarantees:
   overwritten, and this version neither reads nor writes it.
 - An unusable location (unwritable, a path below a regular file) warns and continues without
   persisting.
+- No path the user gives is ever renamed, replaced or blocked on unless it is a regular file the
+  cache owns: a path that is not a regular file (``/dev/null``, a FIFO, a socket, a directory) is
+  a warning and a miss, opened only with ``O_NONBLOCK`` and never written, renamed or locked
+  beside. A symlink is written through: the link is resolved on every access and the atomic
+  rename happens in the target's directory, so every link to a shared file sees the entry.
 
 Values are checked for type only (knob dicts map str to a JSON scalar, ints fit in int64, floats
 are finite, counts are non-negative ints, not bools); whether a cached setting belongs to the
@@ -40,6 +45,7 @@ import json
 import logging
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -78,7 +84,23 @@ _REQUIRED_KEYS = (
     "created_unix",
 )
 
-_State = Literal["missing", "ok", "partial", "corrupt", "newer", "unreadable"]
+_State = Literal["missing", "ok", "partial", "corrupt", "newer", "unreadable", "special"]
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind(mode: int) -> str:
+    """``"a FIFO"``, ``"a character device"``, ... for a mode that is not a regular file."""
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 class CacheEntryError(ValueError):
@@ -249,14 +271,35 @@ class TuningCache:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ValueError(f"lock_timeout_s={lock_timeout_s!r}: expected a number of seconds >= 0")
         self.path = Path(path).expanduser() if path is not None else knobs.cache_path()
+        if "\0" in str(self.path):
+            raise ValueError(f"TuningCache path={str(self.path)!r}: a path cannot contain a NUL byte")
         self.lock_timeout_s = float(lock_timeout_s)
 
     def __repr__(self) -> str:
         return f"TuningCache({str(self.path)!r})"
 
     @property
+    def target(self) -> Path:
+        """The file the cache reads and replaces: :attr:`path` with symlinks resolved (now)."""
+        return Path(os.path.realpath(self.path))
+
+    @property
     def lock_path(self) -> Path:
-        return self.path.with_name(self.path.name + ".lock")
+        target = self.target
+        return target.with_name(target.name + ".lock")
+
+    def file_problem(self) -> str | None:
+        """Why :attr:`path` holds no cache file: ``"does not exist"``, ``"is a FIFO, not a
+        regular file"``, ...; None when it is a regular file. Never opens the path."""
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            return "does not exist" if not os.path.islink(self.path) else "is a dangling symlink"
+        except OSError as exc:
+            return f"cannot be examined ({exc.strerror or exc})"
+        if stat.S_ISREG(mode):
+            return None
+        return f"is {_kind(mode)}, not a regular file"
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -314,22 +357,44 @@ class TuningCache:
 
     def bad_files(self) -> list[Path]:
         """Files kept aside because they were corrupt, oldest first."""
+        target = self.target
         with contextlib.suppress(OSError):
-            return sorted(self.path.parent.glob(self.path.name + ".bad-*"))
+            return sorted(target.parent.glob(target.name + ".bad-*"))
         return []
 
     # -- reading -------------------------------------------------------------------------------
 
     def _read(self) -> _Snapshot:
+        # stat first: a device or FIFO is never even opened. O_NONBLOCK: a FIFO that appears
+        # after the stat does not wait for a writer; fstat then tells what was opened.
+        with contextlib.suppress(OSError):
+            mode = os.stat(self.target).st_mode
+            if not stat.S_ISREG(mode):
+                return _Snapshot("special", problems=[f"it is {_kind(mode)}, not a regular file"])
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
+            fd = os.open(self.target, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return _Snapshot("missing")
-        except OSError as exc:  # a directory, no permission, a path below a regular file, ...
+        except OSError as exc:  # no permission, a path below a regular file, a symlink loop, ...
             if isinstance(exc, NotADirectoryError):
                 return _Snapshot("missing", problems=[f"{exc}"])
             return _Snapshot("unreadable", problems=[f"{type(exc).__name__}: {exc}"])
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                return _Snapshot("special", problems=[f"it is {_kind(mode)}, not a regular file"])
+            chunks, size = [], 0
+            while size <= MAX_FILE_BYTES:
+                chunk = os.read(fd, min(1 << 20, MAX_FILE_BYTES + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            raw = b"".join(chunks)
+        except OSError as exc:
+            return _Snapshot("unreadable", problems=[f"{type(exc).__name__}: {exc}"])
+        finally:
+            os.close(fd)
         if len(raw) > MAX_FILE_BYTES:
             return _Snapshot("corrupt", problems=[f"larger than {MAX_FILE_BYTES} bytes"])
         return _parse(raw)
@@ -345,10 +410,19 @@ class TuningCache:
             )
         elif snap.state == "unreadable":
             logger.warning("Tuning cache %s cannot be read, treating it as empty: %s", self.path, snap.problems[0])
+        elif snap.state == "special":
+            self._warn_special(snap.problems[0])
         elif snap.state in ("corrupt", "partial"):
             self._warn_bad(snap)
             self._mutate(None, "set the bad cache file aside")
         return snap
+
+    def _warn_special(self, problem: str) -> None:
+        logger.warning(
+            "Tuning cache %s: %s; never read, written or renamed: every lookup is a miss and nothing "
+            "is persisted (point OFFLOAD_AUTOTUNE_CACHE or --cache at a regular file)",
+            self.path, problem,
+        )
 
     def _warn_bad(self, snap: _Snapshot) -> None:
         what = "is corrupt" if snap.state == "corrupt" else f"has {len(snap.problems)} bad entries"
@@ -365,17 +439,25 @@ class TuningCache:
         ``change`` edits the entries in place and returns whether it changed anything;
         ``change=None`` only repairs (sets bad input aside and rewrites the valid entries).
         """
+        problem = self.file_problem()
+        if problem is not None and problem.endswith("not a regular file"):
+            self._warn_special(f"it {problem}")  # no lock file beside it either
+            return False
+        target = self.target
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             logger.warning("Cannot %s: cache directory %s is unusable (%s); continuing without persisting",
-                           action, self.path.parent, exc)
+                           action, target.parent, exc)
             return False
         with self._locked(action) as locked:
             if not locked:
                 return False
             self._remove_stale_temp_files()
             snap = self._read()
+            if snap.state == "special":  # became one since the check above
+                self._warn_special(snap.problems[0])
+                return False
             if snap.state == "newer":
                 logger.warning("Cannot %s: %s has schema %s, newer than %s; leaving it untouched",
                                action, self.path, snap.schema, SCHEMA_VERSION)
@@ -438,33 +520,37 @@ class TuningCache:
             time.sleep(_LOCK_POLL_S)
 
     def _temp_prefix(self) -> str:
-        return f".{self.path.name}.tmp-"
+        return f".{self.target.name}.tmp-"
 
     def _remove_stale_temp_files(self) -> None:
         # Only the lock holder creates temp files, so any found now belong to a dead writer.
         with contextlib.suppress(OSError):
-            for stale in self.path.parent.glob(self._temp_prefix() + "*"):
+            for stale in self.target.parent.glob(self._temp_prefix() + "*"):
                 with contextlib.suppress(OSError):
                     stale.unlink()
                     logger.info("Removed %s left by a writer that died mid-write", stale)
 
     def _bad_path(self) -> Path:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
-        candidate = self.path.with_name(f"{self.path.name}.bad-{stamp}")
+        target = self.target
+        candidate = target.with_name(f"{target.name}.bad-{stamp}")
         n = 1
         while candidate.exists():
-            candidate = self.path.with_name(f"{self.path.name}.bad-{stamp}-{n}")
+            candidate = target.with_name(f"{target.name}.bad-{stamp}-{n}")
             n += 1
         return candidate
 
     def _set_aside(self, *, rename: bool) -> bool:
         """Keep the current (bad) file as ``<name>.bad-<ts>``: renamed, or copied when ``rename`` is False."""
         target = self._bad_path()
+        source = self.target
         try:
+            if not stat.S_ISREG(os.lstat(source).st_mode):  # only a regular file is ever moved
+                raise OSError(f"{source} is no longer a regular file")
             if rename:
-                os.replace(self.path, target)
+                os.replace(source, target)
             else:
-                with open(self.path, "rb") as src:
+                with open(source, "rb") as src:
                     raw = src.read(MAX_FILE_BYTES + 1)
                 self._atomic_write_bytes(target, raw)
         except OSError as exc:
@@ -478,7 +564,7 @@ class TuningCache:
         doc = {"schema": SCHEMA_VERSION, "entries": entries}
         data = (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
         try:
-            self._atomic_write_bytes(self.path, data)
+            self._atomic_write_bytes(self.target, data)
         except OSError as exc:
             logger.warning("Cannot %s: writing %s failed (%s); continuing without persisting", action, self.path, exc)
             return False

@@ -3,6 +3,10 @@
 Works on the tuning cache (``--cache PATH``, else ``OFFLOAD_AUTOTUNE_CACHE``, else the user's
 cache directory) and on run directories written by :class:`autotune._trace.TraceWriter`
 (``--run DIR``). Imports neither the tuner nor torch.
+
+A user error (a cache path that does not exist or is not a regular file, a run path that is not
+a directory, a malformed environment variable) is one line on stderr and exit status 1, never a
+traceback; the cache path is examined before it is opened, so a FIFO or a device is never read.
 """
 
 from __future__ import annotations
@@ -88,6 +92,25 @@ def _select(entries: Mapping[str, Any], prefixes: Sequence[str]) -> dict[str, An
     return chosen
 
 
+def _cache(args: argparse.Namespace, *, must_exist: bool = True) -> TuningCache:
+    """The cache named by ``--cache`` (or the environment), refused unless it is a regular file."""
+    cache = TuningCache(args.cache)
+    problem = cache.file_problem()
+    if problem is not None and (must_exist or problem != "does not exist"):
+        raise CliError(f"cache file {cache.path} {problem}")
+    return cache
+
+
+def _run_dir(path: str | Path) -> Path:
+    """``path`` if it is a directory, else a :class:`CliError` saying what it is."""
+    run = Path(path)
+    if run.is_dir():
+        return run
+    if run.exists():
+        raise CliError(f"{run} is not a directory: expected a run directory (the --trace-dir of a run)")
+    raise CliError(f"run directory {run} does not exist")
+
+
 def _table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -100,12 +123,12 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 def _show(args: argparse.Namespace, out: TextIO) -> int:
     if args.run is not None:
-        summary = read_summary(args.run)
+        summary = read_summary(_run_dir(args.run))
         if summary is None:
             raise CliError(f"{Path(args.run) / SUMMARY_JSON} does not exist or is not a JSON object")
         out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         return 0
-    cache = TuningCache(args.cache)
+    cache = _cache(args)
     entries = _select(cache.entries(), args.keys)
     if args.json or args.keys:
         out.write(json.dumps(entries, indent=2, sort_keys=True) + "\n")
@@ -153,7 +176,7 @@ def _entry_row(key: str, entry: Mapping[str, Any]) -> dict[str, Any]:
 def _export(args: argparse.Namespace, out: TextIO) -> int:
     if args.run is not None:
         try:
-            rows = read_rows(args.run)
+            rows = read_rows(_run_dir(args.run))
         except OSError as exc:
             raise CliError(f"cannot read {Path(args.run) / TRACE_JSONL}: {exc}") from None
         if args.format == "csv":
@@ -161,7 +184,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
         else:
             out.write(json.dumps(rows, indent=1) + "\n")
         return 0
-    cache = TuningCache(args.cache)
+    cache = _cache(args)
     entries = _select(cache.entries(), args.keys)
     if args.format == "csv":
         rows_to_csv([_entry_row(k, e) for k, e in sorted(entries.items())], out)
@@ -171,7 +194,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _plot(args: argparse.Namespace, out: TextIO) -> int:
-    run = Path(args.run_dir)
+    run = _run_dir(args.run_dir)
     try:
         rows = read_rows(run)
     except OSError as exc:
@@ -188,12 +211,16 @@ def _plot(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _clear(args: argparse.Namespace, out: TextIO) -> int:
-    cache = TuningCache(args.cache)
-    if args.keys:
+    cache = _cache(args, must_exist=False)
+    if cache.file_problem() is not None:
+        if args.keys:
+            raise CliError(f"cache file {cache.path} does not exist: no entry to remove")
+        out.write(f"nothing to remove: cache file {cache.path} does not exist\n")
+    elif args.keys:
         removed = sum(cache.delete(key) for key in _select(cache.entries(), args.keys))
+        out.write(f"removed {removed} entries from {cache.path}\n")
     else:
-        removed = cache.clear()
-    out.write(f"removed {removed} entries from {cache.path}\n")
+        out.write(f"removed {cache.clear()} entries from {cache.path}\n")
     if args.bad:
         for path in cache.bad_files():
             path.unlink(missing_ok=True)
@@ -256,6 +283,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     args = _parser().parse_args(argv)
     if not hasattr(args, "cache"):
         args.cache = None
+    if args.cache == "":
+        err.write(f"python -m autotune {args.command}: error: --cache '': expected a file path\n")
+        return 1
     try:
         if getattr(args, "output", None) and args.func is _export:
             with open(args.output, "w", encoding="utf-8", newline="") as f:
@@ -264,6 +294,6 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except CliError as exc:
         err.write(f"python -m autotune {args.command}: error: {exc}\n")
         return 1
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: knobs.KnobError, a NUL byte in a path
         err.write(f"python -m autotune {args.command}: error: {exc}\n")
         return 1

@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -40,6 +41,20 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+def null_device(tmp_path: Path) -> Path:
+    """A character device like /dev/null, made in ``tmp_path`` when allowed (root), so that a
+    regression renames a copy, never the machine's /dev/null; non-root users get /dev/null itself,
+    which they cannot rename."""
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        return node
+    except (PermissionError, AttributeError):
+        if os.geteuid() == 0:
+            pytest.skip("root without CAP_MKNOD: a test on /dev/null itself could destroy it on a regression")
+        return Path("/dev/null")
 
 
 def cache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -256,6 +271,90 @@ def test_cache_path_that_is_a_directory_warns(tmp_path: Path, caplog: pytest.Log
         assert cache.put("k", make_entry()) is False
     assert path.is_dir()
     assert len(cache_warnings(caplog)) >= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths the cache does not own: special files, symlinks
+
+
+def _call_with_deadline(fn, timeout_s: float = 30.0):
+    """``fn()`` on a thread; fails the test (instead of hanging it) if it blocks."""
+    import threading
+
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(value=fn()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"{fn} blocked for {timeout_s} s"
+    return box.get("value")
+
+
+def test_dev_null_is_never_renamed_replaced_or_locked_beside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # As root (containers) /dev/null was renamed to /dev/null.bad-<ts> and a regular file took its place.
+    dev = null_device(tmp_path)
+    before = os.stat(dev)
+    cache = TuningCache(dev)
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("k") is None
+        assert cache.put("k", make_entry()) is False
+        assert cache.entries() == {} and cache.clear() == 0
+    after = os.stat(dev)
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+    assert not list(dev.parent.glob("null.*")), list(dev.parent.glob("null.*"))
+    assert cache.file_problem() == "is a character device, not a regular file"
+    assert any("is a character device, not a regular file" in m for m in cache_warnings(caplog))
+
+
+def test_fifo_as_cache_neither_blocks_nor_is_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fifo = tmp_path / "cache.json"
+    os.mkfifo(fifo)
+    cache = TuningCache(fifo)
+    with caplog.at_level(logging.WARNING):
+        assert _call_with_deadline(lambda: cache.get("k")) is None  # used to block forever
+        assert _call_with_deadline(lambda: cache.put("k", make_entry())) is False
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]  # no lock, temp or .bad-* file
+    assert any("is a FIFO" in m for m in cache_warnings(caplog))
+
+
+def test_symlinked_cache_is_written_through_to_the_shared_target(tmp_path: Path) -> None:
+    shared = tmp_path / "shared" / "cache.json"
+    shared.parent.mkdir()
+    TuningCache(shared).put("a", make_entry(threads=2))
+    home = tmp_path / "home"
+    home.mkdir()
+    link = home / "cache.json"
+    link.symlink_to(os.path.relpath(shared, home))  # relative, as users write them
+    cache = TuningCache(link)
+    assert cache.get("a") == make_entry(threads=2)
+    assert cache.put("b", make_entry(threads=4)) is True
+    assert link.is_symlink() and link.resolve() == shared.resolve()
+    assert set(TuningCache(shared).entries()) == {"a", "b"}
+    assert sorted(p.name for p in home.iterdir()) == ["cache.json"]  # lock and temp files live by the target
+    assert cache.delete("a") and set(TuningCache(shared).entries()) == {"b"} and link.is_symlink()
+
+
+def test_corrupt_symlink_target_is_set_aside_and_the_link_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    shared = tmp_path / "shared.json"
+    shared.write_bytes(b"{ not json")
+    link = tmp_path / "link.json"
+    link.symlink_to(shared)
+    cache = TuningCache(link)
+    with caplog.at_level(logging.WARNING):
+        assert cache.get("k") is None
+    assert link.is_symlink() and [p.name for p in cache.bad_files()][0].startswith("shared.json.bad-")
+    assert cache.put("k", make_entry()) is True
+    assert link.is_symlink() and set(TuningCache(shared).entries()) == {"k"}
+
+
+def test_symlink_to_a_device_is_not_followed_into_a_write(tmp_path: Path) -> None:
+    dev = null_device(tmp_path)
+    link = tmp_path / "cache.json"
+    link.symlink_to(dev)
+    cache = TuningCache(link)
+    assert cache.put("k", make_entry()) is False and cache.get("k") is None
+    assert link.is_symlink() and stat.S_ISCHR(os.stat(dev).st_mode)
+    assert not list(dev.parent.glob("null.*"))
 
 
 # ---------------------------------------------------------------------------------------------

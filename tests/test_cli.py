@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -140,8 +141,10 @@ def test_clear_one_key_and_bad_files(cache_path: Path) -> None:
 
 
 def test_empty_and_corrupt_cache(tmp_path: Path) -> None:
-    rc, out, _ = call("show", "--cache", str(tmp_path / "none.json"))
-    assert rc == 0 and "(0 entries)" in out
+    rc, out, err = call("show", "--cache", str(tmp_path / "none.json"))
+    assert rc == 1 and out == "" and err.strip().endswith("none.json does not exist"), err
+    rc, out, err = call("clear", "--cache", str(tmp_path / "none.json"))
+    assert rc == 0 and "does not exist" in out and not (tmp_path / "none.json").exists()
     path = tmp_path / "c.json"
     path.write_bytes(b"\xff\xfe not json")
     rc, out, _ = call("export", "--format", "csv", "--cache", str(path))
@@ -170,8 +173,53 @@ def test_run_directory_show_export_plot(run_dir: Path, tmp_path: Path) -> None:
     rc, out, _ = call("export", "--run", str(run_dir))
     assert rc == 0 and len(json.loads(out)) == 6
     rc, _, err = call("show", "--run", str(tmp_path / "missing"))
-    assert rc == 1 and "summary.json" in err
+    assert rc == 1 and "missing does not exist" in err
     pytest.importorskip("matplotlib", reason="plot needs matplotlib (the [plot] extra)")
     png = tmp_path / "out.png"
     rc, out, _ = call("plot", str(run_dir), "-o", str(png))
     assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile paths and values: one line on stderr, exit status 1, nothing touched, nothing blocks
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr.strip()
+
+
+def test_special_files_as_cache_are_refused_untouched(tmp_path: Path) -> None:
+    from test_cache import null_device
+
+    files = tmp_path / "files"
+    files.mkdir()
+    fifo = files / "cache.fifo"
+    os.mkfifo(fifo)
+    dev = null_device(files)
+    before = os.stat(dev)
+    for path, kind in ((dev, "a character device"), (fifo, "a FIFO"), (files, "a directory")):
+        for command in ("show", "export", "clear"):
+            line = _one_line_error(run_cli("--cache", str(path), command))  # a FIFO used to block forever
+            assert f"{path} is {kind}, not a regular file" in line, line
+    after = os.stat(dev)
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert not list(dev.parent.glob("null.*")) and not list(files.glob("cache.fifo.*"))
+    assert not list(tmp_path.glob("files.*"))
+
+
+def test_run_path_that_is_a_regular_file_is_one_line(tmp_path: Path) -> None:
+    afile = tmp_path / "not_a_dir"
+    afile.write_text("x")
+    for args in (("show", "--run", str(afile)), ("export", "--run", str(afile)), ("plot", str(afile))):
+        line = _one_line_error(run_cli(*args))
+        assert f"{afile} is not a directory" in line, line
+    line = _one_line_error(run_cli("plot", str(tmp_path / "missing")))
+    assert "does not exist" in line
+
+
+def test_bad_environment_value_is_one_line(tmp_path: Path) -> None:
+    line = _one_line_error(run_cli("show", cache=Path("~no-such-user-here/cache.json")))
+    assert f"{knobs.CACHE_VAR}='~no-such-user-here/cache.json'" in line, line
