@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Protocol
 
+from autotune import knobs
 from autotune._agree import Agreement, AgreementError, AgreementMismatch, make_agreement
 from autotune._measurement import MIN_GAIN, NOISE_FACTOR, TIE_TOLERANCE, Measurement
 from autotune._probe import CheckSession, ProbeSession, finite_positive
@@ -377,7 +379,17 @@ class OnlineTuner:
             "static plan": self.baseline,
             "AutotuneConfig": dataclasses.asdict(self.config),
         }
-        everyone = self._agree.all_gather(mine, step=None, what="check of the search space")
+        path = getattr(self._cache, "path", None)  # only rank 0's cache is used: say so if they differ
+        cache = os.path.realpath(path) if isinstance(path, (str, os.PathLike)) else None
+        everyone = self._agree.all_gather({**mine, "cache": cache}, step=None, what="check of the search space")
+        caches = {r: ident.get("cache") for r, ident in enumerate(everyone) if ident.get("cache") is not None}
+        if len(set(caches.values())) > 1:
+            logger.warning(
+                "%s: local ranks name different tuning caches (%s): only local rank 0 reads and writes its "
+                "cache%s; set %s (or AutotuneConfig.cache_path) to the same file on every rank",
+                OWNER, "; ".join(f"local rank {r}: {p}" for r, p in caches.items()),
+                f", {caches[0]}" if 0 in caches else "", knobs.CACHE_VAR,
+            )
         for label in mine:
             values = [ident[label] for ident in everyone]
             if all(v == values[0] for v in values):

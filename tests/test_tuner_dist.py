@@ -219,3 +219,27 @@ def test_a_stopped_or_killed_rank_fails_every_survivor_in_time(tmp_path, victim,
             assert f"did not answer within {timeout_s:g} s" in alive.error, alive.error
         failed_after = float((tmp_path / f"failed.{r}").read_text()) - stopped_at
         assert failed_after < timeout_s + _GRACE_S, (failed_after, alive.error)
+
+
+def _worker_two_caches(rank: int, world_size: int, *, tmp: str) -> dict[str, Any]:
+    from autotune import knobs
+    from autotune._cache import TuningCache
+    from autotune._tuner import AutotuneConfig
+
+    records = _Records()
+    logging.getLogger("autotune").addHandler(records)
+    os.environ[knobs.CACHE_VAR] = f"{tmp}/cache.{rank}.json"  # as a per-rank launcher script would
+    config = AutotuneConfig(probe_steps=48, timeout_s=30.0)
+    result = _tune(rank, space=_space(), config=config, steps=48, cache=TuningCache())
+    return {"log": records.messages, "state": result["summary"]["state"]}
+
+
+def test_ranks_naming_different_caches_are_warned_naming_both(tmp_path):
+    results = run_workers(_worker_two_caches, 2, kwargs={"tmp": str(tmp_path)}, timeout_s=90)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results)
+    for r in results:
+        warned = [m for m in r.value["log"] if "different tuning caches" in m]
+        assert len(warned) == 1, r.value["log"]
+        assert f"local rank 0: {tmp_path}/cache.0.json" in warned[0] and f"local rank 1: {tmp_path}/cache.1.json" in warned[0]
+        assert r.value["state"] == "locked"
+    assert (tmp_path / "cache.0.json").exists() and not (tmp_path / "cache.1.json").exists()
