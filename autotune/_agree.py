@@ -56,8 +56,6 @@ STORE_READ_GRACE_S = 1.0
 #: A collective that failed after this fraction of ``timeout_s`` timed out; earlier, a peer
 #: closed its connection (it exited) or the collective failed for another reason.
 _TIMED_OUT_FRACTION = 0.9
-#: How long a diagnosis watches a missing rank that still looks alive before calling it running.
-_SETTLE_S = 0.5
 
 
 def where(step: int | None, what: str) -> str:
@@ -342,17 +340,7 @@ class GlooAgreement:
         )
 
     def _states(self, settle: Sequence[int] = ()) -> dict[int, str]:
-        """Process state per local rank; ranks in ``settle`` seen running are looked at again for
-        up to :data:`_SETTLE_S` (a killed process closes its sockets before the kernel marks it
-        gone, so the collective can fail a moment before the process looks exited)."""
-        if not self._procs:
-            return {}
-        deadline = time.monotonic() + _SETTLE_S
-        while True:
-            states = dict(enumerate(peer_states(self._procs, self._me)))
-            if time.monotonic() >= deadline or all(states.get(r) != "running" for r in settle):
-                return states
-            time.sleep(0.05)
+        return dict(peer_states(self._procs, self._me, settle=settle)) if self._procs else {}
 
     def _run(self, step: int | None, what: str, fn: Any) -> Any:
         self._mark(step, what)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
@@ -110,15 +111,26 @@ def describe_state(pid: int, state: ProcessState) -> str:
     return f"is in an unknown state (process {pid})"
 
 
-def peer_states(peers: Sequence[ProcessInfo | None], mine: ProcessInfo) -> list[ProcessState]:
-    """The state of each peer's process; ``"unknown"`` where it is not visible from here."""
-    out: list[ProcessState] = []
-    for peer in peers:
-        if peer is None or not peer.visible_from(mine):
-            out.append("unknown")
-        else:
-            out.append(process_state(peer.pid))
-    return out
+#: How long :func:`peer_states` watches a suspect that still looks alive before calling it running.
+SETTLE_S = 0.5
+
+
+def peer_states(peers: Sequence[ProcessInfo | None], mine: ProcessInfo, *,
+                settle: Sequence[int] = (), settle_s: float = SETTLE_S) -> dict[int, ProcessState]:
+    """The state of each peer's process by index; ``"unknown"`` where it is not visible from here.
+
+    Peers in ``settle`` seen running are looked at again for up to ``settle_s``: a killed process
+    closes its sockets before the kernel marks it gone, so a collective can fail a moment before
+    the process looks exited.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        states: dict[int, ProcessState] = {}
+        for i, peer in enumerate(peers):
+            states[i] = "unknown" if peer is None or not peer.visible_from(mine) else process_state(peer.pid)
+        if time.monotonic() >= deadline or all(states.get(i) != "running" for i in settle):
+            return states
+        time.sleep(0.05)
 
 
 class StoreUnresponsive(TimeoutError):

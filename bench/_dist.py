@@ -6,28 +6,49 @@ those hooks would see each rank's local, not yet averaged gradients. Averaging a
 one flat bucket after backward keeps "every rank's optimizer sees identical gradients" true by
 construction, keeps communication out of the optimizer's measured step, and costs only the
 overlap of communication with backward, which this benchmark trainer does not need.
+
+Faults: the default group's timeout is ``--dist-timeout`` (default: the tuner's own
+``AutotuneConfig.timeout_s``), not gloo's 600 s, so a frozen rank stops the run within the same
+bound as the tuner's collectives. Ranks exchange their pids at setup; a failed collective becomes
+one :class:`DistFailure` naming the step, what was being exchanged, whether it timed out or failed
+early, and which rank on this host exited or is stopped (ranks on other hosts cannot be seen).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from autotune import knobs
+from autotune import AutotuneConfig, knobs
+from autotune._peers import ProcessInfo, describe_state, me, peer_states
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistInfo", "setup", "teardown", "average_gradients", "average_scalar", "gather_objects",
-           "param_checksum"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DistFailure", "DistInfo", "setup", "teardown", "average_gradients",
+           "average_scalar", "gather_objects", "param_checksum"]
 
-#: Generous: a tiny CPU run on a loaded 2-core machine can leave one rank far behind.
-_TIMEOUT = _dt.timedelta(minutes=10)
+#: The tuner's default collective timeout: generous (a tiny CPU run on a loaded 2-core machine can
+#: leave one rank far behind), yet one bound for every collective of the run.
+DEFAULT_TIMEOUT_S = AutotuneConfig().timeout_s
+#: A collective that failed after this fraction of the timeout timed out; earlier, a peer is gone.
+_TIMED_OUT_FRACTION = 0.9
+
+
+class DistFailure(RuntimeError):
+    """A collective of the trainer failed; the message names the step and, where knowable, the rank."""
+
+    def __init__(self, message: str, *, step: int | None, ranks: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = tuple(ranks)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,30 +59,75 @@ class DistInfo:
     local_world_size: int
     backend: str | None
     """None when running as a single process without torch.distributed."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Timeout of every collective of the default group."""
+    peers: tuple[ProcessInfo | None, ...] = ()
+    """Every rank's process (pid, host), by global rank."""
 
     @property
     def enabled(self) -> bool:
         return self.backend is not None
 
 
-def setup(device: torch.device) -> DistInfo:
+def setup(device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
     """Join the process group when launched by torchrun (``LOCAL_WORLD_SIZE`` set), else single process.
 
     The backend is gloo on CPU and nccl on CUDA; on CUDA each rank uses device ``LOCAL_RANK``.
+    Every collective of the group times out after ``timeout_s``.
     """
     local_world = knobs.local_world_size()
     if local_world is None:
-        return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, backend=None)
+        return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, backend=None, timeout_s=timeout_s)
     local_rank = knobs.local_rank() or 0
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=_TIMEOUT)
-    return DistInfo(
+        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
+    info = DistInfo(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-        local_world_size=local_world, backend=dist.get_backend(),
+        local_world_size=local_world, backend=dist.get_backend(), timeout_s=timeout_s,
     )
+    peers = gather_objects(me().to_dict(), info, what="exchange of process ids")
+    return DistInfo(
+        rank=info.rank, world_size=info.world_size, local_rank=local_rank, local_world_size=local_world,
+        backend=info.backend, timeout_s=timeout_s, peers=tuple(ProcessInfo.from_dict(p) for p in peers),
+    )
+
+
+def _diagnose(info: DistInfo, exc: BaseException, step: int | None, what: str,
+              elapsed_s: float) -> DistFailure:
+    others = [r for r in range(info.world_size) if r != info.rank]
+    states = peer_states(info.peers, me(), settle=others) if info.peers else {}
+    culprits = [r for r in others if states.get(r) in ("exited", "stopped")]
+    if elapsed_s >= _TIMED_OUT_FRACTION * info.timeout_s:
+        verdict = f"no answer within {info.timeout_s:g} s"
+    else:
+        verdict = f"failed after {elapsed_s:.1f} s (before the {info.timeout_s:g} s timeout)"
+    if culprits:
+        who = "; ".join(f"rank {r} {describe_state(info.peers[r].pid, states[r])}"  # type: ignore[union-attr]
+                        for r in culprits)
+    else:
+        elsewhere = [r for r in others if states.get(r, "unknown") == "unknown"]
+        who = "no rank on this host exited or is stopped"
+        who += f" (rank(s) {', '.join(map(str, elsewhere))} run elsewhere: see their logs)" if elsewhere else \
+            " (a rank may be stuck: see every rank's log)"
+    lines = str(exc).strip().splitlines()
+    place = "start" if step is None else f"step {step}"
+    return DistFailure(
+        f"{place} ({what}): {verdict}: {who}; collective error: {lines[0] if lines else type(exc).__name__}",
+        step=step, ranks=culprits,
+    )
+
+
+@contextlib.contextmanager
+def _collective(info: DistInfo, step: int | None, what: str) -> Iterator[None]:
+    """Turn a failed collective into a :class:`DistFailure` naming the step and the rank."""
+    began = time.monotonic()
+    try:
+        yield
+    except RuntimeError as exc:  # gloo/nccl errors (DistBackendError is a RuntimeError)
+        raise _diagnose(info, exc, step, what, time.monotonic() - began) from exc
 
 
 def teardown(info: DistInfo) -> None:
@@ -69,11 +135,12 @@ def teardown(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
-def average_gradients(params: Iterable[torch.nn.Parameter], world_size: int) -> None:
-    """All-reduce every ``.grad`` as one flat bucket per dtype and divide by ``world_size``.
+def average_gradients(params: Iterable[torch.nn.Parameter], info: DistInfo, *, step: int | None = None) -> None:
+    """All-reduce every ``.grad`` as one flat bucket per dtype and divide by the world size.
 
     Ranks reduce the same bytes in the same order, so every rank gets bitwise identical gradients.
     """
+    world_size = info.world_size
     if world_size == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -82,7 +149,8 @@ def average_gradients(params: Iterable[torch.nn.Parameter], world_size: int) -> 
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
+        with _collective(info, step, "gradient all-reduce"):
+            dist.all_reduce(flat)
         flat.div_(world_size)
         offset = 0
         for g in grads:
@@ -91,20 +159,22 @@ def average_gradients(params: Iterable[torch.nn.Parameter], world_size: int) -> 
             offset += n
 
 
-def average_scalar(value: float, info: DistInfo, device: torch.device) -> float:
+def average_scalar(value: float, info: DistInfo, device: torch.device, *, step: int | None = None) -> float:
     if not info.enabled:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    with _collective(info, step, "loss all-reduce"):
+        dist.all_reduce(t)
     return float(t.item()) / info.world_size
 
 
-def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+def gather_objects(obj: Any, info: DistInfo, *, step: int | None = None, what: str = "gather of the rank summaries") -> list[Any]:
     """``all_gather_object`` (every rank gets every rank's object); ``[obj]`` without a group."""
     if not info.enabled:
         return [obj]
     out: list[Any] = [None] * info.world_size
-    dist.all_gather_object(out, obj)
+    with _collective(info, step, what):
+        dist.all_gather_object(out, obj)
     return out
 
 

@@ -53,6 +53,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.train", description=__doc__.split("\n\n")[0],
@@ -89,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-op threads for forward/backward (default: the rank's thread plan)")
     p.add_argument("--summary-json", type=Path, default=None, help="write the run summary here")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--dist-timeout", type=_positive_seconds, default=_dist.DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="timeout of every collective, the tuner's included: a rank that stops answering "
+                        "fails the others within it, naming the step and the rank")
     return p
 
 
@@ -137,6 +150,7 @@ def _autotune_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "autotune": AutotuneConfig(
             seed=args.seed,
+            timeout_s=args.dist_timeout,
             cache_path=str(args.cache) if args.cache is not None else None,
             trace_dir=str(args.trace_dir) if args.trace_dir is not None else None,
         )
@@ -210,9 +224,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train for ``args.steps`` steps; return the summary (every rank returns the same dict)."""
     from offload import plan_cpu_threads
 
+    from autotune import AgreementError
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    info = _dist.setup(device)
+    info = None
     try:
+        info = _dist.setup(device, timeout_s=args.dist_timeout)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         if info.world_size > 1 and args.overlap_backward:
@@ -222,8 +239,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "gradients are averaged across ranks; run it single-process"
             )
         return _train(args, device, info, plan_cpu_threads)
+    except (_dist.DistFailure, AgreementError) as exc:  # a peer died, froze or disagreed: one line
+        raise SystemExit(f"error: {exc}") from None
     finally:
-        _dist.teardown(info)
+        if info is not None:
+            _dist.teardown(info)
 
 
 def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo, plan_cpu_threads) -> dict[str, Any]:
@@ -278,7 +298,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
                     loss = model(x, y) / args.grad_accum
                     loss.backward()
                 loss_sum += loss.detach()
-            _dist.average_gradients(model.parameters(), info.world_size)
+            _dist.average_gradients(model.parameters(), info, step=step)
             _sync(device)
             t_opt = time.perf_counter()
             opt.step()
@@ -287,7 +307,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
             opt.zero_grad(set_to_none=True)
             sched.step()
             local_loss = float(loss_sum.item())
-            loss_value = _dist.average_scalar(local_loss, info, device)
+            loss_value = _dist.average_scalar(local_loss, info, device, step=step)
             _sync(device)
             step_s = time.perf_counter() - t0
 
@@ -324,7 +344,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
         "param_sha256": _dist.param_checksum(model.parameters()),
         "loss_last_local": local_loss if losses else None,
     }
-    ranks = _dist.gather_objects(rank_entry, info)
+    ranks = _dist.gather_objects(rank_entry, info, step=args.steps)
     summary = _summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_times,
                        opt_times, stats_rows)
     if is_main:
