@@ -16,7 +16,8 @@ The rule (docs/environment.md explains it to users; :func:`allocate_threads` imp
    (at least one per rank).
 5. An explicit override wins: the ``threads=`` argument, then ``OFFLOAD_AUTOTUNE_THREADS``.
    It is clamped, with a warning naming the value used, to the CPUs of this rank's affinity mask
-   (more threads than CPUs only time-slice them: 1000 threads on 2 CPUs measured 80x slower), and
+   (more threads than CPUs only time-slice them: issue 12 measured 1000 threads on 2 CPUs 80x
+   slower), and
    above ``autotune.knobs.MAX_THREADS`` it is an error (torch.set_num_threads(100000) crashes).
 
 Every rank computes the whole node's allocation from the same gathered masks, so the plans agree.
