@@ -301,7 +301,7 @@ class GlooAgreement:
         except (RuntimeError, StoreUnresponsive) as store_exc:
             # The store lives in local rank 0's process: unreachable or silent means rank 0 is;
             # any other rank whose process is gone or stopped is named too.
-            behind, pending, seen = [0] if self.rank != 0 else [], [], {}
+            behind, pending, seen = [0] if self.rank != 0 else others, [], {}
             if self.rank != 0:
                 store_note = f"; its store is unreachable ({_first_line(store_exc)})"
             suspects = others
