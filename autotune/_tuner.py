@@ -804,21 +804,20 @@ class OnlineTuner:
                 self._trace.add_spans(rank, step, row[3])
 
     def _table(self, decision: dict[str, Any]) -> str:
-        """The lock-in line and its table, in ms. One ratio: from the statistic that decided
-        (medians without spikes, the "w/o spikes" column) when both were measured this run,
-        else the recorded one (a cache hit measures only its choice)."""
+        """The lock-in line and its table, in ms, with one ratio: ``speedup`` (the medians' ratio,
+        the figure summary.json, the cache and ``python -m autotune show`` report). The lock-in
+        rule compares the medians without spikes: the reason states that gain and the table shows
+        that statistic ("w/o spikes", and how many samples it kept)."""
         winner, baseline = decision["winner"], decision["baseline"]
         trimmed = {
             self.space.key(m["candidate"]): Measurement(tuple(m["samples"])).without_outliers()
             for m in decision["measurements"]
         }
-        win, base = trimmed.get(self.space.key(winner)), trimmed.get(self.space.key(baseline))
         if decision["kept_baseline"]:
             ratio = " (the static plan)"
-        elif win is not None and base is not None and win.median > 0:
-            ratio = f", {base.median / win.median:.3f}x faster than the static plan"
         elif decision["speedup"]:
-            ratio = f", {decision['speedup']:.3f}x faster than the static plan when recorded"
+            when = " when recorded" if decision["sampler"] == "cache" else ""
+            ratio = f", {decision['speedup']:.3f}x faster than the static plan{when} (medians)"
         else:
             ratio = ""
         head = (
