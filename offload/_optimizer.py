@@ -652,8 +652,6 @@ class CPUOffloadAdamW(Optimizer):
                 )
                 new_state[p] = self._state_entry(slot, step)
         self.state = new_state
-        self._edits.forget()
-        self._edits.record(self._params, (slot for slot, _ in entries))
 
         new_groups = []
         for g, sg in zip(groups, saved_groups):
@@ -801,7 +799,6 @@ class CPUOffloadAdamW(Optimizer):
         self._slabs.flat("exp_avg", slot).zero_()
         self._slabs.flat("exp_avg_sq", slot).zero_()
         self.state[p].update(self._state_entry(slot, new_step_tensor()))
-        self._edits.record(self._params, (slot,))
 
     def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]:
         return {

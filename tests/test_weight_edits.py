@@ -154,3 +154,17 @@ def test_edit_after_an_early_launch_raises() -> None:
     with pytest.raises(RuntimeError, match="edited in place after its chunk started"):
         opt.step()
     opt.close()
+
+
+def test_data_replaced_by_another_shape_names_the_parameter() -> None:
+    lin = torch.nn.Linear(4, 3)
+    opt = CPUOffloadAdamW(lin.parameters(), settings=OffloadSettings(threads=1, chunk_numel=1024))
+    lin(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    lin.weight.data = torch.zeros(5, 4)
+    lin.weight.grad = torch.ones(5, 4)
+    lin.bias.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"parameter 0 now has shape \(5, 4\): expected \(3, 4\)"):
+        opt.step()
+    opt.close()
