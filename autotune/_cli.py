@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from autotune import knobs
 from autotune._cache import SCHEMA_VERSION, TuningCache
+from autotune._runs import resolve_run_dir
 from autotune._trace import (
     SUMMARY_JSON,
     TRACE_JSONL,
@@ -102,10 +103,11 @@ def _cache(args: argparse.Namespace, *, must_exist: bool = True) -> TuningCache:
 
 
 def _run_dir(path: str | Path) -> Path:
-    """``path`` if it is a directory, else a :class:`CliError` saying what it is."""
-    run = Path(path)
+    """The run in directory ``path`` (or its newest ``run-N``), else a :class:`CliError` saying
+    what ``path`` is."""
+    run = Path(path).expanduser()
     if run.is_dir():
-        return run
+        return resolve_run_dir(run)
     if run.exists():
         raise CliError(f"{run} is not a directory: expected a run directory (the --trace-dir of a run)")
     raise CliError(f"run directory {run} does not exist")
@@ -123,9 +125,10 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 def _show(args: argparse.Namespace, out: TextIO) -> int:
     if args.run is not None:
-        summary = read_summary(_run_dir(args.run))
+        run = _run_dir(args.run)
+        summary = read_summary(run)
         if summary is None:
-            raise CliError(f"{Path(args.run) / SUMMARY_JSON} does not exist or is not a JSON object")
+            raise CliError(f"{run / SUMMARY_JSON} does not exist or is not a JSON object")
         out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         return 0
     cache = _cache(args)
@@ -175,10 +178,11 @@ def _entry_row(key: str, entry: Mapping[str, Any]) -> dict[str, Any]:
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
     if args.run is not None:
+        run = _run_dir(args.run)
         try:
-            rows = read_rows(_run_dir(args.run))
+            rows = read_rows(run)
         except OSError as exc:
-            raise CliError(f"cannot read {Path(args.run) / TRACE_JSONL}: {exc}") from None
+            raise CliError(f"cannot read {run / TRACE_JSONL}: {exc}") from None
         if args.format == "csv":
             rows_to_csv(rows, out)
         else:
@@ -249,7 +253,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "or print a run directory's summary.json with --run.")
     show.add_argument("keys", nargs="*", metavar="KEY", help="key prefixes to print in full")
     show.add_argument("--json", action="store_true", help="print the entries as JSON")
-    show.add_argument("--run", metavar="DIR", help="print DIR/summary.json instead of the cache")
+    show.add_argument("--run", metavar="DIR", help="print DIR/summary.json instead of the cache "
+                      "(DIR: a run directory, or a trainer's --trace-dir: its newest run-N)")
     show.set_defaults(func=_show)
 
     export = sub.add_parser("export", parents=[common], help="export cache entries or a run's trace rows",
@@ -258,13 +263,15 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("keys", nargs="*", metavar="KEY", help="key prefixes to export (default: all)")
     export.add_argument("--format", choices=("json", "csv"), default="json")
     export.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
-    export.add_argument("--run", metavar="DIR", help="export DIR/trace.jsonl instead of the cache")
+    export.add_argument("--run", metavar="DIR", help="export DIR/trace.jsonl instead of the cache "
+                        "(DIR: a run directory, or a trainer's --trace-dir: its newest run-N)")
     export.set_defaults(func=_export)
 
     plot = sub.add_parser("plot", help="draw a run's tuning.png (needs matplotlib)",
                           description="Draw step time per step of a run directory, coloured by candidate, "
                                       "the winner marked.")
-    plot.add_argument("run_dir", metavar="DIR", help="run directory holding trace.jsonl")
+    plot.add_argument("run_dir", metavar="DIR", help="run directory holding trace.jsonl, or a "
+                      "trainer's --trace-dir (its newest run-N)")
     plot.add_argument("--output", "-o", metavar="PNG", help=f"image path (default: DIR/{TUNING_PNG})")
     plot.set_defaults(func=_plot)
 

@@ -51,12 +51,10 @@ def _quantile(ordered: tuple[float, ...], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _format_seconds(value: float) -> str:
-    if value >= 1.0:
-        return f"{value:.3f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} us"
+def format_ms(seconds: float) -> str:
+    """Seconds as milliseconds, the one unit of every tuner message and table (no exponent)."""
+    ms = seconds * 1e3
+    return f"{ms:.2f} ms" if abs(ms) >= 1.0 or ms == 0 else f"{ms:.3f} ms"
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +132,7 @@ class Measurement:
         noisy = "" if self.meets_confidence() else (
             " (very noisy)" if not self.meets_confidence(IQR_GROSS_WARN_THRESHOLD) else " (noisy)"
         )
-        return f"{head}median {_format_seconds(self.median)} / IQR {_format_seconds(self.iqr)} / n={self.n}{noisy}"
+        return f"{head}median {format_ms(self.median)} / IQR {format_ms(self.iqr)} / n={self.n}{noisy}"
 
 
 def median_standard_error(measurement: Measurement) -> float:

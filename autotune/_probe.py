@@ -33,7 +33,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Literal
 
-from autotune._measurement import Measurement, gain_threshold, median_standard_error, significantly_faster
+from autotune._measurement import (
+    Measurement,
+    format_ms,
+    gain_threshold,
+    median_standard_error,
+    significantly_faster,
+)
 from autotune._space import Scalar, SearchSpace
 
 if TYPE_CHECKING:
@@ -288,12 +294,15 @@ def _lock_in(
     base, win = measurements[baseline], measurements[winner]
     threshold = gain_threshold(base, win, min_gain=config.min_gain, noise_factor=config.noise_factor)
     gain = base.median - win.median
+    # The reason states the statistic that decided (medians without spikes: the table's
+    # "w/o spikes" column) and no ratio of its own: the lock-in line states the one ratio.
     if significantly_faster(win, base, min_gain=config.min_gain, noise_factor=config.noise_factor):
-        speedup = base.median / win.median
-        return winner, f"{speedup:.3f}x faster than the static plan (gain {gain:.3g} s > {threshold:.3g} s)"
+        return winner, (
+            f"gain {format_ms(gain)} > threshold {format_ms(threshold)} on the medians without spikes"
+        )
     return baseline, (
         f"best candidate {space.describe(space.setting(winner))} is not clearly faster than the static plan "
-        f"(gain {gain:.3g} s <= threshold {threshold:.3g} s)"
+        f"(gain {format_ms(gain)} <= threshold {format_ms(threshold)} on the medians without spikes)"
     )
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Mapping, Protocol
 
 from autotune import knobs
 from autotune._agree import Agreement, AgreementError, AgreementMismatch, make_agreement
-from autotune._measurement import MIN_GAIN, NOISE_FACTOR, TIE_TOLERANCE, Measurement
+from autotune._measurement import MIN_GAIN, NOISE_FACTOR, TIE_TOLERANCE, Measurement, format_ms
 from autotune._probe import CheckSession, ProbeSession, finite_positive
 from autotune._space import SearchSpace, Setting
 
@@ -268,6 +268,7 @@ class OnlineTuner:
         self._reprobes = 0
         self._overhead_s = 0.0
         self._error: BaseException | None = None
+        self._closed = False
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -366,9 +367,32 @@ class OnlineTuner:
         }
 
     def close(self) -> None:
-        """Release the agreement's side channel. The tuner cannot be used afterwards."""
+        """Release the agreement's side channel. The tuner cannot be used afterwards.
+
+        Closing while still probing or re-checking logs a warning on rank 0 saying how many steps
+        tuning needs: nothing was locked in or cached, so the next run would start over.
+        """
+        if self._state in ("probing", "checking") and self.rank == 0 and not self._closed:
+            logger.warning("%s", self._unfinished())
+        self._closed = True
         if self._agree is not None:
             self._agree.close()
+
+    def _unfinished(self) -> str:
+        if self._state == "checking" and self._check is not None:
+            return (
+                f"{OWNER}: closed after {self._steps} step(s) while re-checking the cached choice "
+                f"({self._check_steps} check step(s) so far): nothing was confirmed; the next run "
+                "re-checks it again"
+            )
+        planned = self._session.plan.steps if self._session is not None else self.config.probe_steps
+        done = self._session.steps if self._session is not None else self._probe_steps
+        return (
+            f"{OWNER}: closed after {self._steps} step(s) while still probing ({done} of the "
+            f"{planned} probe steps it planned, at most {self.config.probe_steps}): nothing was "
+            f"locked in or cached, the next run probes again; train for at least {planned} steps "
+            "(more if the first steps are slow to settle) to tune"
+        )
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -551,7 +575,7 @@ class OnlineTuner:
             return self._directive(step, "checking", slot.phase, self.space.setting(slot.key))
         measured = check.measurement()
         described = self.space.describe(self.space.setting(check.key))
-        reason = f"cached choice confirmed ({measured}; recorded median {check.recorded_median_s:.4g} s)"
+        reason = f"cached choice confirmed ({measured}; recorded median {format_ms(check.recorded_median_s)})"
         measurements = [(check.key, measured)]
         if check.clearly_slower():
             if check.baseline_key is None and check.key != self._baseline_key:
@@ -560,23 +584,23 @@ class OnlineTuner:
                 return self._directive(step, "checking", slot.phase, self.space.setting(slot.key))
             if check.baseline_key is None or not check.still_ahead_of_baseline():
                 logger.warning(
-                    "%s: the cached choice %s is clearly slower than recorded (%s vs recorded median %.4g s)%s; "
+                    "%s: the cached choice %s is clearly slower than recorded (%s vs recorded median %s)%s; "
                     "re-tuning",
                     OWNER,
                     described,
                     measured,
-                    check.recorded_median_s,
+                    format_ms(check.recorded_median_s),
                     "" if check.baseline_key is None else f" and than the static plan ({check.baseline_measurement()})",
                 )
                 return self._new_session_directive(step, cache_status="stale")
             static = check.baseline_measurement()
             logger.info(
-                "%s: the cached choice %s is slower than recorded (%s vs %.4g s) but so is the static plan (%s): "
+                "%s: the cached choice %s is slower than recorded (%s vs %s) but so is the static plan (%s): "
                 "the machine is slower, the choice holds",
-                OWNER, described, measured, check.recorded_median_s, static,
+                OWNER, described, measured, format_ms(check.recorded_median_s), static,
             )
             reason = (f"cached choice confirmed against the static plan measured next to it ({measured} vs "
-                      f"{static}); both slower than recorded (median {check.recorded_median_s:.4g} s)")
+                      f"{static}); both slower than recorded (median {format_ms(check.recorded_median_s)})")
             measurements.append((check.baseline_key, static))
         entry = self._cached_entry
         decision = self._decision_record(
@@ -613,13 +637,13 @@ class OnlineTuner:
         reprobe = self.config.drift_reprobe and self._reprobes < self.config.max_reprobes and len(self.space) > 1
         if self._agree.rank == 0:
             logger.warning(
-                "%s: step %d: locked setting %s runs slower than measured: window median %.4g s vs locked "
-                "median %.4g s (x%.2f) for %d windows of %d steps; %s",
+                "%s: step %d: locked setting %s runs slower than measured: window median %s vs locked "
+                "median %s (x%.2f) for %d windows of %d steps; %s",
                 OWNER,
                 step,
                 self.space.describe(self._current),
-                node,
-                reference,
+                format_ms(node),
+                format_ms(reference),
                 node / reference if reference > 0 else math.inf,
                 self.config.drift_patience,
                 self.config.drift_window,
@@ -792,21 +816,37 @@ class OnlineTuner:
                 self._trace.add_spans(rank, step, row[3])
 
     def _table(self, decision: dict[str, Any]) -> str:
+        """The lock-in line and its table, in ms, with one ratio: ``speedup`` (the medians' ratio,
+        the figure summary.json, the cache and ``python -m autotune show`` report). The lock-in
+        rule compares the medians without spikes: the reason states that gain and the table shows
+        that statistic ("w/o spikes", and how many samples it kept)."""
         winner, baseline = decision["winner"], decision["baseline"]
+        trimmed = {
+            self.space.key(m["candidate"]): Measurement(tuple(m["samples"])).without_outliers()
+            for m in decision["measurements"]
+        }
+        if decision["kept_baseline"]:
+            ratio = " (the static plan)"
+        elif decision["speedup"]:
+            when = " when recorded" if decision["sampler"] == "cache" else ""
+            ratio = f", {decision['speedup']:.3f}x faster than the static plan{when} (medians)"
+        else:
+            ratio = ""
         head = (
-            f"{OWNER}: locked in {self.space.describe(winner)}"
-            + (" (the static plan)" if decision["kept_baseline"] else f", {decision['speedup']:.3f}x the static plan")
+            f"{OWNER}: locked in {self.space.describe(winner)}{ratio}"
             + f" after {decision['session_probe_steps']} probe step(s) of {self.config.probe_steps}"
             + f" ({decision['sampler']}): "
             + decision["reason"]
         )
-        rows = [head, f"  {'candidate':<44} {'median':>12} {'IQR':>12} {'n':>3}"]
+        rows = [head, f"  {'candidate':<44} {'median ms':>10} {'w/o spikes':>10} {'IQR ms':>10} {'n':>5}"]
         for m in sorted(decision["measurements"], key=lambda m: m["median_s"]):
+            t = trimmed[self.space.key(m["candidate"])]
             mark = "*" if m["candidate"] == winner else " "
             note = " (static plan)" if m["candidate"] == baseline else ""
+            kept = f"{t.n}/{m['n']}"
             rows.append(
-                f"{mark} {self.space.describe(m['candidate']):<44} {m['median_s']:>12.6g} {m['iqr_s']:>12.6g}"
-                f" {m['n']:>3}{note}"
+                f"{mark} {self.space.describe(m['candidate']):<44} {m['median_s'] * 1e3:>10.3f}"
+                f" {t.median * 1e3:>10.3f} {m['iqr_s'] * 1e3:>10.3f} {kept:>5}{note}"
             )
         return "\n".join(rows)
 

@@ -24,6 +24,8 @@ __all__ = [
     "local_world_size",
     "local_rank",
     "omp_num_threads",
+    "TORCH_EXTENSIONS_VAR",
+    "torch_extensions_dir",
 ]
 
 #: Forces the intra-op thread count of every rank; wins over the ThreadPlan and the tuner's
@@ -31,6 +33,8 @@ __all__ = [
 THREADS_VAR = "OFFLOAD_AUTOTUNE_THREADS"
 #: Path of the tuning cache file (default: ``$XDG_CACHE_HOME/offload-autotune/cache.json``).
 CACHE_VAR = "OFFLOAD_AUTOTUNE_CACHE"
+#: torch's own variable for where C++ extensions are built; the fused-mp kernel follows it.
+TORCH_EXTENSIONS_VAR = "TORCH_EXTENSIONS_DIR"
 
 
 #: Most intra-op threads one rank may ask for, from any source (argument, settings, environment).
@@ -90,6 +94,12 @@ def cache_path() -> Path:
     except RuntimeError as exc:  # "~user/..." of an unknown user, or no home directory at all
         value = os.environ.get(name, "")
         raise KnobError(f"Unable to use {name}={value!r}: {exc} (expected a path)") from None
+
+
+def torch_extensions_dir() -> Path | None:
+    """``TORCH_EXTENSIONS_DIR`` (torch's convention for C++ extension builds), or None if unset."""
+    raw = os.environ.get(TORCH_EXTENSIONS_VAR)
+    return Path(raw).expanduser() if raw else None
 
 
 def local_world_size() -> int | None:

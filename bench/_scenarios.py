@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from autotune._runs import resolve_run_dir
 from bench._stats import iqr, median
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ def launch(spec: RunSpec, cfg: TrainerConfig, workdir: Path, *, steps: int, cach
         tail = (proc.stdout[-1500:] + "\n" + proc.stderr[-2500:]).strip()
         raise ScenarioError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")
     summary = json.loads(summary_path.read_text())
-    steps_file = trace_dir / "train_steps.jsonl"
+    steps_file = resolve_run_dir(trace_dir) / "train_steps.jsonl"  # the trainer's trace_dir/run-N
     rows = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()] \
         if steps_file.is_file() else []
     return TrainerRun(spec=spec, command=cmd, summary=summary, step_rows=rows, wall_s=wall)

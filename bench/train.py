@@ -5,7 +5,11 @@
     torchrun --nproc-per-node 2 -m bench.train --optim-cpu-offload --device cpu --steps 10
 
 Rank 0 prints one line per step (loss, step wall time, the optimizer's stage times) and a final
-summary, and writes ``--summary-json`` once, atomically. Under torchrun the ranks initialise the
+summary, and writes ``--summary-json`` once, atomically. With ``--trace-dir DIR`` every run gets
+its own ``DIR/run-N`` (``DIR/latest`` links to the newest; see ``autotune/_runs.py``) holding the
+tuner's trace, ``train_steps.jsonl`` and ``run.json`` (the summary), so a second run never
+overwrites the first. A bad ``--trace-dir`` or environment value ends the run with one line
+naming it and exit status 2. Under torchrun the ranks initialise the
 model from the same seed, draw different data, and average gradients with one all-reduce after
 backward (see ``bench/_dist.py`` for why not DDP).
 
@@ -39,6 +43,25 @@ logger = logging.getLogger("bench.train")
 __all__ = ["build_parser", "main", "run"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: Written into each run directory under --trace-dir.
+RUN_SUMMARY = "run.json"
+TRAIN_STEPS = "train_steps.jsonl"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where the help text does not already say it and it means something
+    (not None, not a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action) or text
+
+
+class _SetupError(Exception):
+    """A bad --trace-dir or environment value: reported in one line, exit status 2."""
 #: StepStats fields summarised per step (seconds).
 _STAGES = ("step_s", "d2h_s", "adam_kernel_s", "materialize_s", "drain_s")
 
@@ -66,7 +89,7 @@ def _positive_seconds(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.train", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="model parameter dtype")
@@ -92,13 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-backward", action="store_true",
                    help="start each chunk's update during backward (single process only)")
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
-    p.add_argument("--cache", type=Path, default=None, help="tuning cache file")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="tuning cache file (default: $OFFLOAD_AUTOTUNE_CACHE, else "
+                        "$XDG_CACHE_HOME/offload-autotune/cache.json, XDG_CACHE_HOME defaulting "
+                        "to ~/.cache)")
     p.add_argument("--trace-dir", type=Path, default=None,
-                   help="tuning trace folder; the trainer also writes train_steps.jsonl there")
+                   help="folder of run traces: each run writes a new DIR/run-N (DIR/latest links "
+                        "to it) with the tuner's trace, train_steps.jsonl and run.json")
     p.add_argument("--compute-threads", type=_positive_int, default=None,
                    help="intra-op threads for forward/backward (default: the rank's thread plan)")
     p.add_argument("--summary-json", type=Path, default=None, help="write the run summary here")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="logging level of the trainer and the libraries (stderr)")
     p.add_argument("--dist-timeout", type=_positive_seconds, default=_dist.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="timeout of every collective, the tuner's included: a rank that stops answering "
                         "fails the others within it, naming the step and the rank")
@@ -141,8 +169,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _autotune_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``autotune=AutotuneConfig(...)`` with ``--cache`` / ``--trace-dir``, or nothing."""
+def _autotune_kwargs(args: argparse.Namespace, run_dir: Path | None) -> dict[str, Any]:
+    """``autotune=AutotuneConfig(...)`` with ``--cache`` / this run's trace directory, or nothing."""
     if not args.autotune:
         return {}
     from autotune import AutotuneConfig
@@ -152,7 +180,7 @@ def _autotune_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
             timeout_s=args.dist_timeout,
             cache_path=str(args.cache) if args.cache is not None else None,
-            trace_dir=str(args.trace_dir) if args.trace_dir is not None else None,
+            trace_dir=str(run_dir) if run_dir is not None else None,
         )
     }
 
@@ -215,6 +243,36 @@ def _format_step(step: int, steps: int, loss: float, step_s: float, opt_s: float
     return line
 
 
+def _run_dir(args: argparse.Namespace, info: _dist.DistInfo) -> Path | None:
+    """This run's ``--trace-dir/run-N``: made by rank 0, the same path on every rank."""
+    if args.trace_dir is None:
+        return None
+    from autotune._runs import RunDirError, new_run_dir
+
+    made: str | Path = ""
+    if info.rank == 0:
+        try:
+            made = new_run_dir(args.trace_dir)
+        except RunDirError as exc:
+            made = f"--trace-dir: {exc}"
+    made = _dist.gather_objects(made, info)[0]
+    if isinstance(made, str):
+        raise _SetupError(made)
+    return made
+
+
+def _plot_note(run_dir: Path | None, autotune: bool) -> str | None:
+    """Why this run has no tuning.png, when it should have one."""
+    if run_dir is None or not autotune:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return (f"no {run_dir}/tuning.png: matplotlib is not installed "
+                "(pip install -c constraints.txt -e '.[plot]', or python -m autotune plot later)")
+    return None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -247,13 +305,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo, plan_cpu_threads) -> dict[str, Any]:
+    is_main = info.rank == 0
+    if not is_main:  # one "thread plan" line per run (rank 0's); every rank's plan is in the summary
+        logging.getLogger("offload._threads").setLevel(logging.WARNING)
     plan = plan_cpu_threads(threads=args.compute_threads)
     torch.set_num_threads(plan.threads)
-    is_main = info.rank == 0
-    if is_main:
-        logger.info("thread plan: %d intra-op threads for forward/backward (%s; source %s, %d cpus, "
-                    "%d local ranks)", plan.threads, plan.reason, plan.source, len(plan.cpus),
-                    plan.local_world_size)
+    if is_main:  # offload._threads logged the plan itself
+        logger.debug("forward/backward use %d intra-op threads (thread plan source %s)",
+                     plan.threads, plan.source)
+    run_dir = _run_dir(args, info)
 
     cfg = preset(args.model_size)
     seq_len = args.seq_len or min(128, cfg.max_seq_len)
@@ -268,14 +328,13 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
               f"device {device}, world size {info.world_size}", flush=True)
     data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=args.batch_size, seq_len=seq_len,
                            seed=args.seed, stream=info.rank, device=device)
-    opt = _make_optimizer(args, model, _autotune_kwargs(args))
+    opt = _make_optimizer(args, model, _autotune_kwargs(args, run_dir))
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.steps, warmup))
 
     step_log = None
-    if is_main and args.trace_dir is not None:
-        args.trace_dir.mkdir(parents=True, exist_ok=True)
-        step_log = open(args.trace_dir / "train_steps.jsonl", "w", encoding="utf-8")
+    if is_main and run_dir is not None:
+        step_log = open(run_dir / TRAIN_STEPS, "w", encoding="utf-8")
 
     overlap = args.optim_cpu_offload and args.overlap_backward
     losses: list[float] = []
@@ -352,6 +411,12 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
         if args.summary_json is not None:
             atomic_write_json(args.summary_json, summary)
             logger.info("summary written to %s", args.summary_json)
+        if run_dir is not None:
+            atomic_write_json(run_dir / RUN_SUMMARY, summary)
+            print(f"trace: {run_dir} (inspect: python -m autotune show --run {args.trace_dir})", flush=True)
+            note = _plot_note(run_dir, args.autotune)
+            if note is not None:
+                print(note, flush=True)
     return summary
 
 
@@ -419,7 +484,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_args(parser, args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    run(args)
+    from autotune.knobs import KnobError
+
+    try:
+        run(args)
+    except (_SetupError, KnobError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

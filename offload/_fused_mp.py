@@ -9,8 +9,9 @@ parameter (``offload/csrc/fused_mp_adamw.cpp``).
 
 Build. The C++ source is compiled on first use with torch's extension tooling
 (``torch.utils.cpp_extension.load``, which needs a C++ compiler and ``ninja``) into
-``<cache dir>/ext/<name>`` where ``<cache dir>`` is the folder of the tuning cache
-(``$XDG_CACHE_HOME/offload-autotune`` by default) and ``<name>`` hashes the source, the torch and
+``$TORCH_EXTENSIONS_DIR/<name>`` when that is set (torch's own convention for extension builds),
+else ``<cache dir>/ext/<name>`` where ``<cache dir>`` is the folder of the tuning cache
+(``$XDG_CACHE_HOME/offload-autotune`` by default), and ``<name>`` hashes the source, the torch and
 Python versions, the compiler's ``--version`` and the flags, so a cached build is reused only where
 it was made for exactly this combination. The flags are those torch compiles its own kernels with
 for the CPU capability torch dispatches to at runtime (``torch.backends.cpu.get_cpu_capability()``:
@@ -174,11 +175,15 @@ def build_spec(source: Path = _SOURCE, cache_root: Path | None = None) -> BuildS
         key.update(part)
         key.update(b"\0")
     name = f"{_NAME_PREFIX}_{key.hexdigest()[:16]}"
-    root = cache_root if cache_root is not None else knobs.cache_path().parent
+    if cache_root is not None:
+        build_dir = cache_root / "ext" / name
+    else:
+        extensions = knobs.torch_extensions_dir()
+        build_dir = extensions / name if extensions is not None else knobs.cache_path().parent / "ext" / name
     return BuildSpec(
         name=name,
         source=source,
-        build_dir=root / "ext" / name,
+        build_dir=build_dir,
         cflags=cflags,
         capability=capability,
         compiler=compiler,

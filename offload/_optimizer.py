@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from offload._edits import WeightEdits
 from offload._kernels import Hyper, new_step_tensor
 from offload._pipeline import (
     ChunkJob,
@@ -334,26 +335,16 @@ class CPUOffloadAdamW(Optimizer):
         self._settings = self._resolve_kernel(replace(settings, threads=self._planned_threads))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
 
-        transport: Transport
-        if self._device.type == "cuda":
-            transport = CudaTransport(self._device)
-        else:
-            transport = HostTransport()
-        self._pipeline = Pipeline(self._slabs, transport, name=f"offload-adamw-{id(self):x}")
+        self._pipeline = self._new_pipeline()
         self._in_step = False
+        self._edits = WeightEdits()
         self._stats: _StatsBuilder | None = None
         self._early_launches_last_step = 0
 
         self._overlap: _Overlap | None = None
         self._hook_handles: list[Any] = []
         if overlap_backward:
-            self._overlap = _Overlap(len(self._params), self._launch_via(weakref.ref(self)))
-            self._overlap.set_chunks(self._chunks)
-            ref = weakref.ref(self._overlap)
-            for slot, p in enumerate(self._params):
-                self._hook_handles.append(
-                    p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, slot))
-                )
+            self._start_overlap(None)
 
         #: The online tuner (``autotune.OnlineTuner``), or None.
         self.tuner: OnlineTuner | None = None
@@ -389,13 +380,39 @@ class CPUOffloadAdamW(Optimizer):
             self._settings,
         )
 
-    # ---------------------------------------------------------------- construction checks
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_constructed", True):
-            raise NotImplementedError(
-                "CPUOffloadAdamW.add_param_group after construction is not supported: the host "
-                "slabs are laid out once; pass every param group to the constructor"
+    def _new_pipeline(self) -> Pipeline:
+        transport: Transport
+        if self._device.type == "cuda":
+            transport = CudaTransport(self._device)
+        else:
+            transport = HostTransport()
+        return Pipeline(self._slabs, transport, name=f"offload-adamw-{id(self):x}")
+
+    def _start_overlap(self, expected: list[int] | None) -> None:
+        """Backward hooks on every parameter; ``expected``: hook counts already learned."""
+        self._overlap = _Overlap(len(self._params), self._launch_via(weakref.ref(self)))
+        self._overlap._expected = expected
+        self._overlap.set_chunks(self._chunks)
+        ref = weakref.ref(self._overlap)
+        for slot, p in enumerate(self._params):
+            self._hook_handles.append(
+                p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, slot))
             )
+
+    # ---------------------------------------------------------------- param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (e.g. progressive unfreezing), between steps, as ``torch.optim.AdamW``.
+
+        The host slabs are laid out again with the new group last; the existing parameters keep
+        their master, moments and step, so the numerics stay bitwise those of torch's AdamW given
+        the same ``add_param_group`` at the same step. With ``overlap_backward`` the new
+        parameters' chunks start in ``step()`` until a backward has counted their hooks. The
+        tuner keeps its search space and cache key (the workload at construction); under
+        torch.distributed every local rank must add the same group at the same step.
+        """
+        constructed = getattr(self, "_constructed", True)
+        if constructed:
+            self._check_idle("add_param_group()")
         where = f" in param group {len(self.param_groups)}"
         _check_options(where, param_group)
         merged = {**self.defaults, **param_group}
@@ -408,7 +425,52 @@ class CPUOffloadAdamW(Optimizer):
         tensors = [p[1] if isinstance(p, tuple) else p for p in plist]
         if len({id(p) for p in tensors}) != len(tensors):
             raise ValueError(f"a parameter appears twice{where}")
+        if constructed:
+            self._check_params(self._params + tensors)
         super().add_param_group({**param_group, "params": plist})
+        if constructed:
+            self._relayout()
+
+    def _relayout(self) -> None:
+        """After ``add_param_group``: slabs, chunks, worker and hooks for the new layout.
+
+        A new group comes last, so every existing parameter keeps its slot index; its master and
+        moments are copied into the new slabs and its state entry points there.
+        """
+        old = self._slabs
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._slot_of = {id(p): i for i, p in enumerate(self._params)}
+        self._slabs = HostSlabs([[p.shape for p in g["params"]] for g in self.param_groups])
+        for slot in range(len(old.slots)):
+            p = self._params[slot]
+            if not self.state.get(p):
+                continue
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                self._slabs.flat(kind, slot).copy_(old.flat(kind, slot))
+            self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
+        self._has_lowp = any(p.dtype in _LOWP_DTYPES for p in self._params)
+        self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
+        self._pipeline.close()
+        self._pipeline = self._new_pipeline()
+        if self._overlap is not None:
+            for h in self._hook_handles:
+                h.remove()
+            self._hook_handles = []
+            learned = self._overlap._expected
+            added = len(self._params) - len(old.slots)
+            self._start_overlap(None if learned is None else learned + [0] * added)
+        if self._tuning is not None and self.tuner is not None and self.tuner.state != "locked":
+            logger.warning(
+                "CPUOffloadAdamW.add_param_group while the tuner is %s: steps measured before "
+                "and after the new group are compared as one workload; add groups after the tuner "
+                "locked in (opt.tuner.state == 'locked') or pass them to the constructor",
+                self.tuner.state,
+            )
+        logger.info(
+            "CPUOffloadAdamW: param group %d added: %d params, %d chunks, %.1f MiB host slabs",
+            len(self.param_groups) - 1, len(self._params), len(self._chunks),
+            self._slabs.nbytes / 2**20,
+        )
 
     @staticmethod
     def _check_params(params: list[Tensor]) -> torch.device:
@@ -633,6 +695,7 @@ class CPUOffloadAdamW(Optimizer):
 
         try:
             grads = self._collect_grads()
+            self._follow_edits(grads, launched)
         except BaseException:
             if launched:
                 self._pipeline.drain()  # early chunks of the aborted step must not leak into the next
@@ -666,6 +729,7 @@ class CPUOffloadAdamW(Optimizer):
             raise result.error
         if result.last_h2d_event is not None:
             torch.cuda.current_stream(self._device).wait_event(result.last_h2d_event)
+        self._edits.record(self._params, grads)  # our writes bumped the versions
         t1 = time.perf_counter()
         self._stats = _StatsBuilder(
             result.records,
@@ -705,6 +769,30 @@ class CPUOffloadAdamW(Optimizer):
                 self._init_state(slot, p)
             grads[slot] = g
         return grads
+
+    def _follow_edits(self, grads: dict[int, Tensor], launched: dict[int, _Launch]) -> None:
+        """Parameters edited since our last write: their masters follow them (offload/_edits.py).
+
+        Chunks started during backward re-seeded theirs at launch; an edit after that is too late.
+        """
+        late = self._edits.end_window(self._params)
+        if late:
+            self._pipeline.drain()  # the early chunks must finish before kernel_ran is read
+            mutated = sorted(c for c, launch in launched.items() if launch.job.kernel_ran)
+            p = self._params[late[0]]
+            raise RuntimeError(
+                f"CPUOffloadAdamW(overlap_backward=True): parameter {late[0]} (shape "
+                f"{tuple(p.shape)}) was edited in place after its chunk started during backward "
+                "and before step(): edit the weights after step() or before backward(), or use "
+                "overlap_backward=False. "
+                + (
+                    f"The optimizer state of the early chunk(s) {mutated} was already advanced "
+                    "by this step: restore the optimizer from a checkpoint."
+                    if mutated
+                    else "No optimizer state was changed."
+                )
+            )
+        self._edits.reseed(self._params, self._slabs, grads)
 
     def _init_state(self, slot: int, p: Tensor) -> None:
         self._slabs.flat("master", slot).copy_(p.detach().reshape(-1))
@@ -766,6 +854,7 @@ class CPUOffloadAdamW(Optimizer):
             if g is None or g.is_sparse or not self.state.get(p):
                 return None  # not launchable early; step() runs it
             grads[slot] = (g, g._version)
+        self._edits.launch(self._params, self._slabs, grads)
         event = None
         if self._device.type == "cuda":
             event = torch.cuda.Event()

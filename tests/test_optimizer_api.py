@@ -82,8 +82,11 @@ def test_other_construction_errors() -> None:
         CPUOffloadAdamW(p, settings={"threads": 2})  # type: ignore[arg-type]
     opt = CPUOffloadAdamW(p, foreach=False, fused=True)  # the accepted spellings
     assert opt.tuner is None
-    with pytest.raises(NotImplementedError, match="add_param_group"):
-        opt.add_param_group({"params": _params(1)})
+    opt.add_param_group({"params": _params(1)})  # numerics: tests/test_add_param_group.py
+    assert len(opt.param_groups) == 2
+    with pytest.raises(ValueError, match="float64"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 2  # a rejected group leaves the optimizer as it was
     with pytest.raises(TypeError, match="OffloadSettings"):
         opt.apply_settings({"threads": 1})  # type: ignore[arg-type]
     opt.close()

@@ -101,9 +101,11 @@ def test_autotune_locks_in_then_hits_the_cache_without_changing_the_math(tmp_pat
     assert t["winner"] is not None and set(t["winner"]) == {"threads", "chunk_numel"}
     assert [first["ranks"][0][k] for k in ("threads", "chunk_numel")] == [
         t["winner"]["threads"], t["winner"]["chunk_numel"]]
-    for name in ("trace.jsonl", "trace.csv", "trace.chrome.json", "summary.json", "train_steps.jsonl"):
-        assert (trace / name).is_file(), name
-    assert json.loads((trace / "summary.json").read_text())["winner"] == t["winner"]
+    run = trace / "run-1"  # one directory per run (tests/test_first_run.py)
+    for name in ("trace.jsonl", "trace.csv", "trace.chrome.json", "summary.json", "train_steps.jsonl",
+                 "run.json"):
+        assert (run / name).is_file(), name
+    assert json.loads((run / "summary.json").read_text())["winner"] == t["winner"]
     assert json.loads(cache.read_text())["entries"]
 
     second = _train(tmp_path, *tune, name="second.json")
