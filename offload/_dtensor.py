@@ -68,13 +68,13 @@ def layout_of(p: Tensor, name: str) -> ShardLayout | None:
     mesh, placements = p.device_mesh, tuple(p.placements)
     if mesh.ndim != 1 or len(placements) != 1:
         raise ValueError(
-            f"{name} is a DTensor on a {mesh.ndim}-D mesh with placements {placements}: expected "
+            f"{name} is a DTensor on a {mesh.ndim}-D mesh with placements {placements!r}: expected "
             "(Shard(dim=0),) on a 1-D mesh (fully_shard over one mesh dimension)"
         )
     pl = placements[0]
     if type(pl) is not Shard or pl.dim != 0:
         raise ValueError(
-            f"{name} is a DTensor with placement {pl}: expected Shard(dim=0) (what fully_shard "
+            f"{name} is a DTensor with placement {pl!r}: expected Shard(dim=0) (what fully_shard "
             "makes); Replicate, Partial and other shard dims are not supported"
         )
     if p.dim() == 0:

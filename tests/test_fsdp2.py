@@ -31,6 +31,10 @@ def _numerics_worker(rank: int, world_size: int) -> dict[str, Any]:
     steps = range(STEPS)
     small = OffloadSettings(threads=2, chunk_numel=1024)
     checked = []
+    _check_construction(world_size)
+    checked.append("construction")
+    _check_mixed_plain_and_sharded(rank)
+    checked.append("mixed plain and sharded")
 
     def ours(model, settings=None, **kw):
         opt = CPUOffloadAdamW(groups(model), lr=1e-3, settings=settings, **kw)
@@ -93,6 +97,57 @@ def _numerics_worker(rank: int, world_size: int) -> dict[str, Any]:
             "local_numel": sum(local(p).numel() for p in sharded().parameters())}
 
 
+def _check_construction(world_size: int) -> None:
+    """Unsupported placements raise ValueError at construction, naming the parameter and placement."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from offload import CPUOffloadAdamW
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mesh2 = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    full = torch.zeros(6, 6)
+    bad = {
+        "Shard(dim=1)": distribute_tensor(full, mesh, [Shard(1)]),
+        "Replicate()": distribute_tensor(full, mesh, [Replicate()]),
+        "Partial(sum)": DTensor.from_local(torch.zeros(6, 6), mesh, [Partial()], run_check=False),
+        "2-D mesh": distribute_tensor(full, mesh2, [Replicate(), Shard(0)]),
+    }
+    for placement, t in bad.items():
+        good = torch.nn.Parameter(torch.zeros(3))
+        try:
+            CPUOffloadAdamW([("good", good), ("bad.weight", torch.nn.Parameter(t))])
+        except ValueError as exc:
+            text = str(exc)
+            assert "parameter 1 ('bad.weight')" in text, text
+            assert (placement in text) if placement != "2-D mesh" else ("2-D mesh" in text), text
+        else:
+            raise AssertionError(f"{placement}: no ValueError at construction")
+
+
+def _check_mixed_plain_and_sharded(rank: int) -> None:
+    """One optimizer over a sharded model and a plain parameter: each equals torch's AdamW."""
+    from _fsdp_models import assert_same, batch, groups, sharded
+    from offload import CPUOffloadAdamW
+
+    model, ref = sharded(), sharded()
+    torch.manual_seed(1)
+    extra = torch.nn.Parameter(torch.randn(300))
+    ref_extra = torch.nn.Parameter(extra.detach().clone())
+    opt = CPUOffloadAdamW([*groups(model), {"params": [extra], "weight_decay": 0.0}], lr=1e-3)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-3, fused=True)
+    ref_extra_opt = torch.optim.AdamW([ref_extra], lr=1e-3, weight_decay=0.0, fused=True)
+    for step in range(3):
+        for m, e, opts in ((model, extra, (opt,)), (ref, ref_extra, (ref_opt, ref_extra_opt))):
+            x, y = batch(rank, step)
+            (m(x, y) + (e * x.mean()).sum()).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+    assert_same([*model.parameters(), extra], [*ref.parameters(), ref_extra], "mixed params")
+    opt.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_shards_bitwise_equal_to_torch(world_size: int) -> None:
@@ -100,7 +155,7 @@ def test_fsdp2_shards_bitwise_equal_to_torch(world_size: int) -> None:
     assert all(r.ok for r in results), "\n".join(r.describe() for r in results)
     values = [r.value for r in results]
     required = {f"{w} {s}" for w in ("fp32", "fp32+mp-bf16") for s in ("default", "threads2-chunk1024", "overlap")}
-    required |= {"fp32 accum3 {}", "fp32 accum3 {'overlap_backward': True}", "bf16 default", "bf16 threads2-chunk1024"}
+    required |= {"construction", "mixed plain and sharded", "fp32 accum3 {}", "fp32 accum3 {'overlap_backward': True}", "bf16 default", "bf16 threads2-chunk1024"}
     assert all(required <= set(v["checked"]) for v in values), values
     assert any(v["empty_shards"] > 0 for v in values), values  # the empty-shard path ran
     if world_size == 3:
