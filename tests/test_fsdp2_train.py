@@ -76,3 +76,19 @@ def test_torchrun_two_ranks_fsdp_overlap_equals_torch_adamw(tmp_path: Path) -> N
     shas = [r["param_sha256"] for r in ours["ranks"]]
     assert shas == [r["param_sha256"] for r in ref["ranks"]]
     assert shas[0] != shas[1]  # each rank checksums its own shard
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_fsdp_memory_bench_reports_shard_sized_slabs(tmp_path: Path) -> None:
+    from bench import fsdp_memory
+
+    assert fsdp_memory.main(["--model-size", "tiny", "--world-sizes", "2", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "fsdp_memory.json").read_text())
+    ranks = result["worlds"][0]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert sum(r["local_params"] for r in ranks) == result["global_params"] == 136_960
+    # Four fp32 slabs of this rank's half of the model (plus alignment padding): ~8 B per parameter.
+    assert all(8.0 <= r["slab_bytes_per_global_param"] < 8.5 for r in ranks), ranks
+    assert all(r["optimizer_rss_bytes"] > 0 for r in ranks), ranks
+    assert "| 2 | 1 |" in (tmp_path / "fsdp_memory.md").read_text()
