@@ -256,7 +256,9 @@ class CPUOffloadAdamW(Optimizer):
     Bitwise equal to ``torch.optim.AdamW(fused=True)`` on fp32 parameters, and to a mixed-precision
     reference (fp32 master updated by that optimizer from the upcast gradient, cast back) on bf16
     or fp16 parameters, whatever the settings. The model's parameters stay where they are (CPU or
-    one CUDA device) in their own dtype; ``step()`` updates them in place.
+    one CUDA device) in their own dtype; ``step()`` updates them in place. Parameters of an FSDP2
+    (``fully_shard``) model are DTensors sharded ``Shard(0)`` on a 1-D mesh: the host state holds
+    this rank's shard only (see ``offload/_dtensor.py``).
 
     Args:
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
@@ -544,6 +546,10 @@ class CPUOffloadAdamW(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout; per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``, ``master_param``.
+
+        For a DTensor (FSDP2) parameter the last three are DTensors with its mesh, placements and
+        global shape over this rank's slab views (``torch.distributed.checkpoint`` saves, loads
+        in place and reshards them); ``step`` is a plain tensor, as in torch's AdamW.
 
         Tensors are live views of the host slabs (like torch's optimizers, which return their
         state tensors by reference): copy or save them before the next ``step()``.

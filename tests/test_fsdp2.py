@@ -160,3 +160,37 @@ def test_fsdp2_shards_bitwise_equal_to_torch(world_size: int) -> None:
     assert any(v["empty_shards"] > 0 for v in values), values  # the empty-shard path ran
     if world_size == 3:
         assert len({v["local_numel"] for v in values}) > 1, values  # uneven shards
+
+
+def _uneven_tuning_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """A 5 Mi-element parameter on 3 ranks: shards of 2, 2 and 1 Mi elements. Sized by its own
+    shard, each rank would offer other chunk sizes to the tuner (an AgreementMismatch)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from autotune import AutotuneConfig
+    from offload import CPUOffloadAdamW
+
+    torch.set_num_threads(1)
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.zeros(5, 1 << 20))
+    fully_shard(module)
+    opt = CPUOffloadAdamW(module.parameters(), autotune=AutotuneConfig(use_cache=False, probe_steps=16))
+    for _ in range(24):
+        module.weight.grad = torch.ones_like(module.weight)
+        opt.step()
+    summary = opt.tuner.summary()
+    opt.close()
+    return {"local_numel": module.weight.to_local().numel(), "state": summary["state"],
+            "winner": summary["winner"], "space": opt.tuner.space.to_dict()}
+
+
+@pytest.mark.slow
+def test_uneven_shards_tune_one_agreed_setting() -> None:
+    results = run_workers(_uneven_tuning_worker, world_size=3, timeout_s=300)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results)
+    values = [r.value for r in results]
+    assert [v["local_numel"] for v in values] == [2 << 20, 2 << 20, 1 << 20]
+    assert all(v["state"] == "locked" for v in values), values
+    assert all(v["winner"] == values[0]["winner"] and v["space"] == values[0]["space"] for v in values)
+    chunks = [k for k in values[0]["space"]["knobs"] if k["name"] == "chunk_numel"][0]["values"]
+    assert len(chunks) > 1, chunks  # the chunk knob is really tuned
