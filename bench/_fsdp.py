@@ -26,7 +26,7 @@ def shard_model(model: nn.Module, *, param_dtype: torch.dtype | None = None,
     ``param_dtype`` sets ``MixedPrecisionPolicy(param_dtype=...)``: forward/backward run in that
     dtype on the all-gathered parameters while the sharded parameters (what the optimizer sees)
     keep theirs. ``cpu_offload`` sets FSDP's ``CPUOffloadPolicy()`` (sharded parameters and
-    gradients live on the CPU). Needs an initialised default process group. Returns ``model``.
+    gradients live on the CPU; pinned only where CUDA is available). Needs an initialised default process group. Returns ``model``.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -34,7 +34,8 @@ def shard_model(model: nn.Module, *, param_dtype: torch.dtype | None = None,
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype)
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs an accelerator; a CPU-only torch build raises without one.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     blocks = getattr(model, "blocks", None)
     for block in blocks if isinstance(blocks, nn.ModuleList) else ():
         fully_shard(block, **kwargs)

@@ -92,3 +92,33 @@ def test_fsdp_memory_bench_reports_shard_sized_slabs(tmp_path: Path) -> None:
     assert all(8.0 <= r["slab_bytes_per_global_param"] < 8.5 for r in ranks), ranks
     assert all(r["optimizer_rss_bytes"] > 0 for r in ranks), ranks
     assert "| 2 | 1 |" in (tmp_path / "fsdp_memory.md").read_text()
+
+
+def test_shard_model_cpu_offload_policy_with_overlap_equals_torch() -> None:
+    """FSDP's own CPUOffloadPolicy (sharded params and grads on the host; unpinned without CUDA)
+    under CPUOffloadAdamW with overlap: bitwise torch's fused AdamW on the same sharded model."""
+    import torch.distributed as dist
+
+    from bench._fsdp import shard_model
+    from bench.model import GPT, preset
+    from offload import CPUOffloadAdamW
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = shard_model(GPT(preset("tiny")), cpu_offload=True)
+        torch.manual_seed(0)
+        ref = shard_model(GPT(preset("tiny")))
+        opt = CPUOffloadAdamW(model.parameters(), overlap_backward=True)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-2, fused=True)
+        for step in range(3):
+            x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(x, x).backward()
+                o.step()
+                o.zero_grad()
+        assert opt._early_launches_last_step > 0
+        assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), ref.parameters()))
+        opt.close()
+    finally:
+        dist.destroy_process_group()
