@@ -9,7 +9,8 @@ Detection costs two integer reads per parameter per step (check and record toget
 median per step for 1000 parameters, 38 us for 100, on the 2-core VM of the README's Results,
 timing ``reseed`` + ``record`` with no edit 200 times): torch bumps a tensor's version counter
 on every in-place write (``detach()`` and views share it), and replacing ``.data`` changes the
-storage pointer while keeping the counter. We record ``(version, data_ptr)`` after our own last
+storage pointer while keeping the counter. We record ``(version, data_ptr)`` (for an FSDP2
+parameter, the DTensor's version too: its in-place ops bump only that one) after our own last
 write (our writes bump the counter too) and compare before the next update of that parameter.
 A parameter whose state is new this step has no stamp yet: its master was just seeded from it.
 ``load_state_dict`` records nothing either: a loaded master stays unless the parameter changes.
@@ -30,6 +31,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from offload._dtensor import local
 from offload._slabs import HostSlabs
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["WeightEdits"]
 
 
-def _stamp(p: Tensor) -> tuple[int, int]:
-    return p._version, p.data_ptr()
+def _stamp(p: Tensor) -> tuple[int, int, int]:
+    # A DTensor's in-place op (``p.clamp_()`` on an FSDP2 parameter) bumps the DTensor's version
+    # counter, not its local shard's; our own writes go to the shard. Watch both.
+    shard = local(p)
+    return p._version, shard._version, shard.data_ptr()
 
 
 class WeightEdits:
@@ -80,7 +85,7 @@ class WeightEdits:
         """
         edited = self.edited(params, slots)
         for slot in edited:
-            p = params[slot]
+            p = local(params[slot])
             master = slabs.flat("master", slot)
             if p.numel() != master.numel():
                 raise RuntimeError(
