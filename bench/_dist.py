@@ -44,14 +44,22 @@ class DistInfo:
         return self.backend is not None
 
 
-def setup(device: torch.device) -> DistInfo:
+def setup(device: torch.device, *, group: bool = False) -> DistInfo:
     """Join the process group when launched by torchrun (``LOCAL_WORLD_SIZE`` set), else single process.
 
     The backend is gloo on CPU and nccl on CUDA; on CUDA each rank uses device ``LOCAL_RANK``.
+    ``group``: a single process still gets a default group (world size 1, in-process store),
+    which FSDP2's ``fully_shard`` needs.
     """
     local_world = knobs.local_world_size()
     if local_world is None:
-        return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, backend=None)
+        if not group:
+            return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, backend=None)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                        backend=dist.get_backend())
     local_rank = knobs.local_rank() or 0
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -109,10 +117,13 @@ def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
 
 
 def param_checksum(params: Iterable[torch.Tensor]) -> str:
-    """SHA-256 over the raw bytes of every tensor, in order: equal iff bitwise equal."""
+    """SHA-256 over the raw bytes of every tensor (a DTensor's local shard), in order: equal iff bitwise equal."""
     h = hashlib.sha256()
     for p in params:
-        t = p.detach().reshape(-1).contiguous().cpu()
+        t = p.detach()
+        if hasattr(t, "to_local"):  # DTensor (FSDP2): this rank's shard
+            t = t.to_local()
+        t = t.reshape(-1).contiguous().cpu()
         h.update(str(t.dtype).encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -3,6 +3,7 @@
     python -m bench.train --optim-cpu-offload --model-size small --steps 20
     python -m bench.train --optim-cpu-offload --autotune --steps 60 --trace-dir runs/x
     torchrun --nproc-per-node 2 -m bench.train --optim-cpu-offload --device cpu --steps 10
+    torchrun --nproc-per-node 2 -m bench.train --fsdp --optim-cpu-offload --overlap-backward --autotune
 
 Rank 0 prints one line per step (loss, step wall time, the optimizer's stage times) and a final
 summary, and writes ``--summary-json`` once, atomically. Under torchrun the ranks initialise the
@@ -80,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU AdamW kernel of the offloaded step (default torch; fused-mp: the "
                         "single-pass kernel for bf16/fp16 parameters, torch path where it cannot build)")
     p.add_argument("--overlap-backward", action="store_true",
-                   help="start each chunk's update during backward (single process only)")
+                   help="start each chunk's update during backward (one process, or several with --fsdp)")
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2: fully_shard each block and the root (see bench/_fsdp.py)")
+    p.add_argument("--fsdp-param-dtype", choices=sorted(_DTYPES), default=None,
+                   help="with --fsdp: MixedPrecisionPolicy(param_dtype=...) for forward/backward")
     p.add_argument("--cache", type=Path, default=None, help="tuning cache file")
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="tuning trace folder; the trainer also writes train_steps.jsonl there")
@@ -99,6 +104,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                             ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
             if value:
                 p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
+    if args.fsdp_param_dtype is not None and not args.fsdp:
+        p.error("--fsdp-param-dtype is FSDP2's mixed precision: add --fsdp")
     if (args.cache is not None) and not args.autotune:
         p.error("--cache is the tuning cache: add --autotune")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -211,15 +218,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from offload import plan_cpu_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    info = _dist.setup(device)
+    info = _dist.setup(device, group=args.fsdp)
     try:
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        if info.world_size > 1 and args.overlap_backward:
+        if info.world_size > 1 and args.overlap_backward and not args.fsdp:
             raise SystemExit(
                 "error: --overlap-backward with world size "
                 f"{info.world_size}: the optimizer would start chunk updates during backward, before "
-                "gradients are averaged across ranks; run it single-process"
+                "gradients are averaged across ranks; add --fsdp (FSDP2 reduce-scatters each "
+                "gradient before its hook runs) or run it single-process"
             )
         return _train(args, device, info, plan_cpu_threads)
     finally:
@@ -243,6 +251,11 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
     torch.manual_seed(args.seed)  # same init on every rank
     model = GPT(cfg).to(device=device, dtype=_DTYPES[args.dtype])
     n_params = count_params(model)
+    if args.fsdp:
+        from bench._fsdp import shard_model
+
+        param_dtype = _DTYPES[args.fsdp_param_dtype] if args.fsdp_param_dtype else None
+        shard_model(model, param_dtype=param_dtype)
     if is_main:
         print(f"model {args.model_size}: {n_params:,} parameters ({n_params / 1e6:.1f}M), dtype {args.dtype}, "
               f"device {device}, world size {info.world_size}", flush=True)
@@ -274,11 +287,14 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
             for micro, (x, y) in enumerate(batches):
                 last = micro == args.grad_accum - 1
                 ctx = opt.accumulating() if (overlap and not last) else contextlib.nullcontext()
+                if args.fsdp:  # reduce-scatter once, after the last micro-batch
+                    model.set_requires_gradient_sync(last)
                 with ctx:
                     loss = model(x, y) / args.grad_accum
                     loss.backward()
                 loss_sum += loss.detach()
-            _dist.average_gradients(model.parameters(), info.world_size)
+            if not args.fsdp:  # FSDP2 already averaged them in its reduce-scatter
+                _dist.average_gradients(model.parameters(), info.world_size)
             _sync(device)
             t_opt = time.perf_counter()
             opt.step()
@@ -364,6 +380,8 @@ def _summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_tim
         "backend": info.backend,
         "optimizer": "CPUOffloadAdamW" if args.optim_cpu_offload else "torch.optim.AdamW(fused=True)",
         "overlap_backward": bool(args.overlap_backward),
+        "fsdp": bool(args.fsdp),
+        "fsdp_param_dtype": args.fsdp_param_dtype,
         "opt_stats_median": opt_stats_median,
         "steps": args.steps,
         "batch_size": args.batch_size,

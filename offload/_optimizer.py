@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from offload._dtensor import ShardLayout, as_dtensor, layout_of, local
 from offload._kernels import Hyper, new_step_tensor
 from offload._pipeline import (
     ChunkJob,
@@ -323,9 +324,10 @@ class CPUOffloadAdamW(Optimizer):
         self._constructed = True
 
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"]]
-        self._device = self._check_params(self._params)
+        # DTensor (FSDP2) parameters: the slabs hold this rank's shard; see offload/_dtensor.py.
+        self._device, self._layouts = self._check_params(self._params, self._param_names())
         self._slot_of: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
-        self._slabs = HostSlabs([[p.shape for p in g["params"]] for g in self.param_groups])
+        self._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in self.param_groups])
 
         settings = settings if settings is not None else OffloadSettings()
         plan = plan_cpu_threads(threads=settings.threads)
@@ -360,8 +362,14 @@ class CPUOffloadAdamW(Optimizer):
         self._tuning: OffloadTuning | None = None
         if isinstance(autotune, AutotuneConfig):
             group_numel = [0] * len(self.param_groups)
+            # The search space must be the same on every local rank: size it by the largest shard
+            # any rank holds (uneven shards differ by rank); the workload names this rank's shard.
+            group_max = [0] * len(self.param_groups)
             for slot in self._slabs.slots:
                 group_numel[slot.group] += slot.numel
+                layout = self._layouts[slot.index]
+                group_max[slot.group] += slot.numel if layout is None else layout.max_local_numel
+            sharded = [lay for lay in self._layouts if lay is not None]
             self._tuning = OffloadTuning(
                 self,
                 autotune,
@@ -375,8 +383,10 @@ class CPUOffloadAdamW(Optimizer):
                     "device": self._device.type,
                     "overlap_backward": bool(overlap_backward),
                     "objective": "iteration" if overlap_backward else "step",
+                    **({"sharded_params": len(sharded), "shard_ranks": sharded[0].mesh.size(),
+                        "global_params": sum(p.numel() for p in self._params)} if sharded else {}),
                 },
-                largest_slab=max(group_numel, default=0),
+                largest_slab=max(group_max, default=0),
                 has_lowp=self._has_lowp,
             )
             self.tuner = self._tuning.tuner
@@ -410,10 +420,23 @@ class CPUOffloadAdamW(Optimizer):
             raise ValueError(f"a parameter appears twice{where}")
         super().add_param_group({**param_group, "params": plist})
 
+    def _param_names(self) -> list[str]:
+        """``parameter i`` (with its name when the groups carry ``param_names``), for errors."""
+        names = []
+        for g in self.param_groups:
+            given = g.get("param_names") or [None] * len(g["params"])
+            for name in given:
+                i = len(names)
+                names.append(f"parameter {i}" if name is None else f"parameter {i} ({name!r})")
+        return names
+
     @staticmethod
-    def _check_params(params: list[Tensor]) -> torch.device:
+    def _check_params(params: list[Tensor], names: list[str]) -> tuple[torch.device, list[ShardLayout | None]]:
+        """The device of the (local) parameters, and each one's shard layout (None: a plain tensor)."""
         if not params:
             raise ValueError("CPUOffloadAdamW got an empty parameter list")
+        layouts = [layout_of(p, name) for p, name in zip(params, names)]
+        params = [local(p) for p in params]
         device = params[0].device
         for i, p in enumerate(params):
             if p.is_sparse or p.layout != torch.strided:
@@ -435,7 +458,12 @@ class CPUOffloadAdamW(Optimizer):
                 raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameters are on {device}: expected cpu or cuda")
-        return device
+        return device, layouts
+
+    def _local_param(self, slot: int) -> Tensor:
+        """The tensor the step reads and writes for parameter ``slot``: itself, or its local shard."""
+        p = self._params[slot]
+        return p if self._layouts[slot] is None else local(p)
 
     # ---------------------------------------------------------------- public surface
     @property
@@ -521,7 +549,20 @@ class CPUOffloadAdamW(Optimizer):
         state tensors by reference): copy or save them before the next ``step()``.
         """
         self._check_idle("state_dict()")
-        return super().state_dict()
+        sd = super().state_dict()
+        if not any(lay is not None for lay in self._layouts):
+            return sd
+        # DTensor parameters: the moments and master as DTensors over the slab views, with the
+        # parameter's mesh and placements, so torch.distributed.checkpoint saves (and reshards)
+        # them like torch AdamW's state of the same model. ``step`` stays a plain tensor.
+        state = {}
+        for key, entry in sd["state"].items():
+            layout = self._layouts[key]
+            if layout is not None:
+                entry = {k: as_dtensor(v, layout) if k != "step" and isinstance(v, Tensor) else v
+                         for k, v in entry.items()}
+            state[key] = entry
+        return {**sd, "state": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a state dict (from this class, or ``torch.optim.AdamW``) into the host slabs.
@@ -564,6 +605,8 @@ class CPUOffloadAdamW(Optimizer):
             for name in ("step", "exp_avg", "exp_avg_sq"):
                 if name not in value:
                     raise ValueError(f"loaded state of parameter id {key!r} has no {name!r}")
+            # DTensor state (a DCP checkpoint, torch AdamW's of an FSDP2 model): this rank's shard.
+            value = {k: local(v) if isinstance(v, Tensor) else v for k, v in value.items()}
             for name in ("exp_avg", "exp_avg_sq", "master_param"):
                 if name in value and value[name].numel() != numel:
                     raise ValueError(
@@ -576,7 +619,7 @@ class CPUOffloadAdamW(Optimizer):
         with torch.no_grad():
             for slot, value in entries:
                 p = self._params[slot]
-                master = value.get("master_param", p)
+                master = value.get("master_param", self._local_param(slot))
                 self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
                 self._slabs.flat("exp_avg", slot).copy_(value["exp_avg"].detach().reshape(-1))
                 self._slabs.flat("exp_avg_sq", slot).copy_(
@@ -682,10 +725,10 @@ class CPUOffloadAdamW(Optimizer):
     def _collect_grads(self) -> dict[int, Tensor]:
         """The gradients of this step by slot; initialises the state of new parameters."""
         grads: dict[int, Tensor] = {}
-        for slot, p in enumerate(self._params):
-            g = p.grad
-            if g is None:
+        for slot, param in enumerate(self._params):
+            if param.grad is None:
                 continue
+            p, g = self._local_param(slot), local(param.grad)  # DTensors: this rank's shards
             if g.is_sparse:
                 raise RuntimeError(
                     f"parameter {slot} has a sparse gradient: CPUOffloadAdamW supports dense only"
@@ -701,13 +744,15 @@ class CPUOffloadAdamW(Optimizer):
                     f"parameter {slot} ({tuple(p.shape)} on {p.device}) has a gradient of shape "
                     f"{tuple(g.shape)} on {g.device}: expected the parameter's shape and device"
                 )
-            if not self.state[p]:
-                self._init_state(slot, p)
+            if not self.state[param]:
+                self._init_state(slot, param)
+            if p.numel() == 0:  # an empty shard is in no chunk: count its step as torch does
+                self.state[param]["step"] += 1
             grads[slot] = g
         return grads
 
     def _init_state(self, slot: int, p: Tensor) -> None:
-        self._slabs.flat("master", slot).copy_(p.detach().reshape(-1))
+        self._slabs.flat("master", slot).copy_(self._local_param(slot).detach().reshape(-1))
         self._slabs.flat("exp_avg", slot).zero_()
         self._slabs.flat("exp_avg_sq", slot).zero_()
         self.state[p].update(self._state_entry(slot, new_step_tensor()))
@@ -727,7 +772,8 @@ class CPUOffloadAdamW(Optimizer):
             if g is None:
                 continue
             p = self._params[v.slot]
-            items.append(Item(v, p, g, g._version, self.state[p]["step"], self._fused(p, g)))
+            items.append(Item(v, self._local_param(v.slot), g, g._version, self.state[p]["step"],
+                              self._fused(p, g)))
         return items
 
     def _fused(self, p: Tensor, g: Tensor | None) -> bool:
@@ -762,7 +808,7 @@ class CPUOffloadAdamW(Optimizer):
         grads: dict[int, tuple[Tensor | None, int]] = {}
         for slot in {v.slot for v in chunk.views}:
             p = self._params[slot]
-            g = p.grad
+            g = None if p.grad is None else local(p.grad)  # FSDP2: the reduce-scattered shard
             if g is None or g.is_sparse or not self.state.get(p):
                 return None  # not launchable early; step() runs it
             grads[slot] = (g, g._version)
@@ -771,7 +817,7 @@ class CPUOffloadAdamW(Optimizer):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
         items = [
-            Item(v, self._params[v.slot], grads[v.slot][0], grads[v.slot][1],
+            Item(v, self._local_param(v.slot), grads[v.slot][0], grads[v.slot][1],
                  self.state[self._params[v.slot]]["step"],
                  self._fused(self._params[v.slot], grads[v.slot][0]))
             for v in chunk.views
@@ -794,6 +840,7 @@ class CPUOffloadAdamW(Optimizer):
         for c, launch in sorted(launched.items()):
             for slot, (g, version) in launch.grads.items():
                 now = self._params[slot].grad
+                now = None if now is None else local(now)
                 if now is not g or (now is not None and now._version != version):
                     stale.append((c, slot))
         if not stale:
