@@ -34,7 +34,8 @@ def shard_model(model: nn.Module, *, param_dtype: torch.dtype | None = None,
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype)
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs an accelerator; a CPU-only torch raises on pin_memory().
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     blocks = getattr(model, "blocks", None)
     for block in blocks if isinstance(blocks, nn.ModuleList) else ():
         fully_shard(block, **kwargs)
