@@ -17,7 +17,10 @@ to the wrapped one rather than copying or sharing its ``__dict__``:
   the ``register_*_hook`` family) call the wrapped optimizer's own methods, so a subclass's
   overrides run and hooks are registered once, where its ``step`` runs them;
 * anything else (``_step_supports_amp_scaling``, a custom attribute) is read from the wrapped
-  optimizer by ``__getattr__``; attributes *set* on the wrapper stay on the wrapper.
+  optimizer by ``__getattr__``; attributes *set* on the wrapper stay on the wrapper, except
+  ``grad_scale`` and ``found_inf``, which ``torch.amp.GradScaler.step`` sets on the optimizer it is
+  given for the wrapped (fused) step to read: they are descriptors too, or the wrapped step would
+  silently skip unscaling.
 
 Why not share ``__dict__`` (``wrapper.__dict__ = optimizer.__dict__``, which gives every
 attribute for free): LR schedulers patch ``step`` by assigning an instance attribute
@@ -219,6 +222,10 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
     _optimizer_state_dict_post_hooks = _Delegated()  # type: ignore[assignment]
     _optimizer_load_state_dict_pre_hooks = _Delegated()  # type: ignore[assignment]
     _optimizer_load_state_dict_post_hooks = _Delegated()  # type: ignore[assignment]
+    # GradScaler.step sets these two on the optimizer it is given and the wrapped step reads them
+    # from itself (fused kernels unscale with them): they must land there.
+    grad_scale = _Delegated()
+    found_inf = _Delegated()
 
     state_dict = _delegate("state_dict")  # type: ignore[assignment]
     load_state_dict = _delegate("load_state_dict")  # type: ignore[assignment]

@@ -247,6 +247,23 @@ def test_a_scheduler_made_before_wrapping_does_not_bypass_the_tuned_step(tmp_pat
     assert opt.tuner.summary()["steps"] == 2 and inside == [4, 4]
 
 
+def test_grad_scaler_unscales_in_the_wrapped_fused_step(tmp_path: Path) -> None:
+    """GradScaler hands a fused optimizer ``grad_scale``/``found_inf`` as attributes: they must
+    reach the wrapped step, or it would apply scaled gradients."""
+    ref_model, model = wide_model(), wide_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, fused=True)
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True), tmp_path)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    for step in range(4):
+        for m, o, scaler in ((ref_model, ref, scalers[0]), (model, opt, scalers[1])):
+            scaler.scale(wide_loss(m, step)).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad(set_to_none=True)
+        assert_bitwise(list(model.parameters()), list(ref_model.parameters()), f"GradScaler step {step}")
+    assert not hasattr(opt.wrapped, "grad_scale") and not hasattr(opt.wrapped, "found_inf")  # removed after
+
+
 def test_distributed_checkpoint_helpers_see_the_wrapped_data(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
