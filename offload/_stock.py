@@ -398,8 +398,8 @@ def tune_step_threads(
     plan = plan if plan is not None else plan_cpu_threads(threads=threads)
     wrapper = ThreadTunedOptimizer(optimizer, plan=plan, autotune=autotune or None, clock=clock)
     logger.info(
-        "tune_step_threads: %s, %d tensors: step with %d thread(s) now (%s; plan %d: %s)",
+        "tune_step_threads: %s, %d tensors: step with %d thread(s) now (tuner %s; plan %d: %s)",
         type(optimizer).__name__, len(_params(optimizer)), wrapper.threads,
-        "tuning" if wrapper.tuner is not None else "not tuned", plan.threads, plan.reason,
+        wrapper.tuner.state if wrapper.tuner is not None else "off", plan.threads, plan.reason,
     )
     return wrapper
