@@ -296,7 +296,7 @@ def _rank_session(
     step = 0
     while tuner.state in ("probing", "checking") and step < len(table):
         threads = _capped(current, caps)
-        chunk = int(current["chunk_numel"])
+        chunk = int(current.get("chunk_numel", node.workload.params))  # threads-only spaces: one chunk
         time_s = node.rank_times(threads, chunk)[r] * float(table[step, r])
         if switched[0]:
             time_s *= 1.0 + noise.warmup_penalty

@@ -4,6 +4,7 @@
     python -m bench.train --optim-cpu-offload --autotune --steps 60 --trace-dir runs/x
     torchrun --nproc-per-node 2 -m bench.train --optim-cpu-offload --device cpu --steps 10
     torchrun --nproc-per-node 2 -m bench.train --fsdp --optim-cpu-offload --overlap-backward --autotune
+    torchrun --nproc-per-node 2 -m bench.train --fsdp --fsdp-cpu-offload --autotune --device cpu
 
 Rank 0 prints one line per step (loss, step wall time, the optimizer's stage times) and a final
 summary, and writes ``--summary-json`` once, atomically. With ``--trace-dir DIR`` every run gets
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2: fully_shard each block and the root (see bench/_fsdp.py)")
+    p.add_argument("--fsdp-cpu-offload", action="store_true",
+                   help="with --fsdp: FSDP2's CPUOffloadPolicy and stock torch.optim.AdamW(fused=True) stepping "
+                        "on the CPU shards; --autotune / --threads set that step's threads (offload.tune_step_threads)")
     p.add_argument("--fsdp-param-dtype", choices=sorted(_DTYPES), default=None,
                    help="with --fsdp: MixedPrecisionPolicy(param_dtype=...) for forward/backward")
     p.add_argument("--cache", type=Path, default=None,
@@ -139,7 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if not args.optim_cpu_offload:
+    if args.fsdp_cpu_offload:  # stock AdamW on CPU shards: only its thread count is ours to set
+        if not args.fsdp or args.optim_cpu_offload:
+            p.error("--fsdp-cpu-offload is FSDP2's CPUOffloadPolicy with stock AdamW: add --fsdp, drop --optim-cpu-offload")
+        for flag, value in (("--chunk-numel", args.chunk_numel), ("--kernel", args.kernel),
+                            ("--overlap-backward", args.overlap_backward)):
+            if value:
+                p.error(f"{flag} configures CPUOffloadAdamW, not the stock AdamW of --fsdp-cpu-offload")
+    elif not args.optim_cpu_offload:
         for flag, value in (("--threads", args.threads), ("--chunk-numel", args.chunk_numel),
                             ("--kernel", args.kernel),
                             ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
@@ -197,7 +208,12 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
     groups = _param_groups(model, args.weight_decay)
     betas = (0.9, 0.95)
     if not args.optim_cpu_offload:
-        return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=1e-8, fused=True)
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=1e-8, fused=True)
+        if args.fsdp_cpu_offload and (args.autotune or args.threads is not None):
+            from offload import tune_step_threads
+
+            return tune_step_threads(opt, autotune=tune_kwargs.get("autotune", False), threads=args.threads)
+        return opt
     from offload import CPUOffloadAdamW, OffloadSettings
     from offload._settings import DEFAULT_CHUNK_NUMEL
 
@@ -224,7 +240,7 @@ def _opt_knobs(opt: torch.optim.Optimizer) -> tuple[int, int | None]:
     stats = getattr(opt, "last_stats", None)
     if stats is not None:
         return int(stats.threads), int(stats.chunk_numel)
-    return torch.get_num_threads(), None
+    return getattr(opt, "threads", None) or torch.get_num_threads(), None  # tune_step_threads: its step's
 
 
 def _tuner_summary(opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -335,7 +351,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
         from bench._fsdp import shard_model
 
         param_dtype = _DTYPES[args.fsdp_param_dtype] if args.fsdp_param_dtype else None
-        shard_model(model, param_dtype=param_dtype)
+        shard_model(model, param_dtype=param_dtype, cpu_offload=args.fsdp_cpu_offload)
     if is_main:
         print(f"model {args.model_size}: {n_params:,} parameters ({n_params / 1e6:.1f}M), dtype {args.dtype}, "
               f"device {device}, world size {info.world_size}", flush=True)
@@ -463,7 +479,9 @@ def _summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_tim
         "device": str(device),
         "world_size": info.world_size,
         "backend": info.backend,
-        "optimizer": "CPUOffloadAdamW" if args.optim_cpu_offload else "torch.optim.AdamW(fused=True)",
+        "optimizer": "CPUOffloadAdamW" if args.optim_cpu_offload else "torch.optim.AdamW(fused=True)"
+                     + (" + tune_step_threads" if hasattr(opt, "wrapped") else ""),
+        "fsdp_cpu_offload": bool(args.fsdp_cpu_offload),
         "overlap_backward": bool(args.overlap_backward),
         "fsdp": bool(args.fsdp),
         "fsdp_param_dtype": args.fsdp_param_dtype,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from offload._optimizer import CPUOffloadAdamW
 from offload._settings import OffloadSettings, StageSpan, StepStats
+from offload._stock import StepThreadsError, ThreadTunedOptimizer, tune_step_threads
 from offload._threads import ThreadPlan, plan_cpu_threads, thread_limit
 
 __all__ = [
@@ -12,7 +13,10 @@ __all__ = [
     "OffloadSettings",
     "StageSpan",
     "StepStats",
+    "StepThreadsError",
     "ThreadPlan",
+    "ThreadTunedOptimizer",
     "plan_cpu_threads",
     "thread_limit",
+    "tune_step_threads",
 ]
