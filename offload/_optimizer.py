@@ -28,6 +28,9 @@ from torch.optim import Optimizer
 
 from offload._kernels import Hyper, new_step_tensor
 from offload._pipeline import (
+    KIND_F32,
+    KIND_MP,
+    KIND_TORCH,
     ChunkJob,
     CudaTransport,
     HostTransport,
@@ -47,7 +50,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CPUOffloadAdamW"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: Parameter dtypes the fused-mp kernel updates; others keep the torch path.
+#: Parameter dtypes the fused-mp kernel's mixed-precision entry updates (fp32 has its own entry).
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
 _STAGES = ("d2h", "adam_kernel", "materialize")
 #: Options of torch.optim.AdamW this optimizer does not implement, with the only accepted values.
@@ -325,7 +328,8 @@ class CPUOffloadAdamW(Optimizer):
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._device = self._check_params(self._params)
         self._slot_of: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
-        self._slabs = HostSlabs([[p.shape for p in g["params"]] for g in self.param_groups])
+        self._slabs = HostSlabs([[p.shape for p in g["params"]] for g in self.param_groups],
+                                self._own_masters(overlap_backward))
 
         settings = settings if settings is not None else OffloadSettings()
         plan = plan_cpu_threads(threads=settings.threads)
@@ -445,20 +449,23 @@ class CPUOffloadAdamW(Optimizer):
         return self._settings
 
     def _resolve_kernel(self, settings: OffloadSettings) -> OffloadSettings:
-        """``kernel="fused-mp"`` where it can run here, else ``"torch"`` (the reason is logged)."""
-        if settings.kernel != "fused-mp":
+        """The kernel that runs: ``"fused-mp"`` where it can run here, else ``"torch"`` (the
+        reason is logged); ``"auto"`` is ``"fused-mp"`` only where it is also bitwise equal to
+        torch's kernel on this build (``offload._fused_mp.bitwise_matches_torch``)."""
+        if settings.kernel == "torch":
             return settings
-        if not self._has_lowp:
-            logger.debug("CPUOffloadAdamW: kernel='fused-mp' has no bf16/fp16 parameter to update; "
-                         "fp32 parameters use the torch kernel")
-            return replace(settings, kernel="torch")
-        from offload._fused_mp import fused_mp_available
+        from offload._fused_mp import bitwise_matches_torch, fused_mp_available
 
+        if settings.kernel == "auto" and not bitwise_matches_torch():
+            logger.debug("CPUOffloadAdamW: kernel='auto' uses 'torch': fused-mp is not verified "
+                         "bitwise equal to torch's kernel on this torch build and CPU")
+            return replace(settings, kernel="torch")
         ok, reason = fused_mp_available()  # builds on first use; logs a failure once (WARNING)
         if not ok:
-            logger.debug("CPUOffloadAdamW: kernel='fused-mp' unavailable, using 'torch': %s", reason)
+            logger.debug("CPUOffloadAdamW: kernel=%r unavailable, using 'torch': %s",
+                         settings.kernel, reason)
             return replace(settings, kernel="torch")
-        return settings
+        return replace(settings, kernel="fused-mp")
 
     def apply_settings(self, settings: OffloadSettings) -> None:
         """Change threads / chunk size / kernel between steps.
@@ -576,8 +583,7 @@ class CPUOffloadAdamW(Optimizer):
         with torch.no_grad():
             for slot, value in entries:
                 p = self._params[slot]
-                master = value.get("master_param", p)
-                self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
+                self._load_master(slot, value.get("master_param", p))
                 self._slabs.flat("exp_avg", slot).copy_(value["exp_avg"].detach().reshape(-1))
                 self._slabs.flat("exp_avg_sq", slot).copy_(
                     value["exp_avg_sq"].detach().reshape(-1)
@@ -706,19 +712,41 @@ class CPUOffloadAdamW(Optimizer):
             grads[slot] = g
         return grads
 
+    def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
+        """Per group and parameter: the parameter is its own fp32 master (no master slab place).
+
+        True for fp32 parameters of a CPU model: the kernels update them in place, so a master
+        copy would cost 4 bytes per parameter and two passes per step (a copy in, a copy out)
+        for nothing. Not with ``overlap_backward``: a chunk started during backward must not
+        change the weights before ``step()``, so it updates a master that ``step()`` copies out.
+        """
+        own = self._device.type == "cpu" and not overlap_backward
+        return [[own and p.dtype == torch.float32 for p in g["params"]] for g in self.param_groups]
+
     def _init_state(self, slot: int, p: Tensor) -> None:
-        self._slabs.flat("master", slot).copy_(p.detach().reshape(-1))
+        if not self._slabs.slots[slot].own_master:
+            self._slabs.flat("master", slot).copy_(p.detach().reshape(-1))
         self._slabs.flat("exp_avg", slot).zero_()
         self._slabs.flat("exp_avg_sq", slot).zero_()
         self.state[p].update(self._state_entry(slot, new_step_tensor()))
 
     def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]:
+        """``master_param`` is the parameter itself where it is its own master (a live tensor
+        sharing its storage, like the slab views), so saved state dicts keep their layout."""
+        own = self._slabs.slots[slot].own_master
         return {
             "step": step,
             "exp_avg": self._slabs.shaped("exp_avg", slot),
             "exp_avg_sq": self._slabs.shaped("exp_avg_sq", slot),
-            "master_param": self._slabs.shaped("master", slot),
+            "master_param": self._params[slot].detach() if own else self._slabs.shaped("master", slot),
         }
+
+    def _load_master(self, slot: int, master: Tensor) -> None:
+        """A loaded ``master_param`` into the master slab. A parameter that is its own master keeps
+        its value: its master is the model's weight, restored with the model (for such a
+        parameter the saved master and the saved weight are the same bits)."""
+        if not self._slabs.slots[slot].own_master:
+            self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
 
     def _items(self, chunk: Chunk, grads: dict[int, Tensor]) -> list[Item]:
         items = []
@@ -730,14 +758,15 @@ class CPUOffloadAdamW(Optimizer):
             items.append(Item(v, p, g, g._version, self.state[p]["step"], self._fused(p, g)))
         return items
 
-    def _fused(self, p: Tensor, g: Tensor | None) -> bool:
-        """Whether the fused-mp kernel updates ``p`` this step (bf16/fp16 with a same-dtype grad)."""
-        return (
-            self._settings.kernel == "fused-mp"
-            and p.dtype in _LOWP_DTYPES
-            and g is not None
-            and g.dtype == p.dtype
-        )
+    def _fused(self, p: Tensor, g: Tensor | None) -> int:
+        """Which kernel updates ``p`` this step (an ``Item.fused`` kind): with ``kernel="fused-mp"``
+        its mixed-precision entry for bf16/fp16 with a same-dtype gradient, its fp32 entry for fp32
+        with an fp32 gradient; else torch's kernel."""
+        if self._settings.kernel != "fused-mp" or g is None or g.dtype != p.dtype:
+            return KIND_TORCH
+        if p.dtype in _LOWP_DTYPES:
+            return KIND_MP
+        return KIND_F32 if p.dtype == torch.float32 else KIND_TORCH
 
     def _check_idle(self, what: str) -> None:
         if self._in_step:

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload._kernels import Hyper, fused_adamw_, mixed_precision_adamw_
+from offload._kernels import Hyper, fused_adamw_, mixed_precision_adamw_, native_adamw_f32_
 from offload._slabs import HostSlabs, SlabKind, View
 from offload._threads import thread_limit
 
@@ -66,6 +66,8 @@ __all__ = [
     "StageRecord",
 ]
 
+#: Item kinds: the kernel that updates an item (see :attr:`Item.fused`).
+KIND_TORCH, KIND_MP, KIND_F32 = 0, 1, 2
 #: Byte alignment of each view inside a pinned staging buffer.
 _STAGING_ALIGN = 64
 #: How often a waiting ``drain`` checks that the worker thread is still alive, in seconds.
@@ -84,8 +86,10 @@ class Item:
     grad_version: int
     step: Tensor
     """The parameter's fp32 step tensor."""
-    fused: bool = False
-    """Updated by the fused-mp kernel (a bf16/fp16 parameter with a gradient of its dtype)."""
+    fused: int = KIND_TORCH
+    """Which kernel updates the item: :data:`KIND_TORCH`, :data:`KIND_MP` (fused-mp, a bf16/fp16
+    parameter with a gradient of its dtype) or :data:`KIND_F32` (fused-mp's fp32 entry point, an
+    fp32 parameter with an fp32 gradient). Truthy for the native kernel."""
 
 
 @dataclass(slots=True)
@@ -128,20 +132,15 @@ class ChunkJob:
     """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
     # Filled by the worker.
     transfer: Any = None
-    lowp_grads: list[Tensor | None] | None = None
-    """Per item: the low-precision gradient the fused-mp kernel reads (None for torch items)."""
-    operands: _Operands | None = None
-    """The fused-mp kernel's arguments, made by the submitting thread (see Transport.prepare)."""
+    grads: list[Tensor] | None = None
+    """Per item: the gradient operand its kernel reads (low precision for KIND_MP, fp32 else)."""
+    calls: list[_Call] | None = None
+    """The kernel calls of the job, made by the submitting thread (see Transport.prepare)."""
     kernel_ran: bool = False
     skipped_stale: bool = False
-    _fused_only: bool | None = field(default=None, init=False, repr=False)
-
-    @property
-    def fused_only(self) -> bool:
-        """Every item is updated by the fused-mp kernel (computed once)."""
-        if self._fused_only is None:
-            self._fused_only = all(it.fused for it in self.items)
-        return self._fused_only
+    direct: bool = False
+    """Host: every item's kernel reads its gradient where it is and writes its parameter itself
+    (no upcast, no materialize copy); set by :meth:`HostTransport.finish_d2h` or ``prepare``."""
 
 
 @dataclass(slots=True)
@@ -161,8 +160,9 @@ class DrainResult:
     wait_s: float = 0.0
 
 
-_Operands = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]
-"""(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps) of one kernel call."""
+_Call = tuple[int, Any, tuple[list[Tensor], ...]]
+"""(kind, kernel function, positional tensor lists) of one kernel call; the worker adds the steps
+to increment and the hyper-parameters."""
 
 
 class Transport(Protocol):
@@ -238,58 +238,131 @@ class _LowpBuffers:
         self._last[slot] = event
 
 
+class _Scratch:
+    """One chunk-sized fp32 buffer, reused chunk after chunk, for gradients a kernel cannot read
+    where they are (a bf16/fp16 gradient on the torch kernel): the worker upcasts into it right
+    before the chunk's kernel, so one buffer serves every chunk (no full-size gradient slab)."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.float32)
+
+    def views(self, numels: list[int]) -> list[Tensor]:
+        offsets, total = [], 0
+        for n in numels:
+            offsets.append(total)
+            total += -(-n // (_STAGING_ALIGN // 4)) * (_STAGING_ALIGN // 4)
+        if self._buf.numel() < total:
+            self._buf = torch.empty(total, dtype=torch.float32)
+        return [self._buf[o : o + n] for o, n in zip(offsets, numels)]
+
+
+def _master_operand(it: Item, slabs: HostSlabs) -> Tensor:
+    """The tensor the kernel updates as the item's fp32 master: the parameter itself when it is
+    its own master (an fp32 parameter of a CPU model), else its master slab view."""
+    if slabs.slots[it.view.slot].master_offset < 0:
+        return _param_operand(it)
+    return slabs.view("master", it.view)
+
+
+def _build_calls(
+    job: ChunkJob,
+    slabs: HostSlabs,
+    lists: _SlabListCache,
+    grads: list[Tensor],
+    lowp_out: Any,
+) -> list[_Call]:
+    """The kernel calls of ``job``, one per kind of item it holds (usually one).
+
+    ``grads[i]``: the gradient operand of item ``i``; ``lowp_out(item)``: where a KIND_MP item's
+    low-precision weight goes. Moments come from the per-chunk cache; masters are the parameter
+    itself for own-master items (see :func:`_master_operand`).
+    """
+    items = job.items
+    kinds = {it.fused for it in items}
+    groups: list[tuple[int, list[Item], list[Tensor]]]
+    if len(kinds) == 1:
+        groups = [(kinds.pop(), items, grads)]
+    else:
+        groups = []
+        for kind in sorted(kinds):
+            idx = [i for i, it in enumerate(items) if it.fused == kind]
+            groups.append((kind, [items[i] for i in idx], [grads[i] for i in idx]))
+    calls: list[_Call] = []
+    for kind, its, gs in groups:
+        slab = lists.get(job.chunk, its, ("exp_avg", "exp_avg_sq"))
+        masters = [_master_operand(it, slabs) for it in its]
+        steps = [it.step for it in its]
+        if kind == KIND_MP:
+            outs = [lowp_out(it) for it in its]
+            calls.append((kind, mixed_precision_adamw_,
+                          (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
+        else:
+            fn = native_adamw_f32_ if kind == KIND_F32 else fused_adamw_
+            calls.append((kind, fn, (masters, gs, slab["exp_avg"], slab["exp_avg_sq"], steps)))
+    return calls
+
+
 class HostTransport:
-    """Parameters on the CPU: d2h and materialize are plain (dtype-converting) copies; fused-mp
-    items need neither (see the module doc)."""
+    """Parameters on the CPU: no copies where a kernel can read the gradient and write the
+    parameter itself (see the module doc); upcasts go through a chunk-sized scratch buffer."""
 
     is_async = False
 
     def __init__(self) -> None:
         self._lowp = _LowpBuffers(pin=False)
+        self._scratch = _Scratch()
+
+    @staticmethod
+    def _reads_in_place(it: Item) -> bool:
+        g = it.grad
+        return it.fused == KIND_MP or (g is not None and g.dtype == torch.float32)
 
     def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None:
-        """A step's fused-mp job: its kernel arguments, made here on the submitting thread.
+        """A step's in-place job: its kernel calls, made here on the submitting thread.
 
-        The kernel reads the gradients where they are and writes the parameters itself, so the
-        whole call is known at submit time. Making it here, while the worker runs the previous
+        Where every kernel reads the gradients where they are and writes the parameters itself,
+        the whole call is known at submit time. Making it here, while the worker runs the previous
         chunk's kernel with the GIL released, leaves the worker nothing but the call: no Python
         per parameter between two kernels, when the memory bus would idle. (Jobs launched during
         backward write a staging buffer and check gradient versions; the worker prepares those.)
         """
-        if not (job.update and job.materialize and not job.check_versions and job.fused_only):
+        if not (job.update and job.materialize and not job.check_versions):
             return
-        items = job.items
-        slab = lists.get(job.chunk, items, ("master", "exp_avg", "exp_avg_sq"))
-        job.operands = (
-            [_param_operand(it) for it in items],
-            [_grad_operand(it) for it in items],
-            slab["master"],
-            slab["exp_avg"],
-            slab["exp_avg_sq"],
-            [it.step for it in items],
+        slabs = lists.slabs
+        slots = slabs.slots
+        for it in job.items:
+            if not self._reads_in_place(it):
+                return
+            if it.fused != KIND_MP and slots[it.view.slot].master_offset >= 0:
+                return
+        job.direct = True
+        job.calls = _build_calls(
+            job, slabs, lists, [_grad_operand(it) for it in job.items], _param_operand
         )
 
     def issue_d2h(self, job: ChunkJob) -> None:
         job.transfer = time.perf_counter()
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        if job.operands is not None:  # prepared at submit: nothing to copy, nothing to look up
+        if job.calls is not None:  # prepared at submit: nothing to copy, nothing to look up
             return
-        if job.fused_only:  # fused-mp reads the host gradients in place
-            job.lowp_grads = [_grad_operand(it) for it in job.items]
-            return
-        t0 = time.perf_counter()
-        lowp: list[Tensor | None] = []
-        for it in job.items:
-            assert it.grad is not None  # jobs with update=True only hold items with a grad
-            if it.fused:
-                lowp.append(_grad_operand(it))
-            else:
-                slabs.view("grad", it.view).copy_(_flat(it.grad)[it.view.start : it.view.stop])
-                lowp.append(None)
-        job.lowp_grads = lowp
-        t1 = time.perf_counter()
-        records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
+        items = job.items
+        upcast = [i for i, it in enumerate(items) if not self._reads_in_place(it)]
+        grads = [_grad_operand(it) if it.fused == KIND_MP or it.grad.dtype == torch.float32  # type: ignore[union-attr]
+                 else None for it in items]
+        job.direct = not upcast and all(
+            it.fused == KIND_MP or slabs.slots[it.view.slot].master_offset < 0 for it in items
+        ) and job.materialize
+        if upcast:
+            t0 = time.perf_counter()
+            views = self._scratch.views([items[i].view.numel for i in upcast])
+            for i, dst in zip(upcast, views):
+                it = items[i]
+                dst.copy_(_flat(it.grad)[it.view.start : it.view.stop])  # type: ignore[arg-type]
+                grads[i] = dst
+            t1 = time.perf_counter()
+            records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
+        job.grads = grads  # type: ignore[assignment]
 
     def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
         """Straight into the parameter, unless the chunk started during backward (see module doc)."""
@@ -298,18 +371,20 @@ class HostTransport:
         return self._lowp.view(item, for_write=True)
 
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        if job.update and job.fused_only:
-            return  # the kernel of this job wrote every parameter itself
+        if job.update and job.direct:
+            return  # the kernels of this job wrote every parameter themselves
         t0 = time.perf_counter()
         copied = False
         for it in job.items:
-            if not it.fused:
+            if it.fused == KIND_MP:
+                if not job.update:  # the kernel ran during backward, into the buffer
+                    _param_view(it).copy_(self._lowp.view(it, for_write=False))
+                    copied = True
+                # else: the kernel of this job wrote the parameter itself
+            elif slabs.slots[it.view.slot].master_offset >= 0:
                 _param_view(it).copy_(slabs.view("master", it.view))
                 copied = True
-            elif not job.update:  # the kernel ran during backward, into the buffer
-                _param_view(it).copy_(self._lowp.view(it, for_write=False))
-                copied = True
-            # else: the kernel of this job wrote the parameter itself
+            # else: the parameter is its own master, updated in place
         t1 = time.perf_counter()
         if copied:
             records.append(StageRecord(job.chunk, "materialize", t0, t1, t1 - t0))
@@ -383,6 +458,7 @@ class CudaTransport:
         self._d2h = _Staging()
         self._h2d = _Staging()
         self._lowp = _LowpBuffers(pin=True)
+        self._scratch = _Scratch()
         self._last_h2d: Any = None
 
     def _event(self) -> Any:
@@ -417,14 +493,17 @@ class CudaTransport:
         end.synchronize()
         gpu_s = start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
-        lowp: list[Tensor | None] = []
-        for it, src in zip(job.items, staged):
-            if it.fused:  # fused-mp reads the pinned low-precision copy: no upcast
-                lowp.append(src)
-            else:
-                slabs.view("grad", it.view).copy_(src)
-                lowp.append(None)
-        job.lowp_grads = lowp
+        # The kernels read the pinned copies where they are (fused-mp: low precision; fp32
+        # gradients: as they came down); only a low-precision gradient of the torch kernel is
+        # upcast, into the chunk-sized scratch buffer.
+        grads: list[Tensor] = list(staged)
+        upcast = [i for i, (it, src) in enumerate(zip(job.items, staged))
+                  if it.fused != KIND_MP and src.dtype != torch.float32]
+        if upcast:
+            for i, dst in zip(upcast, self._scratch.views([job.items[i].view.numel for i in upcast])):
+                dst.copy_(staged[i])
+                grads[i] = dst
+        job.grads = grads
         t1 = time.perf_counter()
         records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
         job.transfer = None
@@ -434,7 +513,7 @@ class CudaTransport:
         return self._lowp.view(item, for_write=True)
 
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        downcast = [it for it in job.items if not it.fused]
+        downcast = [it for it in job.items if it.fused != KIND_MP]
         dtypes = [it.param.dtype for it in downcast]
         offsets, nbytes = _staging_layout(downcast, dtypes)
         t0 = time.perf_counter()
@@ -447,7 +526,7 @@ class CudaTransport:
                 by_item[id(it)] = dst
             # fused-mp items: the kernel already wrote the weight into the pinned buffer.
             staged = [
-                by_item[id(it)] if not it.fused else self._lowp.view(it, for_write=False)
+                by_item[id(it)] if it.fused != KIND_MP else self._lowp.view(it, for_write=False)
                 for it in job.items
             ]
             t1 = time.perf_counter()
@@ -463,7 +542,7 @@ class CudaTransport:
                 end.record(self._h2d_stream)
             self._h2d.used_by(slot, end)
             for it in job.items:
-                if it.fused:
+                if it.fused == KIND_MP:
                     self._lowp.used_by(it.view.slot, end)
             self._last_h2d = end
         t2 = time.perf_counter()
@@ -490,18 +569,18 @@ class _SlabListCache:
     and by the worker; a dict get/set is atomic, and either writer stores a correct entry."""
 
     def __init__(self, slabs: HostSlabs) -> None:
-        self._slabs = slabs
-        self._entries: dict[tuple[int, bool], _SlabLists] = {}
+        self.slabs = slabs
+        self._entries: dict[tuple[int, tuple[str, ...]], _SlabLists] = {}
 
     def clear(self) -> None:
         self._entries.clear()
 
     def get(self, chunk: int, items: list[Item], kinds: tuple[SlabKind, ...]) -> dict[str, list[Tensor]]:
         views = tuple(it.view for it in items)
-        key = (chunk, "grad" in kinds)
+        key = (chunk, kinds)
         got = self._entries.get(key)
         if got is None or got.views != views:
-            got = _SlabLists(views, {k: [self._slabs.view(k, v) for v in views] for k in kinds})
+            got = _SlabLists(views, {k: [self.slabs.view(k, v) for v in views] for k in kinds})
             self._entries[key] = got
         return got.lists
 
@@ -582,50 +661,25 @@ class _Worker:
             self.transport.materialize(job, self.slabs, self.records)
 
     def _kernel(self, job: ChunkJob) -> None:
-        new_steps: dict[bool, list[Tensor]] = {False: [], True: []}
+        new_steps: dict[int, list[Tensor]] = {KIND_TORCH: [], KIND_MP: [], KIND_F32: []}
+        stepped = self.stepped
         for it in job.items:
-            if it.view.slot not in self.stepped:
-                self.stepped.add(it.view.slot)
+            slot = it.view.slot
+            if slot not in stepped:
+                stepped.add(slot)
                 new_steps[it.fused].append(it.step)
         t0 = time.perf_counter()
-        if job.operands is not None:
-            mixed_precision_adamw_(
-                *job.operands, steps_to_increment=new_steps[True], hyper=job.hyper
+        calls = job.calls
+        if calls is None:
+            assert job.grads is not None  # set by finish_d2h
+            transport = self.transport
+            calls = _build_calls(
+                job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it)
             )
-            job.operands = None
-            self._record_kernel(job, t0)
-            return
-        plain = [it for it in job.items if not it.fused]
-        if plain:
-            lists = self.lists.get(job.chunk, plain, ("master", "grad", "exp_avg", "exp_avg_sq"))
-            fused_adamw_(
-                lists["master"],
-                lists["grad"],
-                lists["exp_avg"],
-                lists["exp_avg_sq"],
-                [it.step for it in plain],
-                steps_to_increment=new_steps[False],
-                hyper=job.hyper,
-            )
-        if len(plain) < len(job.items):
-            assert job.lowp_grads is not None  # set by finish_d2h
-            if plain:
-                fused = [it for it in job.items if it.fused]
-                grads = [g for g, it in zip(job.lowp_grads, job.items) if it.fused]
-            else:
-                fused, grads = job.items, job.lowp_grads
-            lists = self.lists.get(job.chunk, fused, ("master", "exp_avg", "exp_avg_sq"))
-            mixed_precision_adamw_(
-                [self.transport.lowp_out(job, it) for it in fused],
-                grads,  # type: ignore[arg-type]
-                lists["master"],
-                lists["exp_avg"],
-                lists["exp_avg_sq"],
-                [it.step for it in fused],
-                steps_to_increment=new_steps[True],
-                hyper=job.hyper,
-            )
-        job.lowp_grads = None
+        for kind, fn, args in calls:
+            fn(*args, steps_to_increment=new_steps[kind], hyper=job.hyper)
+        job.calls = None
+        job.grads = None
         self._record_kernel(job, t0)
 
     def _record_kernel(self, job: ChunkJob, t0: float) -> None:
@@ -687,7 +741,8 @@ class Pipeline:
         try:
             self.transport.prepare(job, self._lists)
         except Exception:  # noqa: BLE001 - the worker meets the same problem and reports it
-            job.operands = None
+            job.calls = None
+            job.direct = False
             if not self._prepare_failed:  # the worker's path still works, but slower: say so once
                 self._prepare_failed = True
                 logger.warning("preparing chunk %d's kernel call at submit failed; the worker "

@@ -534,14 +534,15 @@ void check_step(const char* fn, const at::Tensor& t, const char* arg, size_t i) 
 // storage listed twice (the same tensor, or two views of one element) goes up twice, as with
 // _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
 // lazily cloned step tensor never shares the address its original is incremented at.
-std::vector<Coeffs> step_coeffs(const char* fn, size_t n, const std::vector<at::Tensor>& state_steps,
+std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
+                                const std::vector<at::Tensor>& state_steps,
                                 const std::vector<at::Tensor>& steps_to_increment, double lr,
                                 double beta1, double beta2, double eps, double weight_decay,
                                 std::unordered_map<float*, float>& incremented) {
   if (state_steps.size() != n) {
     std::ostringstream msg;
     msg << fn << ": state_steps has " << state_steps.size() << " tensors: expected " << n
-        << " like the parameters";
+        << " like " << like;
     fail_value(msg.str());
   }
   for (size_t j = 0; j < steps_to_increment.size(); ++j) {
@@ -594,7 +595,7 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
   const auto [p_dtype, g_dtype] =
       check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
   std::unordered_map<float*, float> incremented;
-  const std::vector<Coeffs> coeffs = step_coeffs(fn, masters.size(), state_steps,
+  const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
                                                  steps_to_increment, lr, beta1, beta2, eps,
                                                  weight_decay, incremented);
   bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment);
@@ -641,7 +642,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
                      i);
   }
   std::unordered_map<float*, float> incremented;
-  const std::vector<Coeffs> coeffs = step_coeffs(fn, n, state_steps, steps_to_increment, lr,
+  const std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
                                                  beta1, beta2, eps, weight_decay, incremented);
   for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &outs, &steps_to_increment}) {
     for (const at::Tensor& t : *list) t.unsafeGetTensorImpl()->bump_version();
