@@ -136,6 +136,8 @@ class ChunkJob:
     """Per item: the gradient operand its kernel reads (low precision for KIND_MP, fp32 else)."""
     calls: list[_Call] | None = None
     """The kernel calls of the job, made by the submitting thread (see Transport.prepare)."""
+    call_steps: list[tuple[list[int], list[Tensor]]] | None = None
+    """Per call: the slots and step tensors of its items (made with ``calls``)."""
     kernel_ran: bool = False
     skipped_stale: bool = False
     direct: bool = False
@@ -264,6 +266,17 @@ def _master_operand(it: Item, slabs: HostSlabs) -> Tensor:
     return slabs.view("master", it.view)
 
 
+def _call_steps(items: list[Item], calls: list[_Call]) -> list[tuple[list[int], list[Tensor]]]:
+    """Per call of :func:`_build_calls`: the slots and step tensors of its items, in order."""
+    if len(calls) == 1:
+        return [([it.view.slot for it in items], [it.step for it in items])]
+    out = []
+    for kind, _, _ in calls:
+        its = [it for it in items if it.fused == kind]
+        out.append(([it.view.slot for it in its], [it.step for it in its]))
+    return out
+
+
 def _build_calls(
     job: ChunkJob,
     slabs: HostSlabs,
@@ -302,6 +315,23 @@ def _build_calls(
     return calls
 
 
+@dataclass(slots=True)
+class _Prepared:
+    """The kernel calls of one chunk's reusable item list (see :meth:`HostTransport.prepare`)."""
+
+    items: list[Item]
+    """The list object the calls were made for (held, so its id is never reused)."""
+    direct: bool
+    """Every item reads its gradient in place and writes its parameter: calls can be made."""
+    calls: list[_Call]
+    index: list[list[int] | None]
+    """Per call: the items it takes (None: all of them)."""
+    partial: list[list[tuple[int, int]]]
+    """Per call: (position, item) of the pieces of parameters, whose views are remade per step."""
+    whole: list[bool]
+    steps: list[tuple[list[int], list[Tensor]]]
+
+
 class HostTransport:
     """Parameters on the CPU: no copies where a kernel can read the gradient and write the
     parameter itself (see the module doc); upcasts go through a chunk-sized scratch buffer."""
@@ -311,6 +341,11 @@ class HostTransport:
     def __init__(self) -> None:
         self._lowp = _LowpBuffers(pin=False)
         self._scratch = _Scratch()
+        self._prepared: dict[int, _Prepared] = {}
+
+    def forget(self) -> None:
+        """Drop the prepared calls of the old chunk layout."""
+        self._prepared.clear()
 
     @staticmethod
     def _reads_in_place(it: Item) -> bool:
@@ -325,20 +360,56 @@ class HostTransport:
         chunk's kernel with the GIL released, leaves the worker nothing but the call: no Python
         per parameter between two kernels, when the memory bus would idle. (Jobs launched during
         backward write a staging buffer and check gradient versions; the worker prepares those.)
+
+        The calls of a chunk are made once for the item list the optimizer reuses from step to
+        step (see ``CPUOffloadAdamW._items``); a later step only puts in its gradients.
         """
         if not (job.update and job.materialize and not job.check_versions):
             return
-        slabs = lists.slabs
-        slots = slabs.slots
-        for it in job.items:
-            if not self._reads_in_place(it):
-                return
-            if it.fused != KIND_MP and slots[it.view.slot].master_offset >= 0:
-                return
+        items = job.items
+        entry = self._prepared.get(job.chunk)
+        if entry is None or entry.items is not items:
+            entry = self._prepare_entry(job, lists)
+            self._prepared[job.chunk] = entry
+        if not entry.direct:
+            return
+        grads = [g if w and g.is_contiguous() else _grad_operand(it)  # type: ignore[union-attr]
+                 for it, w, g in zip(items, entry.whole, [it.grad for it in items])]
+        calls = []
+        for (kind, fn, args), idx, partial in zip(entry.calls, entry.index, entry.partial):
+            targs = list(args)
+            targs[1] = grads if idx is None else [grads[i] for i in idx]
+            if partial:  # pieces of parameters: their views are remade (.data may have changed)
+                first = list(args[0])  # the parameter operands (own masters, or KIND_MP outputs)
+                for j, i in partial:
+                    first[j] = _param_operand(items[i])
+                targs[0] = first
+            calls.append((kind, fn, tuple(targs)))
         job.direct = True
-        job.calls = _build_calls(
-            job, slabs, lists, [_grad_operand(it) for it in job.items], _param_operand
+        job.calls = calls
+        job.call_steps = entry.steps
+
+    def _prepare_entry(self, job: ChunkJob, lists: _SlabListCache) -> _Prepared:
+        items = job.items
+        slots = lists.slabs.slots
+        for it in items:
+            if not self._reads_in_place(it) or (
+                it.fused != KIND_MP and slots[it.view.slot].master_offset >= 0
+            ):
+                return _Prepared(items, False, [], [], [], [], [])
+        calls = _build_calls(job, lists.slabs, lists, [_grad_operand(it) for it in items],
+                             _param_operand)
+        kinds = sorted({it.fused for it in items})
+        index: list[list[int] | None] = (
+            [None] if len(kinds) == 1 else
+            [[i for i, it in enumerate(items) if it.fused == k] for k in kinds]
         )
+        partial = []
+        for idx in index:
+            members = range(len(items)) if idx is None else idx
+            partial.append([(j, i) for j, i in enumerate(members) if not items[i].view.whole])
+        return _Prepared(items, True, calls, index, partial, [it.view.whole for it in items],
+                         _call_steps(items, calls))
 
     def issue_d2h(self, job: ChunkJob) -> None:
         job.transfer = time.perf_counter()
@@ -661,24 +732,23 @@ class _Worker:
             self.transport.materialize(job, self.slabs, self.records)
 
     def _kernel(self, job: ChunkJob) -> None:
-        new_steps: dict[int, list[Tensor]] = {KIND_TORCH: [], KIND_MP: [], KIND_F32: []}
         stepped = self.stepped
-        for it in job.items:
-            slot = it.view.slot
-            if slot not in stepped:
-                stepped.add(slot)
-                new_steps[it.fused].append(it.step)
         t0 = time.perf_counter()
-        calls = job.calls
+        calls, call_steps = job.calls, job.call_steps
         if calls is None:
             assert job.grads is not None  # set by finish_d2h
             transport = self.transport
             calls = _build_calls(
                 job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it)
             )
-        for kind, fn, args in calls:
-            fn(*args, steps_to_increment=new_steps[kind], hyper=job.hyper)
-        job.calls = None
+        if call_steps is None:
+            call_steps = _call_steps(job.items, calls)
+        # Each parameter's step goes up once per optimizer step, in the first chunk holding it
+        # that runs (set.add returns None: the test adds the slot as it goes).
+        for (_, fn, args), (slots, steps) in zip(calls, call_steps):
+            new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
+            fn(*args, steps_to_increment=new, hyper=job.hyper)
+        job.calls = job.call_steps = None
         job.grads = None
         self._record_kernel(job, t0)
 
@@ -741,7 +811,7 @@ class Pipeline:
         try:
             self.transport.prepare(job, self._lists)
         except Exception:  # noqa: BLE001 - the worker meets the same problem and reports it
-            job.calls = None
+            job.calls = job.call_steps = None
             job.direct = False
             if not self._prepare_failed:  # the worker's path still works, but slower: say so once
                 self._prepare_failed = True
@@ -752,6 +822,9 @@ class Pipeline:
     def forget_layout(self) -> None:
         """Drop the cached kernel argument lists of the old chunk layout (call between steps)."""
         self._lists.clear()
+        forget = getattr(self.transport, "forget", None)
+        if forget is not None:
+            forget()
 
     def drain(self) -> DrainResult:
         """Wait until every submitted job is done; return their records and the first error."""

@@ -43,7 +43,10 @@ def test_unknown_probe_is_named() -> None:
 
 
 def test_step_bytes_per_param() -> None:
-    assert bandwidth.step_bytes_per_param("fp32") == {"d2h": 8, "adam_kernel": 28, "materialize": 8, "total": 44}
+    # fp32 on the CPU: in place, the kernel's bytes only; on CUDA the copies add theirs.
+    assert bandwidth.step_bytes_per_param("fp32") == {"d2h": 0, "adam_kernel": 28, "materialize": 0, "total": 28}
+    assert bandwidth.step_bytes_per_param("fp32", device="cuda") == {
+        "d2h": 8, "adam_kernel": 28, "materialize": 8, "total": 44}
     assert bandwidth.step_bytes_per_param("bf16")["total"] == 40
 
 
