@@ -32,13 +32,13 @@ from offload._pipeline import (
     KIND_MP,
     KIND_TORCH,
     ChunkJob,
-    CudaTransport,
     HostTransport,
     Item,
     Pipeline,
     StageRecord,
     Transport,
 )
+from offload._cuda_transport import CudaTransport
 from offload._settings import OffloadSettings, StageSpan, StepStats
 from offload._slabs import Chunk, HostSlabs, plan_chunks
 from autotune import AutotuneConfig, OnlineTuner

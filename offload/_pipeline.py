@@ -1,7 +1,8 @@
 """The chunked step: a persistent worker thread running d2h / adam_kernel / materialize per chunk.
 
 One worker thread per optimizer takes :class:`ChunkJob` s from a FIFO queue. A job runs, in
-order, some of: ``d2h`` (gradients to the host fp32 grad slab, upcast), ``adam_kernel`` (fused
+order, some of: ``d2h`` (gradients to where the kernel reads them: nothing on the CPU unless a
+torch-kernel gradient needs an upcast into the chunk-sized scratch buffer), ``adam_kernel`` (fused
 AdamW on the chunk's slab views) and ``materialize`` (fp32 master downcast into the model's
 parameters). :meth:`Pipeline.drain` waits until every job submitted so far is done and returns
 their stage records and the first error.
@@ -13,9 +14,10 @@ per OS thread (OpenMP ICVs are per thread). Checked on torch 2.13 CPU (OpenMP ba
 busy threads seen in /proc per-thread CPU time) and leaves the main thread's count unchanged, but
 it also sets the default that threads created later start with, hence the restore.
 
-Transports: :class:`HostTransport` (parameters on the CPU: plain copies) and
-:class:`CudaTransport` (pinned double-buffered staging, d2h and h2d on side streams with events;
-the worker issues the next chunk's d2h before running the current chunk's kernel).
+Transports: :class:`HostTransport` (parameters on the CPU: in place where the kernel allows,
+else copies through a chunk-sized scratch buffer) and ``offload._cuda_transport.CudaTransport``
+(a pinned ring per direction, d2h and h2d on side streams with events; the worker issues the next
+chunks' d2h before running the current chunk's kernel, see that module).
 
 Kernel "fused-mp" (items with ``fused=True``: bf16/fp16 parameters): no upcast and no downcast
 pass. On the CPU, d2h does nothing (the kernel reads the gradient itself) and the kernel writes the
@@ -38,6 +40,7 @@ good, and on the CPU a step's fused-mp job gets its kernel arguments from the su
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -58,7 +61,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkJob",
-    "CudaTransport",
     "DrainResult",
     "HostTransport",
     "Item",
@@ -228,13 +230,16 @@ class _LowpBuffers:
         slot = it.view.slot
         buf = self._bufs.get(slot)
         if buf is None:
-            buf = torch.empty(it.param.numel(), dtype=it.param.dtype, pin_memory=self._pin)
+            buf = self._new(it)
             self._bufs[slot] = buf
         if for_write:
             last = self._last.pop(slot, None)
             if last is not None:
                 last.synchronize()
         return buf[it.view.start : it.view.stop]
+
+    def _new(self, it: Item) -> Tensor:
+        return torch.empty(it.param.numel(), dtype=it.param.dtype, pin_memory=self._pin)
 
     def used_by(self, slot: int, event: Any) -> None:
         self._last[slot] = event
@@ -464,170 +469,6 @@ class HostTransport:
         return None
 
 
-class _Staging:
-    """Two pinned host buffers used in turn; each remembers the event of its last transfer."""
-
-    def __init__(self) -> None:
-        self._bufs: list[Tensor | None] = [None, None]
-        self._last: list[Any] = [None, None]
-        self._next = 0
-
-    def take(self, nbytes: int) -> tuple[int, Tensor]:
-        slot = self._next
-        self._next ^= 1
-        last = self._last[slot]
-        if last is not None:
-            last.synchronize()
-            self._last[slot] = None
-        buf = self._bufs[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-            self._bufs[slot] = buf
-        return slot, buf
-
-    def used_by(self, slot: int, event: Any) -> None:
-        self._last[slot] = event
-
-    def sync(self) -> None:
-        for slot, ev in enumerate(self._last):
-            if ev is not None:
-                ev.synchronize()
-                self._last[slot] = None
-
-
-def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
-    offsets, off = [], 0
-    for it, dtype in zip(items, dtypes):
-        offsets.append(off)
-        nbytes = it.view.numel * dtype.itemsize
-        off += -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
-    return offsets, off
-
-
-def _staged(buf: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
-    return buf[offset : offset + numel * dtype.itemsize].view(dtype)
-
-
-class CudaTransport:
-    """Parameters on one CUDA device: pinned staging, side streams, events.
-
-    d2h: the d2h stream waits on the job's ``ready_event`` (gradients final on the producing
-    stream), copies the chunk's gradient views into a pinned buffer (model dtype) and records an
-    event; the worker waits on it and upcasts into the fp32 grad slab. materialize: the worker
-    downcasts the updated master into a pinned buffer; the h2d stream waits on the job's
-    ``write_event`` (recorded on the caller's stream when ``step()`` began) and copies into the
-    parameters with ``non_blocking=True``. ``step()`` makes the caller's stream wait on the last
-    h2d event, so the next forward sees the new weights without a host sync.
-    """
-
-    is_async = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._d2h_stream = torch.cuda.Stream(device)
-        self._h2d_stream = torch.cuda.Stream(device)
-        self._d2h = _Staging()
-        self._h2d = _Staging()
-        self._lowp = _LowpBuffers(pin=True)
-        self._scratch = _Scratch()
-        self._last_h2d: Any = None
-
-    def _event(self) -> Any:
-        return torch.cuda.Event(enable_timing=True)
-
-    def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None:
-        """Nothing: the kernel's gradient operands exist only after the worker's d2h copy."""
-
-    def issue_d2h(self, job: ChunkJob) -> None:
-        t_issue = time.perf_counter()
-        dtypes = [it.grad.dtype for it in job.items]  # type: ignore[union-attr]
-        offsets, nbytes = _staging_layout(job.items, dtypes)
-        with torch.cuda.device(self.device):
-            slot, buf = self._d2h.take(nbytes)
-            start, end = self._event(), self._event()
-            staged = []
-            with torch.cuda.stream(self._d2h_stream):
-                if job.ready_event is not None:
-                    self._d2h_stream.wait_event(job.ready_event)
-                start.record(self._d2h_stream)
-                for it, off, dtype in zip(job.items, offsets, dtypes):
-                    dst = _staged(buf, off, it.view.numel, dtype)
-                    src = _flat(it.grad)[it.view.start : it.view.stop]  # type: ignore[arg-type]
-                    dst.copy_(src, non_blocking=True)
-                    staged.append(dst)
-                end.record(self._d2h_stream)
-            self._d2h.used_by(slot, end)
-        job.transfer = (staged, start, end, t_issue)
-
-    def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        staged, start, end, t_issue = job.transfer
-        end.synchronize()
-        gpu_s = start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        # The kernels read the pinned copies where they are (fused-mp: low precision; fp32
-        # gradients: as they came down); only a low-precision gradient of the torch kernel is
-        # upcast, into the chunk-sized scratch buffer.
-        grads: list[Tensor] = list(staged)
-        upcast = [i for i, (it, src) in enumerate(zip(job.items, staged))
-                  if it.fused != KIND_MP and src.dtype != torch.float32]
-        if upcast:
-            for i, dst in zip(upcast, self._scratch.views([job.items[i].view.numel for i in upcast])):
-                dst.copy_(staged[i])
-                grads[i] = dst
-        job.grads = grads
-        t1 = time.perf_counter()
-        records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
-        job.transfer = None
-
-    def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
-        """The parameter's pinned buffer (after its previous host-to-device copy finished)."""
-        return self._lowp.view(item, for_write=True)
-
-    def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        downcast = [it for it in job.items if it.fused != KIND_MP]
-        dtypes = [it.param.dtype for it in downcast]
-        offsets, nbytes = _staging_layout(downcast, dtypes)
-        t0 = time.perf_counter()
-        with torch.cuda.device(self.device):
-            slot, buf = self._h2d.take(nbytes)
-            by_item: dict[int, Tensor] = {}
-            for it, off, dtype in zip(downcast, offsets, dtypes):
-                dst = _staged(buf, off, it.view.numel, dtype)
-                dst.copy_(slabs.view("master", it.view))
-                by_item[id(it)] = dst
-            # fused-mp items: the kernel already wrote the weight into the pinned buffer.
-            staged = [
-                by_item[id(it)] if it.fused != KIND_MP else self._lowp.view(it, for_write=False)
-                for it in job.items
-            ]
-            t1 = time.perf_counter()
-            start, end = self._event(), self._event()
-            with torch.cuda.stream(self._h2d_stream):
-                if job.write_event is not None:
-                    self._h2d_stream.wait_event(job.write_event)
-                start.record(self._h2d_stream)
-                for it, src in zip(job.items, staged):
-                    it.param.detach().view(-1)[it.view.start : it.view.stop].copy_(
-                        src, non_blocking=True
-                    )
-                end.record(self._h2d_stream)
-            self._h2d.used_by(slot, end)
-            for it in job.items:
-                if it.fused == KIND_MP:
-                    self._lowp.used_by(it.view.slot, end)
-            self._last_h2d = end
-        t2 = time.perf_counter()
-        records.append(
-            StageRecord(job.chunk, "materialize", t0, t2, t1 - t0, pending=(start, end))
-        )
-
-    def flush(self) -> Any:
-        """End of a step: wait for stray d2h copies; hand back the last h2d event (not waited)."""
-        self._d2h.sync()
-        last, self._last_h2d = self._last_h2d, None
-        return last
-
-
 @dataclass(slots=True)
 class _SlabLists:
     views: tuple[View, ...]
@@ -689,9 +530,10 @@ class _Worker:
         torch.set_grad_enabled(False)
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        pending: list[Any] = []
+        pending: collections.deque[Any] = collections.deque()
+        lookahead = getattr(self.transport, "lookahead", 1) if self.transport.is_async else 0
         while True:
-            item = pending.pop(0) if pending else self.q.get()
+            item = pending.popleft() if pending else self.q.get()
             if item is _STOP:
                 self._release_threads()
                 return
@@ -704,15 +546,18 @@ class _Worker:
             try:
                 if job.update and job.transfer is None:
                     self.transport.issue_d2h(job)
-                if self.transport.is_async and job.update and not pending:
+                # Async transports: issue the gradient copies of the next queued jobs before this
+                # job's kernel, so they run while it computes (never past a barrier).
+                while job.update and len(pending) < lookahead and (
+                    not pending or isinstance(pending[-1], ChunkJob)
+                ):
                     try:
                         nxt = self.q.get_nowait()
                     except queue.Empty:
-                        nxt = None
-                    if nxt is not None:
-                        pending.append(nxt)
-                        if isinstance(nxt, ChunkJob) and nxt.update:
-                            self.transport.issue_d2h(nxt)
+                        break
+                    pending.append(nxt)
+                    if isinstance(nxt, ChunkJob) and nxt.update and nxt.transfer is None:
+                        self.transport.issue_d2h(nxt)
                 self._process(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller of step()
                 logger.debug("chunk %d failed", job.chunk, exc_info=True)
