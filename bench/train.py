@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=("torch", "fused-mp"), default=None,
                    help="CPU AdamW kernel of the offloaded step (default torch; fused-mp: the "
                         "single-pass kernel for bf16/fp16 parameters, torch path where it cannot build)")
+    p.add_argument("--numa-bind", action="store_true",
+                   help="bind to the NUMA node of the GPU (CPU: of the affinity mask) before the "
+                        "optimizer allocates its host state (OffloadSettings.bind_numa)")
     p.add_argument("--overlap-backward", action="store_true",
                    help="start each chunk's update during backward (single process only)")
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
@@ -95,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.optim_cpu_offload:
         for flag, value in (("--threads", args.threads), ("--chunk-numel", args.chunk_numel),
-                            ("--kernel", args.kernel),
+                            ("--kernel", args.kernel), ("--numa-bind", args.numa_bind),
                             ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
             if value:
                 p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
@@ -156,6 +159,10 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
     if args.threads is not None or args.chunk_numel is not None or args.kernel is not None:
         settings = OffloadSettings(threads=args.threads, chunk_numel=args.chunk_numel or DEFAULT_CHUNK_NUMEL,
                                    kernel=args.kernel or "torch")
+    if args.numa_bind:
+        import dataclasses
+
+        settings = dataclasses.replace(settings or OffloadSettings(), bind_numa=True)
     return CPUOffloadAdamW(
         groups, lr=args.lr, betas=betas, eps=1e-8, weight_decay=args.weight_decay,
         settings=settings, overlap_backward=args.overlap_backward,

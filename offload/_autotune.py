@@ -1,11 +1,11 @@
 """Glue between ``CPUOffloadAdamW`` and the generic ``autotune.OnlineTuner``.
 
 This module is the only place that knows both sides: it builds the offload search space (threads
-x chunk size, x kernel) from the thread plan and the slab sizes, turns each
+x chunk size, x kernel on bf16/fp16 models) from the thread plan and the slab sizes, turns each
 step's ``StepStats`` into the tuner's ``StepSample`` and turns the tuner's settings back into
 ``OffloadSettings``.
 
-Kernel knob ("torch", "fused-mp"; every dtype has a native entry, fp32 included): only when the fused-mp
+Kernel knob ("torch", "fused-mp"): only when the model has bf16/fp16 parameters, the fused-mp
 kernel is available on *every* local rank and :func:`offload._fused_mp.bitwise_matches_torch` is
 true (so switching kernels never changes the math). The first two and the last are the same on
 every local rank by construction (one model, one torch build, one CPU model per node); build
@@ -14,6 +14,9 @@ AND their answers with an all-gather on a gloo group of the node (:func:`agreed_
 anyone builds the space. The baseline keeps the kernel in force (the default "auto" resolved). With the
 kernel knob the chunk ladder is shortened (:data:`MAX_CHUNK_CANDIDATES_WITH_KERNEL`) so the
 space stays near the default 40-step probe budget; beyond it the tuner samples with TPE.
+An fp32 model gets no kernel knob: there both kernels move the same 28 bytes per parameter in
+place and are bitwise equal, so the default "auto" (the native kernel where verified and built)
+is used without spending probe steps on a choice worth little.
 
 Objective: without ``overlap_backward`` the settings change nothing but ``step()`` itself (the
 worker thread sets its own intra-op thread count), so the tuner minimises the wall time of
@@ -171,9 +174,7 @@ class OffloadTuning:
         local = tuple(plan.local_threads) if getattr(plan, "local_threads", None) else (plan.threads,)
         top = plan.threads if fixed_threads else max(local)
         baseline: dict[str, Any] = {"threads": top, "chunk_numel": optimizer.settings.chunk_numel}
-        # Every dtype has a native entry now (fp32 too), so every model gets the knob where the
-        # kernel is bitwise safe and built on all local ranks; ``has_lowp`` no longer gates it.
-        kernels = agreed_kernels(has_lowp=True, timeout_s=config.timeout_s)
+        kernels = agreed_kernels(has_lowp=has_lowp, timeout_s=config.timeout_s)
         if kernels:
             # The kernel the user set (resolved: "torch" where fused-mp cannot run here).
             baseline["kernel"] = optimizer.settings.kernel

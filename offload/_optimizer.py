@@ -328,8 +328,7 @@ class CPUOffloadAdamW(Optimizer):
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._device = self._check_params(self._params)
         self._slot_of: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
-        self._slabs = HostSlabs([[p.shape for p in g["params"]] for g in self.param_groups],
-                                self._own_masters(overlap_backward))
+        self._slabs, self._numa = self._make_slabs(settings, overlap_backward)
 
         settings = settings if settings is not None else OffloadSettings()
         plan = plan_cpu_threads(threads=settings.threads)
@@ -346,6 +345,8 @@ class CPUOffloadAdamW(Optimizer):
         else:
             transport = HostTransport()
         self._pipeline = Pipeline(self._slabs, transport, name=f"offload-adamw-{id(self):x}")
+        if self._numa is not None:  # see _make_slabs
+            self._pipeline.on_worker(self._slabs.first_touch, threads=self._planned_threads)
         self._in_step = False
         self._stats: _StatsBuilder | None = None
         self._early_launches_last_step = 0
@@ -715,6 +716,18 @@ class CPUOffloadAdamW(Optimizer):
                 self._init_state(slot, p)
             grads[slot] = g
         return grads
+
+    def _make_slabs(self, settings: OffloadSettings | None, overlap_backward: bool) -> tuple[HostSlabs, Any]:
+        """The host slabs; with ``settings.bind_numa`` the process is bound to its NUMA node first
+        and the slabs are left untouched for the worker's first touch (the binding, else None)."""
+        shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
+        own = self._own_masters(overlap_backward)
+        if settings is None or not settings.bind_numa:
+            return HostSlabs(shapes, own), None
+        from offload._threads import bind_rank_numa_node
+
+        binding = bind_rank_numa_node(self._device)
+        return HostSlabs(shapes, own, zero=False), binding
 
     def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
         """Per group and parameter: the parameter is its own fp32 master (no master slab place).

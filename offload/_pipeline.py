@@ -157,6 +157,14 @@ _STOP = object()
 
 
 @dataclass(slots=True)
+class _OnWorker:
+    fn: Any
+    threads: int
+    event: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
 class DrainResult:
     records: list[StageRecord]
     error: BaseException | None
@@ -540,6 +548,16 @@ class _Worker:
             if isinstance(item, _Barrier):
                 self._barrier(item)
                 continue
+            if isinstance(item, _OnWorker):
+                try:
+                    self._use_threads(item.threads)
+                    item.fn()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    item.error = exc
+                finally:
+                    self._release_threads()
+                    item.event.set()
+                continue
             job: ChunkJob = item
             if self.error is not None:
                 continue  # a failed step: leave the remaining chunks untouched
@@ -663,6 +681,17 @@ class Pipeline:
                 logger.warning("preparing chunk %d's kernel call at submit failed; the worker "
                                "prepares it instead (slower)", job.chunk, exc_info=True)
         self._q.put(job)
+
+    def on_worker(self, fn: Any, *, threads: int) -> None:
+        """Run ``fn()`` on the worker thread with ``threads`` intra-op threads and wait for it
+        (the NUMA first touch of the slabs: the pages land where the kernels will run)."""
+        done = _OnWorker(fn, threads)
+        self._q.put(done)
+        while not done.event.wait(_LIVENESS_POLL_S):
+            if not self._thread.is_alive():
+                raise RuntimeError("the optimizer's worker thread died; see the log")
+        if done.error is not None:
+            raise done.error
 
     def forget_layout(self) -> None:
         """Drop the cached kernel argument lists of the old chunk layout (call between steps)."""

@@ -39,6 +39,11 @@ class OffloadSettings:
     it is bitwise equal to "torch" on this torch build and CPU (``bitwise_matches_torch``) and it
     builds, else "torch". Where the kernel cannot be built the optimizer logs why once and runs
     "torch" (``CPUOffloadAdamW.settings`` says which kernel is in force, never "auto")."""
+    bind_numa: bool = False
+    """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
+    mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
+    the optimizer's worker thread with its intra-op threads, so their pages sit on the node whose
+    cores compute on them (``offload._threads.bind_rank_numa_node``). A no-op on one node."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (
@@ -53,6 +58,8 @@ class OffloadSettings:
             raise ValueError(
                 f"OffloadSettings.chunk_numel={self.chunk_numel!r}: expected an int >= {MIN_CHUNK_NUMEL}"
             )
+        if not isinstance(self.bind_numa, bool):
+            raise ValueError(f"OffloadSettings.bind_numa={self.bind_numa!r}: expected a bool")
         if not isinstance(self.kernel, str) or self.kernel not in (*KERNELS, "auto"):
             raise ValueError(
                 f"OffloadSettings.kernel={self.kernel!r}: expected one of {KERNELS} or 'auto'"

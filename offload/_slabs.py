@@ -137,7 +137,8 @@ class HostSlabs:
     """
 
     def __init__(
-        self, shapes_per_group: list[list[torch.Size]], own_master: list[list[bool]] | None = None
+        self, shapes_per_group: list[list[torch.Size]], own_master: list[list[bool]] | None = None,
+        *, zero: bool = True,
     ) -> None:
         slots: list[ParamSlot] = []
         self._slabs: list[dict[SlabKind, Tensor]] = []
@@ -151,10 +152,11 @@ class HostSlabs:
                 offset = _round_up(offset + numel, _ALIGN)
                 if not own:
                     moffset = _round_up(moffset + numel, _ALIGN)
+            new = torch.zeros if zero else torch.empty  # empty: untouched pages, see first_touch
             self._slabs.append({
-                "master": torch.zeros(moffset, dtype=torch.float32),
-                "exp_avg": torch.zeros(offset, dtype=torch.float32),
-                "exp_avg_sq": torch.zeros(offset, dtype=torch.float32),
+                "master": new(moffset, dtype=torch.float32),
+                "exp_avg": new(offset, dtype=torch.float32),
+                "exp_avg_sq": new(offset, dtype=torch.float32),
             })
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
         # view() is on the step's hot path (several calls per parameter per step); the slabs are
@@ -168,6 +170,13 @@ class HostSlabs:
     def slabs(self) -> list[Tensor]:
         """Every slab tensor (for first-touch and memory accounting)."""
         return [t for slabs in self._slabs for t in slabs.values()]
+
+    def first_touch(self) -> None:
+        """Zero every slab with the calling thread's intra-op threads: on slabs made with
+        ``zero=False`` this is the first write of each page, which places it on the NUMA node of
+        the CPU that wrote it (Linux's default local policy)."""
+        for t in self.slabs():
+            t.zero_()
 
     def _base(self, kind: SlabKind, s: ParamSlot) -> int:
         if kind != "master":
