@@ -11,10 +11,11 @@ Schedule (worker thread, chunk ``i`` in the kernel):
 
 No full-size host gradient slab: the kernels read the pinned copies in the ring where they are
 (fused-mp: bf16/fp16; fp32 gradients as they came down); only a low-precision gradient of the torch
-kernel is upcast, into the chunk-sized scratch buffer. Host memory is the state (12 bytes per
-parameter) plus ``2 x slots`` chunk-sized pinned slots, plus, for fused-mp, one pinned buffer of
-the parameter's dtype per parameter (the weights a chunk started during backward keeps until
-``step()``).
+kernel is upcast, into the chunk-sized scratch buffer. The native kernel writes a step's new
+weights (bf16/fp16, or fp32 besides the master) straight into the h2d ring slot. Host memory is
+the state (12 bytes per parameter) plus ``2 x slots`` chunk-sized pinned slots; only with
+``overlap_backward`` does fused-mp add one pinned buffer of the parameter's dtype per parameter
+(the weights a chunk started during backward keeps until ``step()``).
 
 Every device operation goes through a :class:`DeviceOps` (streams, events, asynchronous copies,
 pinned allocation). :class:`TorchCudaOps` is the real one; a test passes one whose streams are
@@ -232,28 +233,64 @@ class CudaTransport:
         records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
         job.transfer = None
 
+    def _slot_view(self, job: ChunkJob, item: Item) -> Tensor:
+        """``item``'s place in the job's h2d ring slot, taken on first use (before the kernel
+        writes into it: ``take`` waits for the slot's previous copy)."""
+        if job.staging is None:
+            dtypes = [it.param.dtype for it in job.items]
+            offsets, nbytes = _staging_layout(job.items, dtypes)
+            with self._ops.context():
+                slot, buf = self._h2d.take(nbytes)
+            where = {id(it): (off, dt) for it, off, dt in zip(job.items, offsets, dtypes)}
+            job.staging = (slot, buf, where)
+        _, buf, where = job.staging
+        off, dtype = where[id(item)]
+        return _staged(buf, off, item.view.numel, dtype)
+
     def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
-        """The parameter's pinned buffer (after its previous host-to-device copy finished)."""
+        """A step's job: the job's h2d ring slot (the weights go up from there; no full-size host
+        copy). A job started during backward: the parameter's own pinned buffer, kept until
+        ``step()`` (after its previous host-to-device copy finished)."""
+        if job.materialize:
+            return self._slot_view(job, item)
         return self._lowp.view(item, for_write=True)
+
+    def f32_out(self, job: ChunkJob, item: Item) -> Tensor | None:
+        """A step's job: fp32 weights are written by the kernel straight into the ring slot too
+        (no separate copy pass out of the master slab)."""
+        return self._slot_view(job, item) if job.materialize else None
 
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
         ops = self._ops
-        downcast = [it for it in job.items if it.fused != KIND_MP]
-        dtypes = [it.param.dtype for it in downcast]
-        offsets, nbytes = _staging_layout(downcast, dtypes)
         t0 = time.perf_counter()
         with ops.context():
-            slot, buf = self._h2d.take(nbytes)
-            by_item: dict[int, Tensor] = {}
-            for it, off, dtype in zip(downcast, offsets, dtypes):
-                dst = _staged(buf, off, it.view.numel, dtype)
-                dst.copy_(slabs.view("master", it.view))
-                by_item[id(it)] = dst
-            # fused-mp items: the kernel already wrote the weight into the pinned buffer.
-            staged = [
-                by_item[id(it)] if it.fused != KIND_MP else self._lowp.view(it, for_write=False)
-                for it in job.items
-            ]
+            if job.staging is not None:  # the kernel of this job wrote its native items' weights
+                written = {id(it) for it in job.items if it.fused} if job.kernel_ran else set()
+                staged = []
+                for it in job.items:
+                    dst = self._slot_view(job, it)
+                    if id(it) not in written:
+                        dst.copy_(slabs.view("master", it.view))
+                    staged.append(dst)
+                slot = job.staging[0]
+                job.staging = None
+                lowp_used = False
+            else:
+                downcast = [it for it in job.items if it.fused != KIND_MP]
+                dtypes = [it.param.dtype for it in downcast]
+                offsets, nbytes = _staging_layout(downcast, dtypes)
+                slot, buf = self._h2d.take(nbytes)
+                by_item: dict[int, Tensor] = {}
+                for it, off, dtype in zip(downcast, offsets, dtypes):
+                    dst = _staged(buf, off, it.view.numel, dtype)
+                    dst.copy_(slabs.view("master", it.view))
+                    by_item[id(it)] = dst
+                # fused-mp items of a chunk started during backward: their pinned buffers.
+                staged = [
+                    by_item[id(it)] if it.fused != KIND_MP else self._lowp.view(it, for_write=False)
+                    for it in job.items
+                ]
+                lowp_used = True
             t1 = time.perf_counter()
             start, end = ops.event(("h2d", job.chunk, "start")), ops.event(("h2d", job.chunk, "end"))
             stream = self._h2d_stream
@@ -264,9 +301,10 @@ class CudaTransport:
                 ops.copy(it.param.detach().view(-1)[it.view.start : it.view.stop], src, stream)
             ops.record(end, stream)
             self._h2d.used_by(slot, end)
-            for it in job.items:
-                if it.fused == KIND_MP:
-                    self._lowp.used_by(it.view.slot, end)
+            if lowp_used:
+                for it in job.items:
+                    if it.fused == KIND_MP:
+                        self._lowp.used_by(it.view.slot, end)
             self._last_h2d = end
         t2 = time.perf_counter()
         records.append(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -140,6 +141,8 @@ class ChunkJob:
     """The kernel calls of the job, made by the submitting thread (see Transport.prepare)."""
     call_steps: list[tuple[list[int], list[Tensor]]] | None = None
     """Per call: the slots and step tensors of its items (made with ``calls``)."""
+    staging: Any = None
+    """CUDA: the h2d ring slot the kernel wrote the new weights into (see CudaTransport)."""
     kernel_ran: bool = False
     skipped_stale: bool = False
     direct: bool = False
@@ -296,12 +299,14 @@ def _build_calls(
     lists: _SlabListCache,
     grads: list[Tensor],
     lowp_out: Any,
+    f32_out: Any = None,
 ) -> list[_Call]:
     """The kernel calls of ``job``, one per kind of item it holds (usually one).
 
     ``grads[i]``: the gradient operand of item ``i``; ``lowp_out(item)``: where a KIND_MP item's
     low-precision weight goes. Moments come from the per-chunk cache; masters are the parameter
-    itself for own-master items (see :func:`_master_operand`).
+    itself for own-master items (see :func:`_master_operand`). ``f32_out(item)``, if given: where a
+    KIND_F32 item's new weight is also written (CUDA: the ring slot the h2d copy reads).
     """
     items = job.items
     kinds = {it.fused for it in items}
@@ -323,7 +328,10 @@ def _build_calls(
             calls.append((kind, mixed_precision_adamw_,
                           (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
         else:
-            fn = native_adamw_f32_ if kind == KIND_F32 else fused_adamw_
+            fn: Any = native_adamw_f32_ if kind == KIND_F32 else fused_adamw_
+            outs = [f32_out(it) for it in its] if kind == KIND_F32 and f32_out is not None else []
+            if outs and all(o is not None for o in outs):
+                fn = functools.partial(native_adamw_f32_, outs=outs)
             calls.append((kind, fn, (masters, gs, slab["exp_avg"], slab["exp_avg_sq"], steps)))
     return calls
 
@@ -601,8 +609,10 @@ class _Worker:
         if calls is None:
             assert job.grads is not None  # set by finish_d2h
             transport = self.transport
+            f32_out = getattr(transport, "f32_out", None)
             calls = _build_calls(
-                job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it)
+                job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it),
+                None if f32_out is None else (lambda it: f32_out(job, it)),
             )
         if call_steps is None:
             call_steps = _call_steps(job.items, calls)

@@ -73,8 +73,8 @@ class FakeStream:
 class FakeOps:
     """Device ops whose copies run asynchronously on fake streams; gates on transfer starts."""
 
-    def __init__(self, log: Log, num_chunks: int) -> None:
-        self.log, self.n = log, num_chunks
+    def __init__(self, log: Log, num_chunks: int, *, gate: bool = True) -> None:
+        self.log, self.n, self.gate = log, num_chunks, gate
         self.streams: list[FakeStream] = []
 
     def stream(self) -> FakeStream:
@@ -88,7 +88,7 @@ class FakeOps:
     def record(self, event: FakeEvent, stream: FakeStream) -> None:
         def reached() -> None:
             kind, chunk, phase = event.label
-            if phase == "start":  # the gate: the kernel this copy should overlap has started
+            if phase == "start" and self.gate:  # the gate: the kernel this copy should overlap has started
                 kernel = chunk - 1 if kind == "d2h" else chunk + 1
                 if 0 <= kernel < self.n:
                     self.log.wait_for(("kernel", kernel, "start"), f"{kind} of chunk {chunk}")
@@ -128,7 +128,8 @@ def _gated_kernel(log: Log, n: int, real: Callable[..., None]) -> Callable[..., 
     return kernel
 
 
-def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0):
+def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
+         early: bool = False):
     dtype = torch.bfloat16 if kind == KIND_MP else torch.float32
     gen = torch.Generator().manual_seed(3)
     params = [torch.randn(NUMEL, generator=gen).to(dtype) for _ in range(CHUNKS)]
@@ -145,8 +146,10 @@ def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: flo
     chunks = plan_chunks(list(slabs.slots), 1024)
     assert len(chunks) == CHUNKS
     log = Log(timeout_s)
-    ops = FakeOps(log, CHUNKS)
-    monkeypatch.setattr(pipeline_mod._Worker, "_kernel", _gated_kernel(log, CHUNKS, pipeline_mod._Worker._kernel))
+    ops = FakeOps(log, CHUNKS, gate=not early)
+    if not early:  # (chunks started during backward copy their weights up only in step())
+        monkeypatch.setattr(pipeline_mod._Worker, "_kernel",
+                            _gated_kernel(log, CHUNKS, pipeline_mod._Worker._kernel))
     transport = CudaTransport(torch.device("cpu"), slots=2, ops=ops)
     if lookahead is not None:
         transport.lookahead = lookahead
@@ -158,11 +161,19 @@ def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: flo
     try:
         hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
         steps = [new_step_tensor() for _ in params]
+        items = []
         for c in chunks:
             (v,) = c.views
-            item = Item(v, params[v.slot], grads[v.slot], 0, steps[v.slot], kind)
-            pipe.submit(ChunkJob(c.index, [item], hyper, 1, True, True))
+            items.append(Item(v, params[v.slot], grads[v.slot], 0, steps[v.slot], kind))
+            # early: as during backward (kernel into a pinned buffer, weights unchanged)
+            pipe.submit(ChunkJob(c.index, [items[-1]], hyper, 1, True, not early))
         queued.set()
+        if early:
+            before = [p.clone() for p in params]
+            assert pipe.drain().error is None
+            assert all(torch.equal(p, b) for p, b in zip(params, before)), "weights changed early"
+            for c, item in zip(chunks, items):  # step(): the weights go up
+                pipe.submit(ChunkJob(c.index, [item], hyper, 1, False, True))
         result = pipe.drain()
         assert result.error is None, result.error
         result.last_h2d_event.synchronize()
@@ -191,6 +202,19 @@ def test_copies_of_neighbour_chunks_run_while_a_chunk_is_in_the_kernel(monkeypat
             assert at(("h2d", c - 1, "start")) < at(("kernel", c, "end"))
             assert at(("kernel", c, "start")) < at(("h2d", c - 1, "end"))
         assert at(("d2h", c, "end")) < at(("kernel", c, "start")) < at(("kernel", c, "end")) < at(("h2d", c, "start"))
+    for i, (p, e) in enumerate(zip(params, expected)):
+        assert torch.equal(p, e), f"parameter {i} differs from torch's AdamW"
+
+
+@pytest.mark.parametrize("kind", [KIND_TORCH, KIND_F32, KIND_MP], ids=["torch-fp32", "fused-fp32", "fused-mp-bf16"])
+def test_chunks_started_during_backward_write_the_weights_only_at_step(monkeypatch, kind) -> None:
+    if kind != KIND_TORCH:
+        from offload._fused_mp import fused_mp_available
+
+        ok, reason = fused_mp_available()
+        if not ok:
+            pytest.skip(f"fused-mp kernel unavailable: {reason}")
+    _, params, expected = _run(monkeypatch, kind, early=True)
     for i, (p, e) in enumerate(zip(params, expected)):
         assert torch.equal(p, e), f"parameter {i} differs from torch's AdamW"
 
