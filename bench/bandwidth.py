@@ -144,18 +144,36 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _torch_adamw_host_bytes(params: list[torch.Tensor]) -> float:
-    """RSS growth per parameter of ``torch.optim.AdamW(fused=True)``'s first step on ``params``."""
-    import gc
+_TORCH_RSS_SCRIPT = """
+import sys, torch
+from bench.bandwidth import _DTYPES, _rss
+from bench.model import GPT, preset
+model = GPT(preset(sys.argv[1])).to(dtype=_DTYPES[sys.argv[2]])
+params = list(model.parameters())
+for p in params:
+    p.grad = torch.randn(p.shape).mul_(1e-2).to(p.dtype)
+before = _rss()
+opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+opt.step()
+print((_rss() - before) / sum(p.numel() for p in params))
+"""
 
-    gc.collect()
-    rss0 = _rss()
-    ref = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    ref.step()
-    grown = _rss() - rss0
-    del ref
-    gc.collect()
-    return grown / sum(p.numel() for p in params)
+
+def _torch_adamw_host_bytes(size: str, dtype: str) -> float | None:
+    """RSS growth per parameter of ``torch.optim.AdamW(fused=True)``'s construction and first step
+    on the same model, in a fresh process (in this one, pages freed by the offloaded optimizer
+    would be reused and hide part of it)."""
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        out = subprocess.run([sys.executable, "-c", _TORCH_RSS_SCRIPT, size, dtype], env=env,
+                             capture_output=True, text=True, timeout=600, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        logger.warning("torch AdamW host bytes not measured: %s", exc)
+        return None
 
 
 def _summary(samples: Sequence[float]) -> dict[str, Any]:
@@ -266,7 +284,8 @@ def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any
                          "step_s": fastest["step_s"]["median"], "step_gbps": fastest["step_gbps"]["median"]},
     }
     del opt, probes
-    torch_bytes = _torch_adamw_host_bytes(params) if args.device == "cpu" else None
+    # (not in --quick runs: a second process costs CI seconds for a figure a tiny model blurs)
+    torch_bytes = _torch_adamw_host_bytes(size, dtype) if args.device == "cpu" and not args.quick else None
     del model, params
     return {"model_size": size, "dtype": dtype, "params": numel, "device": args.device, "kernel": kernel,
             "host_bytes_per_param": host_bytes, "torch_adamw_host_bytes_per_param": torch_bytes,
