@@ -673,6 +673,9 @@ class CPUOffloadAdamW(Optimizer):
             chunks_run += 1
             self._pipeline.submit(job)
         result = self._pipeline.drain()
+        for cached in self._item_cache.values():  # reused Items must not keep gradients alive
+            for it in cached[3]:
+                it.grad = None
         if result.error is not None:
             raise result.error
         if result.last_h2d_event is not None:

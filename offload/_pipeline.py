@@ -420,6 +420,8 @@ class HostTransport:
                 return _Prepared(items, False, [], [], [], [], [])
         calls = _build_calls(job, lists.slabs, lists, [_grad_operand(it) for it in items],
                              _param_operand)
+        # The templates must not keep this step's gradients alive: their place is filled per step.
+        calls = [(kind, fn, (args[0], [], *args[2:])) for kind, fn, args in calls]
         kinds = sorted({it.fused for it in items})
         index: list[list[int] | None] = (
             [None] if len(kinds) == 1 else
