@@ -744,10 +744,13 @@ class CPUOffloadAdamW(Optimizer):
         return [[own and p.dtype == torch.float32 for p in g["params"]] for g in self.param_groups]
 
     def _init_state(self, slot: int, p: Tensor) -> None:
-        if not self._slabs.slots[slot].own_master:
-            self._slabs.flat("master", slot).copy_(p.detach().reshape(-1))
-        self._slabs.flat("exp_avg", slot).zero_()
-        self._slabs.flat("exp_avg_sq", slot).zero_()
+        slabs = self._slabs
+        if not slabs.slots[slot].own_master:
+            slabs.flat("master", slot).copy_(p.detach().reshape(-1))
+        if slabs.used[slot]:  # the moments of a slot never used are still the slabs' zeros
+            slabs.flat("exp_avg", slot).zero_()
+            slabs.flat("exp_avg_sq", slot).zero_()
+        slabs.used[slot] = 1
         self.state[p].update(self._state_entry(slot, new_step_tensor()))
 
     def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]:
@@ -755,6 +758,7 @@ class CPUOffloadAdamW(Optimizer):
         sharing its storage, like the slab views), so saved state dicts keep their layout.
         Every new entry starts a new state generation (cached Items hold step tensors)."""
         self._state_gen += 1
+        self._slabs.used[slot] = 1
         own = self._slabs.slots[slot].own_master
         return {
             "step": step,
