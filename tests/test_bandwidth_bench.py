@@ -80,5 +80,6 @@ def test_quick_run_writes_valid_results(tmp_path: Path, capsys: pytest.CaptureFi
         for row in run["per_thread"]:
             assert math.isfinite(row["ratio"]) and row["ratio"] > 0
             assert row["probe_gbps"] == max(p["gbps"]["median"] for p in run["probes"] if p["threads"] == row["threads"])
-        assert run["headline"]["target"] == 0.85 and isinstance(run["headline"]["meets_target"], bool)
+        assert run["headline"]["target"] == 0.9 and isinstance(run["headline"]["meets_target"], bool)
+        assert run["headline"]["step_over_kernel"] > 0 and isinstance(run["headline"]["meets_step_target"], bool)
     assert "headline" in capsys.readouterr().out
