@@ -556,9 +556,10 @@ std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
   }
   std::vector<Coeffs> coeffs;
   coeffs.reserve(n);
-  // Consecutive tensors of one parameter share its step tensor: reuse the last coefficients
-  // (many small tensors make this loop part of the per-call cost).
-  const float* last_ptr = nullptr;
+  // The coefficients depend on the step value only (the hyper-parameters are the call's): reuse
+  // the last ones while the value repeats, as it does for every tensor of a usual step (two pow
+  // calls per tensor were a visible part of a call over thousands of small tensors).
+  float last_value = 0.0f;
   for (size_t i = 0; i < n; ++i) {
     check_step(fn, state_steps[i], "state_steps", i);
     const float* ptr = state_steps[i].const_data_ptr<float>();
@@ -570,12 +571,12 @@ std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
           << " after the increments: expected a finite step >= 1";
       fail_value(msg.str());
     }
-    if (ptr == last_ptr && !coeffs.empty()) {
+    if (!coeffs.empty() && value == last_value) {
       coeffs.push_back(coeffs.back());
     } else {
       coeffs.push_back(make_coeffs(value, lr, beta1, beta2, eps, weight_decay));
     }
-    last_ptr = ptr;
+    last_value = value;
   }
   return coeffs;
 }
