@@ -262,8 +262,9 @@ class CPUOffloadAdamW(Optimizer):
 
     Args:
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
-        settings: speed knobs (threads, chunk size, kernel: "torch" or "fused-mp", the
-            single-pass kernel for bf16/fp16 parameters, see ``OffloadSettings.kernel``); ``threads=None`` uses this rank's
+        settings: speed knobs (threads, chunk size, kernel: "auto" (default), "torch" or
+            "fused-mp", the native single-pass kernel, see ``OffloadSettings.kernel``; NUMA
+            placement, ``OffloadSettings.bind_numa``); ``threads=None`` uses this rank's
             ``plan_cpu_threads()``, resolved once here (``apply_settings`` with ``threads=None``
             reuses that count). Change them later with :meth:`apply_settings`.
         overlap_backward: start each chunk's d2h and kernel during backward, as soon as all its
