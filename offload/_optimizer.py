@@ -448,8 +448,9 @@ class CPUOffloadAdamW(Optimizer):
     # ---------------------------------------------------------------- public surface
     @property
     def settings(self) -> OffloadSettings:
-        """The settings in force (``threads`` resolved to an int; ``kernel`` is "torch" where
-        "fused-mp" was asked but cannot run here or the model has no bf16/fp16 parameter)."""
+        """The settings in force (``threads`` resolved to an int; ``kernel`` is "fused-mp" or
+        "torch", never "auto": "torch" where "fused-mp" cannot run here, or for "auto" where it is
+        not verified bitwise equal to torch's kernel)."""
         return self._settings
 
     def _resolve_kernel(self, settings: OffloadSettings) -> OffloadSettings:
