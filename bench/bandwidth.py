@@ -18,7 +18,8 @@ model's parameters (synthetic gradients, no forward/backward) and reports:
   copy (4 + 2 B), 40 B. On CUDA the copies of the model-dtype tensors add their bytes (fp32: 44 B).
   Write-allocate reads of the copies' destinations are not counted;
 * host bytes per parameter: the RSS growth from constructing the optimizer and running its first
-  step (its slabs and buffers), next to the same figure for ``torch.optim.AdamW(fused=True)`` on
+  step (its slabs and buffers; after a tiny warm-up optimizer took the process's one-time costs),
+  next to the same figure for ``torch.optim.AdamW(fused=True)`` on
   the same parameters, measured after it in the same process;
 * in the same run, interleaved with the optimizer (probe, optimizer point, probe, ...), the
   read-4/write-3 streaming probes of :mod:`bench._stream` over buffers as large as the slabs, at
@@ -146,10 +147,21 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _warm_up(make: Any) -> None:
+    """One tiny optimizer's construction and step: the one-time costs of a process (lazy imports,
+    libraries mapped: ~45 MB on the first ``torch.optim.Optimizer``) stay out of the bytes/param."""
+    p = torch.zeros(64, requires_grad=True)
+    p.grad = torch.zeros(64)
+    opt = make([p])
+    opt.step()
+    getattr(opt, "close", lambda: None)()
+
+
 _TORCH_RSS_SCRIPT = """
 import sys, torch
-from bench.bandwidth import _DTYPES, _rss
+from bench.bandwidth import _DTYPES, _rss, _warm_up
 from bench.model import GPT, preset
+_warm_up(lambda ps: torch.optim.AdamW(ps, fused=True))
 model = GPT(preset(sys.argv[1])).to(dtype=_DTYPES[sys.argv[2]])
 params = list(model.parameters())
 for p in params:
@@ -199,6 +211,7 @@ def _bench_one(size: str, dtype: str, args: argparse.Namespace) -> dict[str, Any
     for p in params:
         p.grad = (torch.randn(p.shape, generator=gen, device=device) * 1e-2).to(p.dtype)
     logger.info("%s %s: %s parameters", size, dtype, f"{numel:,}")
+    _warm_up(lambda ps: CPUOffloadAdamW(ps, settings=OffloadSettings(threads=1, kernel=args.kernel)))
     rss0 = _rss()
     opt = CPUOffloadAdamW(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                           settings=OffloadSettings(threads=args.threads[0], chunk_numel=args.chunks[0],
