@@ -9,8 +9,8 @@ one forward/backward so that FSDP's buffers, gradients and the allocator's pools
 its RSS (after constructing, stepping and closing a 4096-parameter optimizer, so one-off
 per-process costs are not counted); then it constructs ``CPUOffloadAdamW`` and runs two steps (every slab page written) and
 reads its RSS again. The optimizer's host bytes are the difference, divided by the parameter
-count of the *whole* model: with the state sharded it should fall as 1/world size (16 B per
-local parameter: fp32 master, exp_avg, exp_avg_sq and the host gradient slab). The optimizer's
+count of the *whole* model: with the state sharded it should fall as 1/world size (8 B per
+local parameter: exp_avg and exp_avg_sq; an fp32 parameter on the CPU is its own master). The optimizer's
 own count of its slab bytes is reported next to it as a cross-check. RSS also moves with the
 allocator's reuse of freed memory: the ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc
 maps every tensor of 64 KiB or more on its own and unmaps it when freed), without which the

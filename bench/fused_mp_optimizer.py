@@ -9,7 +9,7 @@ forward or backward); between measurements ``apply_settings`` switches the kerne
 count (the state is shared, so both kernels run on the same pages). Per round and thread count,
 in rotating order (ABC, BCA, CAB):
 
-* ``torch``: ``kernel="torch"``: per chunk, upcast the bf16 gradient into the fp32 host grad slab
+* ``torch``: ``kernel="torch"``: per chunk, upcast the bf16 gradient into a chunk-sized fp32 scratch buffer
   (read 2 + write 4 B/param), torch's fused AdamW (28 B), downcast the master into the bf16
   parameter (read 4 + write 2 B): 40 B per parameter;
 * ``fused-mp``: ``kernel="fused-mp"``: the single-pass kernel reads the bf16 gradient, updates

@@ -349,8 +349,11 @@ def run_roofline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "model_size": r["model_size"], "dtype": r["dtype"], "params": r["params"],
             "points": [{"threads": pt["threads"], "probe": pt["probe"], "probe_gbps": pt["probe_gbps"],
                         "adam_gbps": pt["adam_gbps"], "ratio": pt["ratio"], "best_chunk_numel": pt["best_chunk_numel"],
-                        "step_gbps": pt["step_gbps"]} for pt in r["per_thread"]],
-            "headline": r["headline"],
+                        "step_gbps": pt["step_gbps"], "step_over_kernel": pt.get("step_over_kernel")}
+                       for pt in r["per_thread"]],
+            "headline": r["headline"], "kernel": r.get("kernel"),
+            "host_bytes_per_param": r.get("host_bytes_per_param"),
+            "torch_adamw_host_bytes_per_param": r.get("torch_adamw_host_bytes_per_param"),
         })
     return {"command": "python -m bench.bandwidth " + shlex.join(argv).replace(str(workdir), "<tmp>"),
             "duration_s": round(time.perf_counter() - started, 1), "threads": threads,

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=("torch", "fused-mp"), default=None,
                    help="CPU AdamW kernel of the offloaded step (default torch; fused-mp: the "
                         "single-pass kernel for bf16/fp16 parameters, torch path where it cannot build)")
+    p.add_argument("--numa-bind", action="store_true",
+                   help="bind to the NUMA node of the GPU (CPU: of the affinity mask) before the "
+                        "optimizer allocates its host state (OffloadSettings.bind_numa)")
     p.add_argument("--overlap-backward", action="store_true",
                    help="start each chunk's update during backward (one process, or several with --fsdp)")
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
@@ -152,7 +155,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 p.error(f"{flag} configures CPUOffloadAdamW, not the stock AdamW of --fsdp-cpu-offload")
     elif not args.optim_cpu_offload:
         for flag, value in (("--threads", args.threads), ("--chunk-numel", args.chunk_numel),
-                            ("--kernel", args.kernel),
+                            ("--kernel", args.kernel), ("--numa-bind", args.numa_bind),
                             ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
             if value:
                 p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
@@ -221,6 +224,10 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
     if args.threads is not None or args.chunk_numel is not None or args.kernel is not None:
         settings = OffloadSettings(threads=args.threads, chunk_numel=args.chunk_numel or DEFAULT_CHUNK_NUMEL,
                                    kernel=args.kernel or "torch")
+    if args.numa_bind:
+        import dataclasses
+
+        settings = dataclasses.replace(settings or OffloadSettings(), bind_numa=True)
     return CPUOffloadAdamW(
         groups, lr=args.lr, betas=betas, eps=1e-8, weight_decay=args.weight_decay,
         settings=settings, overlap_backward=args.overlap_backward,
@@ -267,21 +274,24 @@ def _format_step(step: int, steps: int, loss: float, step_s: float, opt_s: float
 
 
 def _run_dir(args: argparse.Namespace, info: _dist.DistInfo) -> Path | None:
-    """This run's ``--trace-dir/run-N``: made by rank 0, the same path on every rank."""
+    """This run's ``--trace-dir/run-N``: made by each node's local rank 0 on that node's file
+    system (the same path on the node's ranks; nodes may have different N), the path its tuner's
+    traces go to. torchrun numbers a node's ranks consecutively."""
     if args.trace_dir is None:
         return None
     from autotune._runs import RunDirError, new_run_dir
 
     made: str | Path = ""
-    if info.rank == 0:
+    if info.local_rank == 0:
         try:
             made = new_run_dir(args.trace_dir)
         except RunDirError as exc:
             made = f"--trace-dir: {exc}"
-    made = _dist.gather_objects(made, info)[0]
-    if isinstance(made, str):
-        raise _SetupError(made)
-    return made
+    everyone = _dist.gather_objects(made, info)
+    failed = [m for m in everyone if isinstance(m, str) and m]
+    if failed:  # every rank stops with the same message
+        raise _SetupError(failed[0])
+    return everyone[info.rank - info.local_rank]
 
 
 def _plot_note(run_dir: Path | None, autotune: bool) -> str | None:

@@ -11,9 +11,12 @@ true (so switching kernels never changes the math). The first two and the last a
 every local rank by construction (one model, one torch build, one CPU model per node); build
 availability could differ in theory (a build that fails on one rank only), so the local ranks
 AND their answers with an all-gather on a gloo group of the node (:func:`agreed_kernels`) before
-anyone builds the space. The baseline keeps the kernel the user set (default "torch"). With the
+anyone builds the space. The baseline keeps the kernel in force (the default "auto" resolved). With the
 kernel knob the chunk ladder is shortened (:data:`MAX_CHUNK_CANDIDATES_WITH_KERNEL`) so the
 space stays near the default 40-step probe budget; beyond it the tuner samples with TPE.
+An fp32 model gets no kernel knob: there both kernels move the same 28 bytes per parameter in
+place and are bitwise equal, so the default "auto" (the native kernel where verified and built)
+is used without spending probe steps on a choice worth little.
 
 Objective: without ``overlap_backward`` the settings change nothing but ``step()`` itself (the
 worker thread sets its own intra-op thread count), so the tuner minimises the wall time of

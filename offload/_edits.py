@@ -86,13 +86,15 @@ class WeightEdits:
         edited = self.edited(params, slots)
         for slot in edited:
             p = local(params[slot])
-            master = slabs.flat("master", slot)
-            if p.numel() != master.numel():
+            if p.numel() != slabs.slots[slot].numel:
                 raise RuntimeError(
                     f"parameter {slot} now has shape {tuple(p.shape)}: expected "
                     f"{tuple(slabs.slots[slot].shape)}, the shape the optimizer's host slabs were "
                     "laid out for (was its .data replaced by a tensor of another shape?)"
                 )
+            if slabs.slots[slot].own_master:
+                continue  # the parameter is its master (a CPU fp32 parameter): nothing to follow
+            master = slabs.flat("master", slot)
             value = p.detach().reshape(-1).to("cpu")
             if p.dtype == torch.float32:
                 master.copy_(value)

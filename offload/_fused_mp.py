@@ -79,6 +79,7 @@ __all__ = [
     "STEP_RTOL",
     "FusedMPUnavailable",
     "bitwise_matches_torch",
+    "call_f32_unchecked",
     "call_steps_unchecked",
     "fused_mp_adamw_",
     "fused_mp_adamw_steps_",
@@ -527,6 +528,35 @@ def call_steps_unchecked(
         raise FusedMPUnavailable(f"fused-mp AdamW kernel unavailable: {reason}")
     module.fused_mp_adamw_steps_(
         params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps,
+        steps_to_increment=steps_to_increment, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay,
+    )
+
+
+def call_f32_unchecked(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    state_steps: list[Tensor],
+    *,
+    outs: list[Tensor],
+    steps_to_increment: list[Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """The fp32 entry point (each parameter its own master, fp32 gradients; ``outs`` empty or a
+    copy target per parameter), with the step bookkeeping of :func:`fused_mp_adamw_steps_`.
+    Bitwise equal to ``torch._fused_adamw_`` on the builds of :data:`BITWISE_VERIFIED` (the
+    same lane arithmetic as the mixed-precision master update). Checks as :func:`call_steps_unchecked`."""
+    module, reason = _LOADER.get()
+    if module is None:
+        raise FusedMPUnavailable(f"fused-mp AdamW kernel unavailable: {reason}")
+    module.adamw_f32_steps_(
+        params, grads, exp_avgs, exp_avg_sqs, state_steps, outs=outs,
         steps_to_increment=steps_to_increment, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay,
     )

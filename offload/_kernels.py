@@ -1,12 +1,15 @@
 """AdamW kernels on one chunk of host slabs.
 
-Two kernels share one keyword-only calling convention (lists of per-view tensors, the step tensors
-of their parameters, ``steps_to_increment``, :class:`Hyper`):
+Three kernels share one keyword-only calling convention (lists of per-view tensors, the step
+tensors of their parameters, ``steps_to_increment``, :class:`Hyper`):
 
 * :func:`fused_adamw_` ("torch"): torch's fused CPU AdamW on fp32 master, grad and moments;
-* :func:`mixed_precision_adamw_` ("fused-mp"): the single-pass kernel of
+* :func:`mixed_precision_adamw_` ("fused-mp", bf16/fp16 parameters): the single-pass kernel of
   :mod:`offload._fused_mp`: reads the bf16/fp16 gradient, updates the fp32 master and moments,
-  writes the bf16/fp16 weight.
+  writes the bf16/fp16 weight;
+* :func:`native_adamw_f32_` ("fused-mp", fp32 parameters): the same extension's fp32 entry point,
+  one parallel region per call with dynamic blocks (torch's kernel runs one ``parallel_for`` per
+  tensor with a fixed split), bitwise equal to torch's fused kernel on the verified builds.
 
 torch's fused AdamW is a private torch op, so it is called from exactly one function,
 :func:`fused_adamw_`, which mirrors the step-count
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Hyper", "fused_adamw_", "mixed_precision_adamw_", "new_step_tensor"]
+__all__ = ["Hyper", "fused_adamw_", "mixed_precision_adamw_", "native_adamw_f32_", "new_step_tensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,42 @@ def fused_adamw_(
     )
 
 
+def _hyper_args(hyper: Hyper) -> dict[str, float]:
+    lr = hyper.lr
+    return {
+        "lr": float(lr.item()) if isinstance(lr, Tensor) else float(lr),
+        "beta1": hyper.beta1,
+        "beta2": hyper.beta2,
+        "eps": hyper.eps,
+        "weight_decay": hyper.weight_decay,
+    }
+
+
+def native_adamw_f32_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    *,
+    steps_to_increment: Sequence[Tensor],
+    hyper: Hyper,
+    outs: Sequence[Tensor] = (),
+) -> None:
+    """:func:`fused_adamw_`'s update of fp32 tensors by the native kernel, in one call per chunk.
+
+    ``params[i]`` is updated in place (it is its own master: a parameter of a CPU model, or a
+    master slab view); ``outs``, if given, receive a copy of each updated parameter. Raises
+    ``FusedMPUnavailable`` when the kernel could not be built.
+    """
+    from offload._fused_mp import call_f32_unchecked
+
+    call_f32_unchecked(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
+        outs=list(outs), steps_to_increment=list(steps_to_increment), **_hyper_args(hyper),
+    )
+
+
 def mixed_precision_adamw_(
     params_lowp: Sequence[Tensor],
     grads_lowp: Sequence[Tensor],
@@ -107,14 +146,7 @@ def mixed_precision_adamw_(
     """
     from offload._fused_mp import call_steps_unchecked
 
-    lr = hyper.lr
-    hyper_args = {
-        "lr": float(lr.item()) if isinstance(lr, Tensor) else float(lr),
-        "beta1": hyper.beta1,
-        "beta2": hyper.beta2,
-        "eps": hyper.eps,
-        "weight_decay": hyper.weight_decay,
-    }
+    hyper_args = _hyper_args(hyper)
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
     if len(dtypes) <= 1:  # the usual case: one call
         call_steps_unchecked(

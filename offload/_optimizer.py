@@ -30,14 +30,17 @@ from offload._dtensor import ShardLayout, as_dtensor, layout_of, local
 from offload._edits import WeightEdits
 from offload._kernels import Hyper, new_step_tensor
 from offload._pipeline import (
+    KIND_F32,
+    KIND_MP,
+    KIND_TORCH,
     ChunkJob,
-    CudaTransport,
     HostTransport,
     Item,
     Pipeline,
     StageRecord,
     Transport,
 )
+from offload._cuda_transport import CudaTransport
 from offload._settings import OffloadSettings, StageSpan, StepStats
 from offload._slabs import Chunk, HostSlabs, plan_chunks
 from autotune import AutotuneConfig, OnlineTuner
@@ -49,7 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CPUOffloadAdamW"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: Parameter dtypes the fused-mp kernel updates; others keep the torch path.
+#: Parameter dtypes the fused-mp kernel's mixed-precision entry updates (fp32 has its own entry).
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
 _STAGES = ("d2h", "adam_kernel", "materialize")
 #: Options of torch.optim.AdamW this optimizer does not implement, with the only accepted values.
@@ -263,8 +266,9 @@ class CPUOffloadAdamW(Optimizer):
 
     Args:
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
-        settings: speed knobs (threads, chunk size, kernel: "torch" or "fused-mp", the
-            single-pass kernel for bf16/fp16 parameters, see ``OffloadSettings.kernel``); ``threads=None`` uses this rank's
+        settings: speed knobs (threads, chunk size, kernel: "auto" (default), "torch" or
+            "fused-mp", the native single-pass kernel, see ``OffloadSettings.kernel``; NUMA
+            placement, ``OffloadSettings.bind_numa``); ``threads=None`` uses this rank's
             ``plan_cpu_threads()``, resolved once here (``apply_settings`` with ``threads=None``
             reuses that count). Change them later with :meth:`apply_settings`.
         overlap_backward: start each chunk's d2h and kernel during backward, as soon as all its
@@ -329,8 +333,9 @@ class CPUOffloadAdamW(Optimizer):
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"]]
         # DTensor (FSDP2) parameters: the slabs hold this rank's shard; see offload/_dtensor.py.
         self._device, self._layouts = self._check_params(self._params, self._param_names())
+        self._sharded = any(lay is not None for lay in self._layouts)
         self._slot_of: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
-        self._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in self.param_groups])
+        self._slabs, self._numa = self._make_slabs(settings, overlap_backward)
 
         settings = settings if settings is not None else OffloadSettings()
         plan = plan_cpu_threads(threads=settings.threads)
@@ -338,8 +343,12 @@ class CPUOffloadAdamW(Optimizer):
         self._has_lowp = any(p.dtype in _LOWP_DTYPES for p in self._params)
         self._settings = self._resolve_kernel(replace(settings, threads=self._planned_threads))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
+        self._state_gen = 0
+        self._item_cache: dict[int, tuple[Any, ...]] = {}  # see _items
 
         self._pipeline = self._new_pipeline()
+        if self._numa is not None:  # see _make_slabs
+            self._pipeline.on_worker(self._slabs.first_touch, threads=self._planned_threads)
         self._in_step = False
         self._edits = WeightEdits()
         self._stats: _StatsBuilder | None = None
@@ -454,15 +463,19 @@ class CPUOffloadAdamW(Optimizer):
         old = self._slabs
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._device, self._layouts = self._check_params(self._params, self._param_names())
+        self._sharded = any(lay is not None for lay in self._layouts)
         self._slot_of = {id(p): i for i, p in enumerate(self._params)}
-        self._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in self.param_groups])
+        shapes = [[local(p).shape for p in g["params"]] for g in self.param_groups]
+        self._slabs = HostSlabs(shapes, self._own_masters(self._overlap is not None))
         for slot in range(len(old.slots)):
             p = self._params[slot]
             if not self.state.get(p):
                 continue
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
+            own = self._slabs.slots[slot].own_master
+            for kind in ("exp_avg", "exp_avg_sq") if own else ("master", "exp_avg", "exp_avg_sq"):
                 self._slabs.flat(kind, slot).copy_(old.flat(kind, slot))
             self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
+        self._item_cache.clear()
         self._has_lowp = any(p.dtype in _LOWP_DTYPES for p in self._params)
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
         self._pipeline.close()
@@ -535,25 +548,29 @@ class CPUOffloadAdamW(Optimizer):
     # ---------------------------------------------------------------- public surface
     @property
     def settings(self) -> OffloadSettings:
-        """The settings in force (``threads`` resolved to an int; ``kernel`` is "torch" where
-        "fused-mp" was asked but cannot run here or the model has no bf16/fp16 parameter)."""
+        """The settings in force (``threads`` resolved to an int; ``kernel`` is "fused-mp" or
+        "torch", never "auto": "torch" where "fused-mp" cannot run here, or for "auto" where it is
+        not verified bitwise equal to torch's kernel)."""
         return self._settings
 
     def _resolve_kernel(self, settings: OffloadSettings) -> OffloadSettings:
-        """``kernel="fused-mp"`` where it can run here, else ``"torch"`` (the reason is logged)."""
-        if settings.kernel != "fused-mp":
+        """The kernel that runs: ``"fused-mp"`` where it can run here, else ``"torch"`` (the
+        reason is logged); ``"auto"`` is ``"fused-mp"`` only where it is also bitwise equal to
+        torch's kernel on this build (``offload._fused_mp.bitwise_matches_torch``)."""
+        if settings.kernel == "torch":
             return settings
-        if not self._has_lowp:
-            logger.debug("CPUOffloadAdamW: kernel='fused-mp' has no bf16/fp16 parameter to update; "
-                         "fp32 parameters use the torch kernel")
-            return replace(settings, kernel="torch")
-        from offload._fused_mp import fused_mp_available
+        from offload._fused_mp import bitwise_matches_torch, fused_mp_available
 
+        if settings.kernel == "auto" and not bitwise_matches_torch():
+            logger.debug("CPUOffloadAdamW: kernel='auto' uses 'torch': fused-mp is not verified "
+                         "bitwise equal to torch's kernel on this torch build and CPU")
+            return replace(settings, kernel="torch")
         ok, reason = fused_mp_available()  # builds on first use; logs a failure once (WARNING)
         if not ok:
-            logger.debug("CPUOffloadAdamW: kernel='fused-mp' unavailable, using 'torch': %s", reason)
+            logger.debug("CPUOffloadAdamW: kernel=%r unavailable, using 'torch': %s",
+                         settings.kernel, reason)
             return replace(settings, kernel="torch")
-        return settings
+        return replace(settings, kernel="fused-mp")
 
     def apply_settings(self, settings: OffloadSettings) -> None:
         """Change threads / chunk size / kernel between steps.
@@ -574,6 +591,7 @@ class CPUOffloadAdamW(Optimizer):
                 self._overlap.set_chunks(self._chunks)
             # Cached views of the old layout: a tuner tries several, none should pile up.
             self._slabs.forget_views()
+            self._item_cache.clear()
             self._pipeline.forget_layout()
         self._settings = settings
 
@@ -690,8 +708,7 @@ class CPUOffloadAdamW(Optimizer):
         with torch.no_grad():
             for slot, value in entries:
                 p = self._params[slot]
-                master = value.get("master_param", self._local_param(slot))
-                self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
+                self._load_master(slot, value.get("master_param", self._local_param(slot)))
                 self._slabs.flat("exp_avg", slot).copy_(value["exp_avg"].detach().reshape(-1))
                 self._slabs.flat("exp_avg_sq", slot).copy_(
                     value["exp_avg_sq"].detach().reshape(-1)
@@ -772,11 +789,15 @@ class CPUOffloadAdamW(Optimizer):
                 hyper = _hyper(self.param_groups[chunk.group])
                 job = ChunkJob(chunk.index, items, hyper, threads, True, True, ready_event=event)
             job.write_event = event
-            used_mp = used_mp or any(it.fused for it in job.items)
-            numel += sum(it.view.numel for it in job.items)
+            summary = self._item_summary(chunk, job.items)
+            used_mp = used_mp or summary[1]
+            numel += summary[0]
             chunks_run += 1
             self._pipeline.submit(job)
         result = self._pipeline.drain()
+        for cached in self._item_cache.values():  # reused Items must not keep gradients alive
+            for it in cached[3]:
+                it.grad = None
         if result.error is not None:
             raise result.error
         if result.last_h2d_event is not None:
@@ -846,23 +867,102 @@ class CPUOffloadAdamW(Optimizer):
                     else "No optimizer state was changed."
                 )
             )
-        self._edits.reseed(self._params, self._slabs, grads)
+        for slot in self._edits.reseed(self._params, self._slabs, grads):
+            if self._slabs.slots[slot].own_master:  # .data replaced: the entry names the new tensor
+                p = self._params[slot]
+                self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
+
+    def _make_slabs(self, settings: OffloadSettings | None, overlap_backward: bool) -> tuple[HostSlabs, Any]:
+        """The host slabs; with ``settings.bind_numa`` the process is bound to its NUMA node first
+        and the slabs are left untouched for the worker's first touch (the binding, else None)."""
+        shapes = [[local(p).shape for p in g["params"]] for g in self.param_groups]
+        own = self._own_masters(overlap_backward)
+        if settings is None or not settings.bind_numa:
+            return HostSlabs(shapes, own), None
+        from offload._threads import bind_rank_numa_node
+
+        binding = bind_rank_numa_node(self._device)
+        return HostSlabs(shapes, own, zero=False), binding
+
+    def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
+        """Per group and parameter: the parameter is its own fp32 master (no master slab place).
+
+        True for fp32 parameters of a CPU model: the kernels update them in place, so a master
+        copy would cost 4 bytes per parameter and two passes per step (a copy in, a copy out)
+        for nothing. Not with ``overlap_backward``: a chunk started during backward must not
+        change the weights before ``step()``, so it updates a master that ``step()`` copies out.
+        """
+        own = self._device.type == "cpu" and not overlap_backward
+        return [[own and p.dtype == torch.float32 for p in g["params"]] for g in self.param_groups]
 
     def _init_state(self, slot: int, p: Tensor) -> None:
-        self._slabs.flat("master", slot).copy_(self._local_param(slot).detach().reshape(-1))
-        self._slabs.flat("exp_avg", slot).zero_()
-        self._slabs.flat("exp_avg_sq", slot).zero_()
+        slabs = self._slabs
+        if not slabs.slots[slot].own_master:
+            slabs.flat("master", slot).copy_(self._local_param(slot).detach().reshape(-1))
+        if slabs.used[slot]:  # the moments of a slot never used are still the slabs' zeros
+            slabs.flat("exp_avg", slot).zero_()
+            slabs.flat("exp_avg_sq", slot).zero_()
+        slabs.used[slot] = 1
         self.state[p].update(self._state_entry(slot, new_step_tensor()))
 
     def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]:
+        """``master_param`` is the parameter itself where it is its own master (a live tensor
+        sharing its storage, like the slab views), so saved state dicts keep their layout.
+        Every new entry starts a new state generation (cached Items hold step tensors)."""
+        self._state_gen += 1
+        self._slabs.used[slot] = 1
+        own = self._slabs.slots[slot].own_master
         return {
             "step": step,
             "exp_avg": self._slabs.shaped("exp_avg", slot),
             "exp_avg_sq": self._slabs.shaped("exp_avg_sq", slot),
-            "master_param": self._slabs.shaped("master", slot),
+            "master_param": (
+                self._local_param(slot).detach() if own else self._slabs.shaped("master", slot)
+            ),
         }
 
+    def _load_master(self, slot: int, master: Tensor) -> None:
+        """A loaded ``master_param`` into the master slab. A parameter that is its own master keeps
+        its value: its master is the model's weight, restored with the model (for such a
+        parameter the saved master and the saved weight are the same bits)."""
+        if not self._slabs.slots[slot].own_master:
+            self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
+
     def _items(self, chunk: Chunk, grads: dict[int, Tensor]) -> list[Item]:
+        """The chunk's items for this step: those of its views whose parameter has a gradient.
+
+        Per-step Python must not grow per tensor where a chunk can be described once (a model of
+        ~20,000 small tensors spent ~90 ms per step here building Items and hashing parameters
+        for their state): the Items of a chunk are made once per layout, kernel and state
+        generation and reused; a step only sets each one's gradient. Any view without a gradient,
+        or with a gradient of another dtype than its parameter, takes the general path.
+        """
+        cached = self._item_cache.get(chunk.index)
+        kernel, gen = self._settings.kernel, self._state_gen
+        if cached is None or not (cached[0] is chunk and cached[1] == kernel and cached[2] == gen):
+            items = []
+            for v in chunk.views:
+                p = self._params[v.slot]
+                step = self.state[p].get("step") if p in self.state else None
+                if step is None:
+                    break  # a parameter without state yet: no template until it has one
+                items.append(Item(v, self._local_param(v.slot), None, 0, step, self._fused(p, p)))
+            else:
+                cached = (chunk, kernel, gen, items, [it.param.dtype for it in items],
+                          (sum(it.view.numel for it in items), any(it.fused for it in items)))
+                self._item_cache[chunk.index] = cached
+        if cached is not None and cached[0] is chunk and cached[2] == gen and cached[1] == kernel:
+            items, dtypes = cached[3], cached[4]
+            get = grads.get
+            for it, dtype in zip(items, dtypes):
+                g = get(it.view.slot)
+                if g is None or g.dtype != dtype:
+                    break
+                it.grad = g  # grad_version is read only by jobs started in backward (own Items)
+                if self._sharded:  # FSDP2 may give a DTensor a new local tensor (lazy init, load)
+                    it.param = self._local_param(it.view.slot)
+            else:
+                return items
         items = []
         for v in chunk.views:
             g = grads.get(v.slot)
@@ -873,14 +973,23 @@ class CPUOffloadAdamW(Optimizer):
                               self._fused(p, g)))
         return items
 
-    def _fused(self, p: Tensor, g: Tensor | None) -> bool:
-        """Whether the fused-mp kernel updates ``p`` this step (bf16/fp16 with a same-dtype grad)."""
-        return (
-            self._settings.kernel == "fused-mp"
-            and p.dtype in _LOWP_DTYPES
-            and g is not None
-            and g.dtype == p.dtype
-        )
+    def _item_summary(self, chunk: Chunk, items: list[Item]) -> tuple[int, bool]:
+        """(elements, any item on the native kernel) of a job's items; computed once for the
+        reused item list of a chunk (see :meth:`_items`)."""
+        cached = self._item_cache.get(chunk.index)
+        if cached is not None and cached[3] is items:
+            return cached[5]
+        return sum(it.view.numel for it in items), any(it.fused for it in items)
+
+    def _fused(self, p: Tensor, g: Tensor | None) -> int:
+        """Which kernel updates ``p`` this step (an ``Item.fused`` kind): with ``kernel="fused-mp"``
+        its mixed-precision entry for bf16/fp16 with a same-dtype gradient, its fp32 entry for fp32
+        with an fp32 gradient; else torch's kernel."""
+        if self._settings.kernel != "fused-mp" or g is None or g.dtype != p.dtype:
+            return KIND_TORCH
+        if p.dtype in _LOWP_DTYPES:
+            return KIND_MP
+        return KIND_F32 if p.dtype == torch.float32 else KIND_TORCH
 
     def _check_idle(self, what: str) -> None:
         if self._in_step:

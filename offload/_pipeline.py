@@ -1,7 +1,8 @@
 """The chunked step: a persistent worker thread running d2h / adam_kernel / materialize per chunk.
 
 One worker thread per optimizer takes :class:`ChunkJob` s from a FIFO queue. A job runs, in
-order, some of: ``d2h`` (gradients to the host fp32 grad slab, upcast), ``adam_kernel`` (fused
+order, some of: ``d2h`` (gradients to where the kernel reads them: nothing on the CPU unless a
+torch-kernel gradient needs an upcast into the chunk-sized scratch buffer), ``adam_kernel`` (fused
 AdamW on the chunk's slab views) and ``materialize`` (fp32 master downcast into the model's
 parameters). :meth:`Pipeline.drain` waits until every job submitted so far is done and returns
 their stage records and the first error.
@@ -13,9 +14,10 @@ per OS thread (OpenMP ICVs are per thread). Checked on torch 2.13 CPU (OpenMP ba
 busy threads seen in /proc per-thread CPU time) and leaves the main thread's count unchanged, but
 it also sets the default that threads created later start with, hence the restore.
 
-Transports: :class:`HostTransport` (parameters on the CPU: plain copies) and
-:class:`CudaTransport` (pinned double-buffered staging, d2h and h2d on side streams with events;
-the worker issues the next chunk's d2h before running the current chunk's kernel).
+Transports: :class:`HostTransport` (parameters on the CPU: in place where the kernel allows,
+else copies through a chunk-sized scratch buffer) and ``offload._cuda_transport.CudaTransport``
+(a pinned ring per direction, d2h and h2d on side streams with events; the worker issues the next
+chunks' d2h before running the current chunk's kernel, see that module).
 
 Kernel "fused-mp" (items with ``fused=True``: bf16/fp16 parameters): no upcast and no downcast
 pass. On the CPU, d2h does nothing (the kernel reads the gradient itself) and the kernel writes the
@@ -38,7 +40,9 @@ good, and on the CPU a step's fused-mp job gets its kernel arguments from the su
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -50,7 +54,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload._kernels import Hyper, fused_adamw_, mixed_precision_adamw_
+from offload._kernels import Hyper, fused_adamw_, mixed_precision_adamw_, native_adamw_f32_
 from offload._slabs import HostSlabs, SlabKind, View
 from offload._threads import thread_limit
 
@@ -58,7 +62,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkJob",
-    "CudaTransport",
     "DrainResult",
     "HostTransport",
     "Item",
@@ -66,6 +69,8 @@ __all__ = [
     "StageRecord",
 ]
 
+#: Item kinds: the kernel that updates an item (see :attr:`Item.fused`).
+KIND_TORCH, KIND_MP, KIND_F32 = 0, 1, 2
 #: Byte alignment of each view inside a pinned staging buffer.
 _STAGING_ALIGN = 64
 #: How often a waiting ``drain`` checks that the worker thread is still alive, in seconds.
@@ -84,8 +89,10 @@ class Item:
     grad_version: int
     step: Tensor
     """The parameter's fp32 step tensor."""
-    fused: bool = False
-    """Updated by the fused-mp kernel (a bf16/fp16 parameter with a gradient of its dtype)."""
+    fused: int = KIND_TORCH
+    """Which kernel updates the item: :data:`KIND_TORCH`, :data:`KIND_MP` (fused-mp, a bf16/fp16
+    parameter with a gradient of its dtype) or :data:`KIND_F32` (fused-mp's fp32 entry point, an
+    fp32 parameter with an fp32 gradient). Truthy for the native kernel."""
 
 
 @dataclass(slots=True)
@@ -128,20 +135,19 @@ class ChunkJob:
     """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
     # Filled by the worker.
     transfer: Any = None
-    lowp_grads: list[Tensor | None] | None = None
-    """Per item: the low-precision gradient the fused-mp kernel reads (None for torch items)."""
-    operands: _Operands | None = None
-    """The fused-mp kernel's arguments, made by the submitting thread (see Transport.prepare)."""
+    grads: list[Tensor] | None = None
+    """Per item: the gradient operand its kernel reads (low precision for KIND_MP, fp32 else)."""
+    calls: list[_Call] | None = None
+    """The kernel calls of the job, made by the submitting thread (see Transport.prepare)."""
+    call_steps: list[tuple[list[int], list[Tensor]]] | None = None
+    """Per call: the slots and step tensors of its items (made with ``calls``)."""
+    staging: Any = None
+    """CUDA: the h2d ring slot the kernel wrote the new weights into (see CudaTransport)."""
     kernel_ran: bool = False
     skipped_stale: bool = False
-    _fused_only: bool | None = field(default=None, init=False, repr=False)
-
-    @property
-    def fused_only(self) -> bool:
-        """Every item is updated by the fused-mp kernel (computed once)."""
-        if self._fused_only is None:
-            self._fused_only = all(it.fused for it in self.items)
-        return self._fused_only
+    direct: bool = False
+    """Host: every item's kernel reads its gradient where it is and writes its parameter itself
+    (no upcast, no materialize copy); set by :meth:`HostTransport.finish_d2h` or ``prepare``."""
 
 
 @dataclass(slots=True)
@@ -154,6 +160,14 @@ _STOP = object()
 
 
 @dataclass(slots=True)
+class _OnWorker:
+    fn: Any
+    threads: int
+    event: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
 class DrainResult:
     records: list[StageRecord]
     error: BaseException | None
@@ -161,8 +175,9 @@ class DrainResult:
     wait_s: float = 0.0
 
 
-_Operands = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]
-"""(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps) of one kernel call."""
+_Call = tuple[int, Any, tuple[list[Tensor], ...]]
+"""(kind, kernel function, positional tensor lists) of one kernel call; the worker adds the steps
+to increment and the hyper-parameters."""
 
 
 class Transport(Protocol):
@@ -226,7 +241,7 @@ class _LowpBuffers:
         slot = it.view.slot
         buf = self._bufs.get(slot)
         if buf is None:
-            buf = torch.empty(it.param.numel(), dtype=it.param.dtype, pin_memory=self._pin)
+            buf = self._new(it)
             self._bufs[slot] = buf
         if for_write:
             last = self._last.pop(slot, None)
@@ -234,62 +249,214 @@ class _LowpBuffers:
                 last.synchronize()
         return buf[it.view.start : it.view.stop]
 
+    def _new(self, it: Item) -> Tensor:
+        return torch.empty(it.param.numel(), dtype=it.param.dtype, pin_memory=self._pin)
+
     def used_by(self, slot: int, event: Any) -> None:
         self._last[slot] = event
 
 
+class _Scratch:
+    """One chunk-sized fp32 buffer, reused chunk after chunk, for gradients a kernel cannot read
+    where they are (a bf16/fp16 gradient on the torch kernel): the worker upcasts into it right
+    before the chunk's kernel, so one buffer serves every chunk (no full-size gradient slab)."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.float32)
+
+    def views(self, numels: list[int]) -> list[Tensor]:
+        offsets, total = [], 0
+        for n in numels:
+            offsets.append(total)
+            total += -(-n // (_STAGING_ALIGN // 4)) * (_STAGING_ALIGN // 4)
+        if self._buf.numel() < total:
+            self._buf = torch.empty(total, dtype=torch.float32)
+        return [self._buf[o : o + n] for o, n in zip(offsets, numels)]
+
+
+def _master_operand(it: Item, slabs: HostSlabs) -> Tensor:
+    """The tensor the kernel updates as the item's fp32 master: the parameter itself when it is
+    its own master (an fp32 parameter of a CPU model), else its master slab view."""
+    if slabs.slots[it.view.slot].master_offset < 0:
+        return _param_operand(it)
+    return slabs.view("master", it.view)
+
+
+def _call_steps(items: list[Item], calls: list[_Call]) -> list[tuple[list[int], list[Tensor]]]:
+    """Per call of :func:`_build_calls`: the slots and step tensors of its items, in order."""
+    if len(calls) == 1:
+        return [([it.view.slot for it in items], [it.step for it in items])]
+    out = []
+    for kind, _, _ in calls:
+        its = [it for it in items if it.fused == kind]
+        out.append(([it.view.slot for it in its], [it.step for it in its]))
+    return out
+
+
+def _build_calls(
+    job: ChunkJob,
+    slabs: HostSlabs,
+    lists: _SlabListCache,
+    grads: list[Tensor],
+    lowp_out: Any,
+    f32_out: Any = None,
+) -> list[_Call]:
+    """The kernel calls of ``job``, one per kind of item it holds (usually one).
+
+    ``grads[i]``: the gradient operand of item ``i``; ``lowp_out(item)``: where a KIND_MP item's
+    low-precision weight goes. Moments come from the per-chunk cache; masters are the parameter
+    itself for own-master items (see :func:`_master_operand`). ``f32_out(item)``, if given: where a
+    KIND_F32 item's new weight is also written (CUDA: the ring slot the h2d copy reads).
+    """
+    items = job.items
+    kinds = {it.fused for it in items}
+    groups: list[tuple[int, list[Item], list[Tensor]]]
+    if len(kinds) == 1:
+        groups = [(kinds.pop(), items, grads)]
+    else:
+        groups = []
+        for kind in sorted(kinds):
+            idx = [i for i, it in enumerate(items) if it.fused == kind]
+            groups.append((kind, [items[i] for i in idx], [grads[i] for i in idx]))
+    calls: list[_Call] = []
+    for kind, its, gs in groups:
+        slab = lists.get(job.chunk, its, ("exp_avg", "exp_avg_sq"))
+        masters = [_master_operand(it, slabs) for it in its]
+        steps = [it.step for it in its]
+        if kind == KIND_MP:
+            outs = [lowp_out(it) for it in its]
+            calls.append((kind, mixed_precision_adamw_,
+                          (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
+        else:
+            fn: Any = native_adamw_f32_ if kind == KIND_F32 else fused_adamw_
+            outs = [f32_out(it) for it in its] if kind == KIND_F32 and f32_out is not None else []
+            if outs and all(o is not None for o in outs):
+                fn = functools.partial(native_adamw_f32_, outs=outs)
+            calls.append((kind, fn, (masters, gs, slab["exp_avg"], slab["exp_avg_sq"], steps)))
+    return calls
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """The kernel calls of one chunk's reusable item list (see :meth:`HostTransport.prepare`)."""
+
+    items: list[Item]
+    """The list object the calls were made for (held, so its id is never reused)."""
+    direct: bool
+    """Every item reads its gradient in place and writes its parameter: calls can be made."""
+    calls: list[_Call]
+    index: list[list[int] | None]
+    """Per call: the items it takes (None: all of them)."""
+    partial: list[list[tuple[int, int]]]
+    """Per call: (position, item) of the pieces of parameters, whose views are remade per step."""
+    whole: list[bool]
+    steps: list[tuple[list[int], list[Tensor]]]
+
+
 class HostTransport:
-    """Parameters on the CPU: d2h and materialize are plain (dtype-converting) copies; fused-mp
-    items need neither (see the module doc)."""
+    """Parameters on the CPU: no copies where a kernel can read the gradient and write the
+    parameter itself (see the module doc); upcasts go through a chunk-sized scratch buffer."""
 
     is_async = False
 
     def __init__(self) -> None:
         self._lowp = _LowpBuffers(pin=False)
+        self._scratch = _Scratch()
+        self._prepared: dict[int, _Prepared] = {}
+
+    def forget(self) -> None:
+        """Drop the prepared calls of the old chunk layout."""
+        self._prepared.clear()
+
+    @staticmethod
+    def _reads_in_place(it: Item) -> bool:
+        g = it.grad
+        return it.fused == KIND_MP or (g is not None and g.dtype == torch.float32)
 
     def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None:
-        """A step's fused-mp job: its kernel arguments, made here on the submitting thread.
+        """A step's in-place job: its kernel calls, made here on the submitting thread.
 
-        The kernel reads the gradients where they are and writes the parameters itself, so the
-        whole call is known at submit time. Making it here, while the worker runs the previous
+        Where every kernel reads the gradients where they are and writes the parameters itself,
+        the whole call is known at submit time. Making it here, while the worker runs the previous
         chunk's kernel with the GIL released, leaves the worker nothing but the call: no Python
         per parameter between two kernels, when the memory bus would idle. (Jobs launched during
         backward write a staging buffer and check gradient versions; the worker prepares those.)
+
+        The calls of a chunk are made once for the item list the optimizer reuses from step to
+        step (see ``CPUOffloadAdamW._items``); a later step only puts in its gradients.
         """
-        if not (job.update and job.materialize and not job.check_versions and job.fused_only):
+        if not (job.update and job.materialize and not job.check_versions):
             return
         items = job.items
-        slab = lists.get(job.chunk, items, ("master", "exp_avg", "exp_avg_sq"))
-        job.operands = (
-            [_param_operand(it) for it in items],
-            [_grad_operand(it) for it in items],
-            slab["master"],
-            slab["exp_avg"],
-            slab["exp_avg_sq"],
-            [it.step for it in items],
+        entry = self._prepared.get(job.chunk)
+        if entry is None or entry.items is not items:
+            entry = self._prepare_entry(job, lists)
+            self._prepared[job.chunk] = entry
+        if not entry.direct:
+            return
+        grads = [g if w and g.is_contiguous() else _grad_operand(it)  # type: ignore[union-attr]
+                 for it, w, g in zip(items, entry.whole, [it.grad for it in items])]
+        calls = []
+        for (kind, fn, args), idx, partial in zip(entry.calls, entry.index, entry.partial):
+            targs = list(args)
+            targs[1] = grads if idx is None else [grads[i] for i in idx]
+            if partial:  # pieces of parameters: their views are remade (.data may have changed)
+                first = list(args[0])  # the parameter operands (own masters, or KIND_MP outputs)
+                for j, i in partial:
+                    first[j] = _param_operand(items[i])
+                targs[0] = first
+            calls.append((kind, fn, tuple(targs)))
+        job.direct = True
+        job.calls = calls
+        job.call_steps = entry.steps
+
+    def _prepare_entry(self, job: ChunkJob, lists: _SlabListCache) -> _Prepared:
+        items = job.items
+        slots = lists.slabs.slots
+        for it in items:
+            if not self._reads_in_place(it) or (
+                it.fused != KIND_MP and slots[it.view.slot].master_offset >= 0
+            ):
+                return _Prepared(items, False, [], [], [], [], [])
+        calls = _build_calls(job, lists.slabs, lists, [_grad_operand(it) for it in items],
+                             _param_operand)
+        # The templates must not keep this step's gradients alive: their place is filled per step.
+        calls = [(kind, fn, (args[0], [], *args[2:])) for kind, fn, args in calls]
+        kinds = sorted({it.fused for it in items})
+        index: list[list[int] | None] = (
+            [None] if len(kinds) == 1 else
+            [[i for i, it in enumerate(items) if it.fused == k] for k in kinds]
         )
+        partial = []
+        for idx in index:
+            members = range(len(items)) if idx is None else idx
+            partial.append([(j, i) for j, i in enumerate(members) if not items[i].view.whole])
+        return _Prepared(items, True, calls, index, partial, [it.view.whole for it in items],
+                         _call_steps(items, calls))
 
     def issue_d2h(self, job: ChunkJob) -> None:
         job.transfer = time.perf_counter()
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        if job.operands is not None:  # prepared at submit: nothing to copy, nothing to look up
+        if job.calls is not None:  # prepared at submit: nothing to copy, nothing to look up
             return
-        if job.fused_only:  # fused-mp reads the host gradients in place
-            job.lowp_grads = [_grad_operand(it) for it in job.items]
-            return
-        t0 = time.perf_counter()
-        lowp: list[Tensor | None] = []
-        for it in job.items:
-            assert it.grad is not None  # jobs with update=True only hold items with a grad
-            if it.fused:
-                lowp.append(_grad_operand(it))
-            else:
-                slabs.view("grad", it.view).copy_(_flat(it.grad)[it.view.start : it.view.stop])
-                lowp.append(None)
-        job.lowp_grads = lowp
-        t1 = time.perf_counter()
-        records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
+        items = job.items
+        upcast = [i for i, it in enumerate(items) if not self._reads_in_place(it)]
+        grads = [_grad_operand(it) if it.fused == KIND_MP or it.grad.dtype == torch.float32  # type: ignore[union-attr]
+                 else None for it in items]
+        job.direct = not upcast and all(
+            it.fused == KIND_MP or slabs.slots[it.view.slot].master_offset < 0 for it in items
+        ) and job.materialize
+        if upcast:
+            t0 = time.perf_counter()
+            views = self._scratch.views([items[i].view.numel for i in upcast])
+            for i, dst in zip(upcast, views):
+                it = items[i]
+                dst.copy_(_flat(it.grad)[it.view.start : it.view.stop])  # type: ignore[arg-type]
+                grads[i] = dst
+            t1 = time.perf_counter()
+            records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
+        job.grads = grads  # type: ignore[assignment]
 
     def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
         """Straight into the parameter, unless the chunk started during backward (see module doc)."""
@@ -298,184 +465,26 @@ class HostTransport:
         return self._lowp.view(item, for_write=True)
 
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        if job.update and job.fused_only:
-            return  # the kernel of this job wrote every parameter itself
+        if job.update and job.direct:
+            return  # the kernels of this job wrote every parameter themselves
         t0 = time.perf_counter()
         copied = False
         for it in job.items:
-            if not it.fused:
+            if it.fused == KIND_MP:
+                if not job.update:  # the kernel ran during backward, into the buffer
+                    _param_view(it).copy_(self._lowp.view(it, for_write=False))
+                    copied = True
+                # else: the kernel of this job wrote the parameter itself
+            elif slabs.slots[it.view.slot].master_offset >= 0:
                 _param_view(it).copy_(slabs.view("master", it.view))
                 copied = True
-            elif not job.update:  # the kernel ran during backward, into the buffer
-                _param_view(it).copy_(self._lowp.view(it, for_write=False))
-                copied = True
-            # else: the kernel of this job wrote the parameter itself
+            # else: the parameter is its own master, updated in place
         t1 = time.perf_counter()
         if copied:
             records.append(StageRecord(job.chunk, "materialize", t0, t1, t1 - t0))
 
     def flush(self) -> Any:
         return None
-
-
-class _Staging:
-    """Two pinned host buffers used in turn; each remembers the event of its last transfer."""
-
-    def __init__(self) -> None:
-        self._bufs: list[Tensor | None] = [None, None]
-        self._last: list[Any] = [None, None]
-        self._next = 0
-
-    def take(self, nbytes: int) -> tuple[int, Tensor]:
-        slot = self._next
-        self._next ^= 1
-        last = self._last[slot]
-        if last is not None:
-            last.synchronize()
-            self._last[slot] = None
-        buf = self._bufs[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-            self._bufs[slot] = buf
-        return slot, buf
-
-    def used_by(self, slot: int, event: Any) -> None:
-        self._last[slot] = event
-
-    def sync(self) -> None:
-        for slot, ev in enumerate(self._last):
-            if ev is not None:
-                ev.synchronize()
-                self._last[slot] = None
-
-
-def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
-    offsets, off = [], 0
-    for it, dtype in zip(items, dtypes):
-        offsets.append(off)
-        nbytes = it.view.numel * dtype.itemsize
-        off += -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
-    return offsets, off
-
-
-def _staged(buf: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
-    return buf[offset : offset + numel * dtype.itemsize].view(dtype)
-
-
-class CudaTransport:
-    """Parameters on one CUDA device: pinned staging, side streams, events.
-
-    d2h: the d2h stream waits on the job's ``ready_event`` (gradients final on the producing
-    stream), copies the chunk's gradient views into a pinned buffer (model dtype) and records an
-    event; the worker waits on it and upcasts into the fp32 grad slab. materialize: the worker
-    downcasts the updated master into a pinned buffer; the h2d stream waits on the job's
-    ``write_event`` (recorded on the caller's stream when ``step()`` began) and copies into the
-    parameters with ``non_blocking=True``. ``step()`` makes the caller's stream wait on the last
-    h2d event, so the next forward sees the new weights without a host sync.
-    """
-
-    is_async = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._d2h_stream = torch.cuda.Stream(device)
-        self._h2d_stream = torch.cuda.Stream(device)
-        self._d2h = _Staging()
-        self._h2d = _Staging()
-        self._lowp = _LowpBuffers(pin=True)
-        self._last_h2d: Any = None
-
-    def _event(self) -> Any:
-        return torch.cuda.Event(enable_timing=True)
-
-    def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None:
-        """Nothing: the kernel's gradient operands exist only after the worker's d2h copy."""
-
-    def issue_d2h(self, job: ChunkJob) -> None:
-        t_issue = time.perf_counter()
-        dtypes = [it.grad.dtype for it in job.items]  # type: ignore[union-attr]
-        offsets, nbytes = _staging_layout(job.items, dtypes)
-        with torch.cuda.device(self.device):
-            slot, buf = self._d2h.take(nbytes)
-            start, end = self._event(), self._event()
-            staged = []
-            with torch.cuda.stream(self._d2h_stream):
-                if job.ready_event is not None:
-                    self._d2h_stream.wait_event(job.ready_event)
-                start.record(self._d2h_stream)
-                for it, off, dtype in zip(job.items, offsets, dtypes):
-                    dst = _staged(buf, off, it.view.numel, dtype)
-                    src = _flat(it.grad)[it.view.start : it.view.stop]  # type: ignore[arg-type]
-                    dst.copy_(src, non_blocking=True)
-                    staged.append(dst)
-                end.record(self._d2h_stream)
-            self._d2h.used_by(slot, end)
-        job.transfer = (staged, start, end, t_issue)
-
-    def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        staged, start, end, t_issue = job.transfer
-        end.synchronize()
-        gpu_s = start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        lowp: list[Tensor | None] = []
-        for it, src in zip(job.items, staged):
-            if it.fused:  # fused-mp reads the pinned low-precision copy: no upcast
-                lowp.append(src)
-            else:
-                slabs.view("grad", it.view).copy_(src)
-                lowp.append(None)
-        job.lowp_grads = lowp
-        t1 = time.perf_counter()
-        records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
-        job.transfer = None
-
-    def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
-        """The parameter's pinned buffer (after its previous host-to-device copy finished)."""
-        return self._lowp.view(item, for_write=True)
-
-    def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        downcast = [it for it in job.items if not it.fused]
-        dtypes = [it.param.dtype for it in downcast]
-        offsets, nbytes = _staging_layout(downcast, dtypes)
-        t0 = time.perf_counter()
-        with torch.cuda.device(self.device):
-            slot, buf = self._h2d.take(nbytes)
-            by_item: dict[int, Tensor] = {}
-            for it, off, dtype in zip(downcast, offsets, dtypes):
-                dst = _staged(buf, off, it.view.numel, dtype)
-                dst.copy_(slabs.view("master", it.view))
-                by_item[id(it)] = dst
-            # fused-mp items: the kernel already wrote the weight into the pinned buffer.
-            staged = [
-                by_item[id(it)] if not it.fused else self._lowp.view(it, for_write=False)
-                for it in job.items
-            ]
-            t1 = time.perf_counter()
-            start, end = self._event(), self._event()
-            with torch.cuda.stream(self._h2d_stream):
-                if job.write_event is not None:
-                    self._h2d_stream.wait_event(job.write_event)
-                start.record(self._h2d_stream)
-                for it, src in zip(job.items, staged):
-                    it.param.detach().view(-1)[it.view.start : it.view.stop].copy_(
-                        src, non_blocking=True
-                    )
-                end.record(self._h2d_stream)
-            self._h2d.used_by(slot, end)
-            for it in job.items:
-                if it.fused:
-                    self._lowp.used_by(it.view.slot, end)
-            self._last_h2d = end
-        t2 = time.perf_counter()
-        records.append(
-            StageRecord(job.chunk, "materialize", t0, t2, t1 - t0, pending=(start, end))
-        )
-
-    def flush(self) -> Any:
-        """End of a step: wait for stray d2h copies; hand back the last h2d event (not waited)."""
-        self._d2h.sync()
-        last, self._last_h2d = self._last_h2d, None
-        return last
 
 
 @dataclass(slots=True)
@@ -490,18 +499,18 @@ class _SlabListCache:
     and by the worker; a dict get/set is atomic, and either writer stores a correct entry."""
 
     def __init__(self, slabs: HostSlabs) -> None:
-        self._slabs = slabs
-        self._entries: dict[tuple[int, bool], _SlabLists] = {}
+        self.slabs = slabs
+        self._entries: dict[tuple[int, tuple[str, ...]], _SlabLists] = {}
 
     def clear(self) -> None:
         self._entries.clear()
 
     def get(self, chunk: int, items: list[Item], kinds: tuple[SlabKind, ...]) -> dict[str, list[Tensor]]:
         views = tuple(it.view for it in items)
-        key = (chunk, "grad" in kinds)
+        key = (chunk, kinds)
         got = self._entries.get(key)
         if got is None or got.views != views:
-            got = _SlabLists(views, {k: [self._slabs.view(k, v) for v in views] for k in kinds})
+            got = _SlabLists(views, {k: [self.slabs.view(k, v) for v in views] for k in kinds})
             self._entries[key] = got
         return got.lists
 
@@ -539,14 +548,25 @@ class _Worker:
         torch.set_grad_enabled(False)
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        pending: list[Any] = []
+        pending: collections.deque[Any] = collections.deque()
+        lookahead = getattr(self.transport, "lookahead", 1) if self.transport.is_async else 0
         while True:
-            item = pending.pop(0) if pending else self.q.get()
+            item = pending.popleft() if pending else self.q.get()
             if item is _STOP:
                 self._release_threads()
                 return
             if isinstance(item, _Barrier):
                 self._barrier(item)
+                continue
+            if isinstance(item, _OnWorker):
+                try:
+                    self._use_threads(item.threads)
+                    item.fn()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    item.error = exc
+                finally:
+                    self._release_threads()
+                    item.event.set()
                 continue
             job: ChunkJob = item
             if self.error is not None:
@@ -554,15 +574,18 @@ class _Worker:
             try:
                 if job.update and job.transfer is None:
                     self.transport.issue_d2h(job)
-                if self.transport.is_async and job.update and not pending:
+                # Async transports: issue the gradient copies of the next queued jobs before this
+                # job's kernel, so they run while it computes (never past a barrier).
+                while job.update and len(pending) < lookahead and (
+                    not pending or isinstance(pending[-1], ChunkJob)
+                ):
                     try:
                         nxt = self.q.get_nowait()
                     except queue.Empty:
-                        nxt = None
-                    if nxt is not None:
-                        pending.append(nxt)
-                        if isinstance(nxt, ChunkJob) and nxt.update:
-                            self.transport.issue_d2h(nxt)
+                        break
+                    pending.append(nxt)
+                    if isinstance(nxt, ChunkJob) and nxt.update and nxt.transfer is None:
+                        self.transport.issue_d2h(nxt)
                 self._process(job)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller of step()
                 logger.debug("chunk %d failed", job.chunk, exc_info=True)
@@ -582,50 +605,26 @@ class _Worker:
             self.transport.materialize(job, self.slabs, self.records)
 
     def _kernel(self, job: ChunkJob) -> None:
-        new_steps: dict[bool, list[Tensor]] = {False: [], True: []}
-        for it in job.items:
-            if it.view.slot not in self.stepped:
-                self.stepped.add(it.view.slot)
-                new_steps[it.fused].append(it.step)
+        stepped = self.stepped
         t0 = time.perf_counter()
-        if job.operands is not None:
-            mixed_precision_adamw_(
-                *job.operands, steps_to_increment=new_steps[True], hyper=job.hyper
+        calls, call_steps = job.calls, job.call_steps
+        if calls is None:
+            assert job.grads is not None  # set by finish_d2h
+            transport = self.transport
+            f32_out = getattr(transport, "f32_out", None)
+            calls = _build_calls(
+                job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it),
+                None if f32_out is None else (lambda it: f32_out(job, it)),
             )
-            job.operands = None
-            self._record_kernel(job, t0)
-            return
-        plain = [it for it in job.items if not it.fused]
-        if plain:
-            lists = self.lists.get(job.chunk, plain, ("master", "grad", "exp_avg", "exp_avg_sq"))
-            fused_adamw_(
-                lists["master"],
-                lists["grad"],
-                lists["exp_avg"],
-                lists["exp_avg_sq"],
-                [it.step for it in plain],
-                steps_to_increment=new_steps[False],
-                hyper=job.hyper,
-            )
-        if len(plain) < len(job.items):
-            assert job.lowp_grads is not None  # set by finish_d2h
-            if plain:
-                fused = [it for it in job.items if it.fused]
-                grads = [g for g, it in zip(job.lowp_grads, job.items) if it.fused]
-            else:
-                fused, grads = job.items, job.lowp_grads
-            lists = self.lists.get(job.chunk, fused, ("master", "exp_avg", "exp_avg_sq"))
-            mixed_precision_adamw_(
-                [self.transport.lowp_out(job, it) for it in fused],
-                grads,  # type: ignore[arg-type]
-                lists["master"],
-                lists["exp_avg"],
-                lists["exp_avg_sq"],
-                [it.step for it in fused],
-                steps_to_increment=new_steps[True],
-                hyper=job.hyper,
-            )
-        job.lowp_grads = None
+        if call_steps is None:
+            call_steps = _call_steps(job.items, calls)
+        # Each parameter's step goes up once per optimizer step, in the first chunk holding it
+        # that runs (set.add returns None: the test adds the slot as it goes).
+        for (_, fn, args), (slots, steps) in zip(calls, call_steps):
+            new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
+            fn(*args, steps_to_increment=new, hyper=job.hyper)
+        job.calls = job.call_steps = None
+        job.grads = None
         self._record_kernel(job, t0)
 
     def _record_kernel(self, job: ChunkJob, t0: float) -> None:
@@ -687,16 +686,31 @@ class Pipeline:
         try:
             self.transport.prepare(job, self._lists)
         except Exception:  # noqa: BLE001 - the worker meets the same problem and reports it
-            job.operands = None
+            job.calls = job.call_steps = None
+            job.direct = False
             if not self._prepare_failed:  # the worker's path still works, but slower: say so once
                 self._prepare_failed = True
                 logger.warning("preparing chunk %d's kernel call at submit failed; the worker "
                                "prepares it instead (slower)", job.chunk, exc_info=True)
         self._q.put(job)
 
+    def on_worker(self, fn: Any, *, threads: int) -> None:
+        """Run ``fn()`` on the worker thread with ``threads`` intra-op threads and wait for it
+        (the NUMA first touch of the slabs: the pages land where the kernels will run)."""
+        done = _OnWorker(fn, threads)
+        self._q.put(done)
+        while not done.event.wait(_LIVENESS_POLL_S):
+            if not self._thread.is_alive():
+                raise RuntimeError("the optimizer's worker thread died; see the log")
+        if done.error is not None:
+            raise done.error
+
     def forget_layout(self) -> None:
         """Drop the cached kernel argument lists of the old chunk layout (call between steps)."""
         self._lists.clear()
+        forget = getattr(self.transport, "forget", None)
+        if forget is not None:
+            forget()
 
     def drain(self) -> DrainResult:
         """Wait until every submitted job is done; return their records and the first error."""

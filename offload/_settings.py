@@ -15,8 +15,9 @@ DEFAULT_CHUNK_NUMEL = 4 << 20
 #: Smallest accepted chunk; smaller chunks are dominated by per-call overhead.
 MIN_CHUNK_NUMEL = 1 << 10
 
-Kernel = Literal["torch", "fused-mp"]
-#: Every accepted ``OffloadSettings.kernel``, in the order the tuner lists them.
+Kernel = Literal["torch", "fused-mp", "auto"]
+#: The kernels a step can run, in the order the tuner lists them (``OffloadSettings.kernel`` also
+#: accepts "auto", which resolves to one of them).
 KERNELS: tuple[Kernel, ...] = ("torch", "fused-mp")
 
 
@@ -31,12 +32,20 @@ class OffloadSettings:
     """Intra-op threads for the CPU kernel; None means "use this rank's ThreadPlan"."""
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     """Target elements per pipeline chunk (chunks never cross a param-group boundary)."""
-    kernel: Kernel = "torch"
-    """CPU AdamW implementation. "torch": upcast the gradient, torch's fused CPU AdamW on fp32,
-    downcast the master into the parameter (three passes). "fused-mp": the single-pass
-    mixed-precision kernel (``offload/_fused_mp.py``) for bf16/fp16 parameters; fp32 parameters
-    keep the torch path. Where the kernel cannot be built the optimizer logs why once and runs
-    "torch" (``CPUOffloadAdamW.settings`` then says "torch")."""
+    kernel: Kernel = "auto"
+    """CPU AdamW implementation. "torch": torch's fused CPU AdamW on fp32 (bf16/fp16 parameters:
+    upcast the gradient, update the fp32 master, downcast it into the parameter: three passes).
+    "fused-mp": the single-pass native kernel (``offload/_fused_mp.py``): bf16/fp16 parameters
+    read their gradient and are written in the same pass as their fp32 master; fp32 parameters
+    get the same arithmetic in one parallel region per chunk. "auto" (default): "fused-mp" where
+    it is bitwise equal to "torch" on this torch build and CPU (``bitwise_matches_torch``) and it
+    builds, else "torch". Where the kernel cannot be built the optimizer logs why once and runs
+    "torch" (``CPUOffloadAdamW.settings`` says which kernel is in force, never "auto")."""
+    bind_numa: bool = False
+    """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
+    mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
+    the optimizer's worker thread with its intra-op threads, so their pages sit on the node whose
+    cores compute on them (``offload._threads.bind_rank_numa_node``). A no-op on one node."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (
@@ -52,8 +61,12 @@ class OffloadSettings:
             raise ValueError(
                 f"OffloadSettings.chunk_numel={self.chunk_numel!r}: expected an int >= {MIN_CHUNK_NUMEL}"
             )
-        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
-            raise ValueError(f"OffloadSettings.kernel={self.kernel!r}: expected one of {KERNELS}")
+        if not isinstance(self.bind_numa, bool):
+            raise ValueError(f"OffloadSettings.bind_numa={self.bind_numa!r}: expected a bool")
+        if not isinstance(self.kernel, str) or self.kernel not in (*KERNELS, "auto"):
+            raise ValueError(
+                f"OffloadSettings.kernel={self.kernel!r}: expected one of {KERNELS} or 'auto'"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,14 @@
-"""Flat host slabs (fp32 master weights, exp_avg, exp_avg_sq, grad) and their chunking.
+"""Flat host slabs (fp32 master weights, exp_avg, exp_avg_sq) and their chunking.
 
-Each param group owns four contiguous fp32 slabs; a parameter occupies ``[offset, offset +
-numel)`` of each, with ``offset`` a multiple of :data:`_ALIGN` (cache-line and SIMD aligned).
+Each param group owns three contiguous fp32 slabs; a parameter occupies ``[offset, offset +
+numel)`` of the moment slabs and ``[master_offset, master_offset + numel)`` of the master slab,
+each offset a multiple of :data:`_ALIGN` (cache-line and SIMD aligned). A parameter that is its
+own master (an fp32 parameter of a model on the CPU: the kernel updates it in place) has no place
+in the master slab: host state is 8 bytes per parameter then, 12 otherwise. There is no gradient
+slab: kernels read gradients where they are (CPU) or from chunk-sized staging (upcasts, CUDA),
+which saved 4 bytes per parameter. Measured (``python -m bench.bandwidth``, 50M GPT, 2-core VM): RSS
+growth of construction + first step 8.01 bytes/param for fp32 (torch's AdamW: 8.00), 12.00 for
+bf16 (it was 17.6 for fp32 with the master and gradient slabs).
 
 A chunk is a list of :class:`View` s, each a range ``[start, stop)`` *inside one parameter*, with
 ``start`` a multiple of :data:`_ALIGN`; the parameter's last element always lies in the view that
@@ -26,8 +33,8 @@ __all__ = ["_ALIGN", "Chunk", "HostSlabs", "ParamSlot", "View", "plan_chunks"]
 #: the 16-element units its ``parallel_for`` splits on.
 _ALIGN = 64
 
-SlabKind = Literal["master", "exp_avg", "exp_avg_sq", "grad"]
-SLAB_KINDS: tuple[SlabKind, ...] = ("master", "exp_avg", "exp_avg_sq", "grad")
+SlabKind = Literal["master", "exp_avg", "exp_avg_sq"]
+SLAB_KINDS: tuple[SlabKind, ...] = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -44,6 +51,12 @@ class ParamSlot:
     offset: int
     numel: int
     shape: torch.Size
+    master_offset: int = -1
+    """Offset in the group's master slab; -1 when the parameter is its own master."""
+
+    @property
+    def own_master(self) -> bool:
+        return self.master_offset < 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,21 +133,38 @@ def plan_chunks(slots: list[ParamSlot], chunk_numel: int) -> tuple[Chunk, ...]:
 
 
 class HostSlabs:
-    """The four fp32 slabs of every param group, and views into them."""
+    """The fp32 slabs of every param group, and views into them.
 
-    def __init__(self, shapes_per_group: list[list[torch.Size]]) -> None:
+    ``own_master[g][i]``: parameter ``i`` of group ``g`` is its own master (no master slab place).
+    """
+
+    def __init__(
+        self, shapes_per_group: list[list[torch.Size]], own_master: list[list[bool]] | None = None,
+        *, zero: bool = True,
+    ) -> None:
         slots: list[ParamSlot] = []
         self._slabs: list[dict[SlabKind, Tensor]] = []
         for g, shapes in enumerate(shapes_per_group):
-            offset = 0
-            for shape in shapes:
+            offset = moffset = 0
+            for i, shape in enumerate(shapes):
                 numel = int(torch.Size(shape).numel())
-                slots.append(ParamSlot(len(slots), g, offset, numel, torch.Size(shape)))
+                own = bool(own_master[g][i]) if own_master is not None else False
+                slots.append(ParamSlot(len(slots), g, offset, numel, torch.Size(shape),
+                                       -1 if own else moffset))
                 offset = _round_up(offset + numel, _ALIGN)
-            self._slabs.append(
-                {kind: torch.zeros(offset, dtype=torch.float32) for kind in SLAB_KINDS}
-            )
+                if not own:
+                    moffset = _round_up(moffset + numel, _ALIGN)
+            new = torch.zeros if zero else torch.empty  # empty: untouched pages, see first_touch
+            self._slabs.append({
+                "master": new(moffset, dtype=torch.float32),
+                "exp_avg": new(offset, dtype=torch.float32),
+                "exp_avg_sq": new(offset, dtype=torch.float32),
+            })
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
+        #: Per slot: its place was ever given to a parameter's state (until then it holds the
+        #: zeros it was made with: a model of ~20,000 small tensors spent ~2 s of its first step
+        #: zeroing moments that were zero already).
+        self.used = bytearray(len(slots))
         # view() is on the step's hot path (several calls per parameter per step); the slabs are
         # never reallocated, so each view tensor is made once and reused.
         self._views: dict[tuple[SlabKind, int, int, int], Tensor] = {}
@@ -143,10 +173,29 @@ class HostSlabs:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for slabs in self._slabs for t in slabs.values())
 
+    def slabs(self) -> list[Tensor]:
+        """Every slab tensor (for first-touch and memory accounting)."""
+        return [t for slabs in self._slabs for t in slabs.values()]
+
+    def first_touch(self) -> None:
+        """Zero every slab (keeps ``used``: the slabs hold zeros either way) with the calling thread's intra-op threads: on slabs made with
+        ``zero=False`` this is the first write of each page, which places it on the NUMA node of
+        the CPU that wrote it (Linux's default local policy)."""
+        for t in self.slabs():
+            t.zero_()
+
+    def _base(self, kind: SlabKind, s: ParamSlot) -> int:
+        if kind != "master":
+            return s.offset
+        if s.master_offset < 0:
+            raise KeyError(f"parameter {s.index} is its own master: it has no master slab view")
+        return s.master_offset
+
     def flat(self, kind: SlabKind, slot: int) -> Tensor:
         """The whole parameter ``slot`` in slab ``kind``, flat."""
         s = self.slots[slot]
-        return self._slabs[s.group][kind][s.offset : s.offset + s.numel]
+        base = self._base(kind, s)
+        return self._slabs[s.group][kind][base : base + s.numel]
 
     def shaped(self, kind: SlabKind, slot: int) -> Tensor:
         """The parameter ``slot`` in slab ``kind``, shaped like the parameter (a view)."""
@@ -162,6 +211,6 @@ class HostSlabs:
         t = self._views.get(key)
         if t is None:
             s = self.slots[v.slot]
-            base = s.offset
+            base = self._base(kind, s)
             t = self._views[key] = self._slabs[s.group][kind][base + v.start : base + v.stop]
         return t

@@ -713,3 +713,41 @@ def bind_to_device_numa_node(device: torch.device | int | str | None = None, *,
         mask = _affinity()
         return NumaBinding(node=None, cpus=mask, previous=mask, bound=False)
     return bind_to_numa_node(node, root=root)
+
+
+# ---- NUMA placement of one rank's optimizer state (before its slabs are allocated) ----------
+
+
+def numa_node_for(
+    *, mask: frozenset[int], nodes: Sequence[tuple[int, frozenset[int]]], device_node: int | None
+) -> int | None:
+    """The NUMA node a rank's host state belongs on, or None when there is nothing to choose.
+
+    With a GPU: the node sysfs reports for it (``device_node``; the copies cross no socket link).
+    Without: the node holding most CPUs of the rank's affinity mask (ties: the lowest id), so the
+    threads that compute on the state sit next to it. None on a single-node machine, or when the
+    mask meets no node's CPUs.
+    """
+    if device_node is not None:
+        return device_node
+    if len(nodes) < 2:
+        return None
+    best = max(((len(mask & cpus), -node) for node, cpus in nodes), default=(0, 0))
+    return -best[1] if best[0] > 0 else None
+
+
+def bind_rank_numa_node(device: torch.device | str | None = None, *,
+                        root: Path | str = "/") -> NumaBinding:
+    """Bind this process to the NUMA node of its GPU (``device`` on CUDA), or of its affinity mask
+    (CPU), see :func:`numa_node_for`; a no-op binding where there is nothing to choose."""
+    from offload._topology import read_numa_nodes  # (kept local: this section stands alone)
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return bind_to_device_numa_node(dev, root=root)
+    mask = _affinity()
+    node = numa_node_for(mask=mask, nodes=read_numa_nodes(root), device_node=None)
+    if node is None:
+        logger.debug("NUMA bind skipped: one NUMA node, or the mask %s meets none", format_cpulist(mask))
+        return NumaBinding(node=None, cpus=mask, previous=mask, bound=False)
+    return bind_to_numa_node(node, root=root)

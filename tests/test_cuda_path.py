@@ -81,18 +81,26 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, *, overlap: bool, side_s
             assert stages["adam_kernel"][1] <= stages["materialize"][0]
     if overlap:
         assert early[0] == 0 and all(n > 0 for n in early[1:]), early
+    else:  # host memory: the state and the chunk-sized rings, no buffer per parameter
+        assert not opt._pipeline.transport._lowp._bufs
+    numel = sum(p.numel() for p in model.parameters())
+    assert opt._slabs.nbytes <= 12 * numel + 3 * 64 * 4 * len(list(model.parameters()))
     opt.close()
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_numel", [1024, 1 << 20])
-def test_cuda_step_matches_cpu_master_reference(dtype: torch.dtype, chunk_numel: int) -> None:
-    _run(dtype, OffloadSettings(threads=2, chunk_numel=chunk_numel), overlap=False, side_stream=False)
+def test_cuda_step_matches_cpu_master_reference(dtype: torch.dtype, chunk_numel: int, kernel: str) -> None:
+    _run(dtype, OffloadSettings(threads=2, chunk_numel=chunk_numel, kernel=kernel),  # type: ignore[arg-type]
+         overlap=False, side_stream=False)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_overlap_backward_matches_cpu_master_reference(dtype: torch.dtype) -> None:
-    _run(dtype, OffloadSettings(threads=2, chunk_numel=1500), overlap=True, side_stream=False)
+def test_cuda_overlap_backward_matches_cpu_master_reference(dtype: torch.dtype, kernel: str) -> None:
+    _run(dtype, OffloadSettings(threads=2, chunk_numel=1500, kernel=kernel),  # type: ignore[arg-type]
+         overlap=True, side_stream=False)
 
 
 def test_cuda_on_a_non_default_current_stream() -> None:

@@ -71,11 +71,12 @@ def test_two_nodes_tune_and_cache_each_on_their_own(tmp_path: Path) -> None:
         # The node's local rank 0 (global rank 2 on the second node) wrote its own cache entry and trace.
         entries = json.loads((node_dir / "cache.json").read_text())["entries"]
         assert len(entries) == 1, entries
-        (summary_file,) = (node_dir / "trace").glob("summary*.json")  # summary.rank2.json on node 1
+        run = node_dir / "trace" / "run-1"  # --trace-dir DIR writes DIR/run-N (autotune/_runs.py)
+        (summary_file,) = run.glob("summary*.json")  # summary.rank2.json on node 1
         summary = json.loads(summary_file.read_text())
         assert summary["state"] == "locked" and summary["winner"] is not None, summary
         assert summary["probe_steps"] > 0 and summary["cache_hit"] is False, summary
-        rows = _trace_rows(node_dir / "trace")
+        rows = _trace_rows(run)
         assert {"torch", "fused-mp"} == {r["candidate"]["kernel"] for r in rows}, node
         # The node's agreement group is its own two local ranks; its local rank 0 (global rank
         # 0 or 2) traced it.

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from offload import _fused_mp
+from offload._kernels import Hyper, fused_adamw_, new_step_tensor
 from offload._fused_mp import (
     STEP_RTOL,
     FusedMPUnavailable,
@@ -473,3 +474,80 @@ def test_pip_ninja_is_put_on_path_only_during_the_build(monkeypatch) -> None:
     with _fused_mp._pip_ninja_on_path():
         assert os.environ["PATH"].split(os.pathsep)[0] == str(ninja.BIN_DIR)
     assert os.environ.get("PATH", "") == before
+
+
+# ---- fp32 entry point (the parameter is its own master) -------------------------------------
+
+
+def _f32_state(sizes, gen):
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    exp_avgs = [0.1 * torch.randn(n, generator=gen) for n in sizes]
+    exp_avg_sqs = [0.01 * torch.rand(n, generator=gen) for n in sizes]
+    return params, exp_avgs, exp_avg_sqs
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("hyper", [HYPER, {**HYPER, "weight_decay": 0.0, "beta1": 0.6}])
+def test_f32_entry_equals_torch_fused_adamw(kernel, threads, hyper) -> None:
+    """Odd sizes (every vector/tail/unit boundary), per-tensor steps, several steps with a changing
+    lr: bitwise equal to torch._fused_adamw_ (the same arithmetic as the bf16 master update)."""
+    gen = torch.Generator().manual_seed(11)
+    sizes = SIZES
+    params, exp_avgs, exp_avg_sqs = _f32_state(sizes, gen)
+    ref_p, ref_m, ref_v = _clone(params), _clone(exp_avgs), _clone(exp_avg_sqs)
+    steps = [new_step_tensor(float(i % 3)) for i in range(len(sizes))]
+    ref_steps = _clone(steps)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in range(3):
+            grads = _grads(sizes, torch.float32, gen)
+            lr = hyper["lr"] / (1 + k)
+            outs = [torch.full((n,), float("nan")) for n in sizes] if k == 1 else []
+            kernel.adamw_f32_steps_(params, grads, exp_avgs, exp_avg_sqs, steps, outs=outs,
+                                    steps_to_increment=steps, **{**hyper, "lr": lr})
+            fused_adamw_(ref_p, grads, ref_m, ref_v, ref_steps, steps_to_increment=ref_steps,
+                          hyper=Hyper(lr=lr, beta1=hyper["beta1"], beta2=hyper["beta2"],
+                                      weight_decay=hyper["weight_decay"], eps=hyper["eps"]))
+            for got, want, what in ((params, ref_p, "param"), (exp_avgs, ref_m, "exp_avg"),
+                                    (exp_avg_sqs, ref_v, "exp_avg_sq"), (steps, ref_steps, "step")):
+                for i, (g, w) in enumerate(zip(got, want)):
+                    _assert_same(g, w, what=f"{what}[{i}] step {k}", lr=lr)
+            for o, p in zip(outs, params):
+                assert torch.equal(o, p), "outs hold a copy of the updated parameters"
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "message"),
+    [
+        ("grad-bf16", TypeError, "adamw_f32_steps_: grads[1] has dtype torch.bfloat16: expected torch.float32"),
+        ("alias", ValueError, "params[0] and grads[0] share memory"),
+        ("outs-length", ValueError, "outs has 1 tensors: expected 2 like params (or none)"),
+        ("steps-length", ValueError, "state_steps has 1 tensors: expected 2 like params"),
+        ("moment-size", ValueError, "exp_avg_sqs[1] has 41 elements"),
+    ],
+)
+def test_f32_entry_bad_inputs_raise_before_touching_memory(kernel, case, error, message) -> None:
+    gen = torch.Generator().manual_seed(5)
+    params, exp_avgs, exp_avg_sqs = _f32_state([33, 40], gen)
+    grads = _grads([33, 40], torch.float32, gen)
+    steps = [new_step_tensor(), new_step_tensor()]
+    outs: list[torch.Tensor] = []
+    if case == "grad-bf16":
+        grads[1] = grads[1].bfloat16()
+    elif case == "alias":
+        grads[0] = params[0]
+    elif case == "outs-length":
+        outs = [torch.empty(33)]
+    elif case == "steps-length":
+        steps = steps[:1]
+    elif case == "moment-size":
+        exp_avg_sqs[1] = torch.zeros(41)
+    before = [t.clone() for t in (*params, *exp_avgs, *exp_avg_sqs, *steps)]
+    with pytest.raises(error, match=re.escape(message)):
+        kernel.adamw_f32_steps_(params, grads, exp_avgs, exp_avg_sqs, steps, outs=outs,
+                                steps_to_increment=steps, **HYPER)
+    after = [*params, *exp_avgs, *exp_avg_sqs, *steps]
+    assert all(torch.equal(a, b) for a, b in zip(after, before)), "memory was written"

@@ -178,7 +178,7 @@ def test_kernel_calls_prepared_at_submit_or_by_the_worker_agree(kernel, monkeypa
 
     def counting(self, job, lists):
         real_prepare(self, job, lists)
-        prepared.append(job.operands is not None)
+        prepared.append(job.calls is not None)
 
     monkeypatch.setattr(_pipeline.HostTransport, "prepare", counting)
     _run(torch.bfloat16, "fused-mp", chunk=3000)
@@ -215,12 +215,13 @@ def test_parameter_made_non_contiguous_is_refused_before_any_update(kernel, kern
 
 
 def test_fp32_model_with_fused_mp_set_is_torch_exact(kernel) -> None:
+    """fp32 parameters go to the kernel's fp32 entry point, bitwise equal to stock fused AdamW."""
     model = make_model(torch.float32)
     reference = copy.deepcopy(model)
     opt = CPUOffloadAdamW(param_groups(model), settings=_settings("fused-mp"))
-    assert opt.settings.kernel == "torch", "an fp32 model has nothing for fused-mp to update"
+    assert opt.settings.kernel == "fused-mp"
     kernels = _train(model, opt, _schedule(opt), range(STEPS))
-    assert set(kernels) == {"torch"}
+    assert set(kernels) == {"fused-mp"}
     ref = torch.optim.AdamW(param_groups(reference), fused=True)
     _train(reference, ref, _schedule(ref), range(STEPS))
     assert_bitwise(list(model.parameters()), list(reference.parameters()), "fp32 params")
@@ -438,9 +439,10 @@ def _tuned_run(dtype, *, settings: OffloadSettings, steps: int = 24, tmp_path=No
 def test_tuner_probes_the_kernel_on_bf16_and_never_changes_the_math(kernel) -> None:
     if not bitwise_matches_torch():
         pytest.skip("the kernel knob exists only where fused-mp is bitwise equal to the torch path")
-    got, kernels, space, summary = _tuned_run(torch.bfloat16, settings=OffloadSettings(chunk_numel=1 << 10))
+    got, kernels, space, summary = _tuned_run(
+        torch.bfloat16, settings=OffloadSettings(chunk_numel=1 << 10, kernel="torch"))
     assert "kernel" in space.names
-    assert summary["baseline"]["kernel"] == "torch", "baseline stays torch unless the user set one"
+    assert summary["baseline"]["kernel"] == "torch", "the baseline is the kernel the user set"
     assert set(kernels) == {"torch", "fused-mp"}, "both kernels were probed"
     model = make_model(torch.bfloat16)
     opt = CPUOffloadAdamW(param_groups(model), settings=_settings("torch"))
@@ -455,10 +457,11 @@ def test_tuner_keeps_the_users_kernel_as_baseline_and_fp32_has_no_knob(kernel) -
             torch.bfloat16, settings=OffloadSettings(chunk_numel=1 << 10, kernel="fused-mp"), steps=2
         )
         assert summary["baseline"]["kernel"] == "fused-mp"
+    # fp32: no knob (both kernels are in place and equal); the kernel set ("auto") just runs.
     _, kernels, space, _ = _tuned_run(
         torch.float32, settings=OffloadSettings(chunk_numel=1 << 10, kernel="fused-mp"), steps=2
     )
-    assert "kernel" not in space.names and set(kernels) == {"torch"}
+    assert "kernel" not in space.names and set(kernels) == {"fused-mp"}
 
 
 def _agree_worker(rank: int, world_size: int, *, unavailable_rank: int) -> list[str]:
@@ -516,4 +519,4 @@ def test_bandwidth_byte_accounting_per_kernel() -> None:
     assert bandwidth.step_bytes_per_param("bf16", "fused-mp") == {
         "d2h": 0, "adam_kernel": 28, "materialize": 0, "total": 28}
     assert bandwidth.step_bytes_per_param("bf16", "torch")["total"] == 40
-    assert bandwidth.step_bytes_per_param("fp32", "fused-mp")["total"] == 44  # fp32 keeps torch
+    assert bandwidth.step_bytes_per_param("fp32", "fused-mp")["total"] == 28  # fp32 on the CPU: in place

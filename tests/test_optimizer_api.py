@@ -183,9 +183,13 @@ def test_load_state_dict_rejects_mismatches() -> None:
 
 
 # ------------------------------------------------------------------------------ stats
-def test_step_stats_are_consistent() -> None:
-    model = make_model()
-    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024, threads=1))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_step_stats_are_consistent(dtype) -> None:
+    """bf16 on the torch kernel has all three stages; an fp32 CPU model only the kernel (it reads
+    the gradient and writes the parameter in place: no copies)."""
+    model = make_model(dtype)
+    opt = CPUOffloadAdamW(param_groups(model),
+                          settings=OffloadSettings(chunk_numel=1024, threads=1, kernel="torch"))
     assert opt.last_stats is None
     model(batch(0)).backward()
     opt.step()
@@ -203,6 +207,9 @@ def test_step_stats_are_consistent() -> None:
         assert 0.0 <= s.start_s <= s.end_s <= stats.step_s
         by_chunk.setdefault(s.chunk, {})[s.stage] = (s.start_s, s.end_s)
     for stages in by_chunk.values():
+        if dtype == torch.float32:
+            assert set(stages) == {"adam_kernel"}
+            continue
         assert set(stages) == {"d2h", "adam_kernel", "materialize"}
         assert stages["d2h"][1] <= stages["adam_kernel"][0]
         assert stages["adam_kernel"][1] <= stages["materialize"][0]
@@ -225,9 +232,9 @@ def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads(monkeypa
     monkeypatch.setattr(pipeline_mod, "fused_adamw_", spy)
     main_before = torch.get_num_threads()
     model = make_model()
-    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=3))
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=3, kernel="torch"))
     for step, threads in enumerate((3, 1, 2)):
-        opt.apply_settings(OffloadSettings(threads=threads))
+        opt.apply_settings(OffloadSettings(threads=threads, kernel="torch"))
         calls.clear()
         opt.zero_grad()
         model(batch(step)).backward()
@@ -253,13 +260,13 @@ def test_threads_default_comes_from_the_thread_plan(monkeypatch) -> None:
     opt = CPUOffloadAdamW(_params())
     assert opt.settings.threads == 5
     opt.apply_settings(OffloadSettings(threads=None, chunk_numel=2048))
-    assert opt.settings == OffloadSettings(threads=5, chunk_numel=2048)
+    assert opt.settings == OffloadSettings(threads=5, chunk_numel=2048, kernel=opt.settings.kernel)
     opt.close()
 
 
 def test_worker_exception_reaches_step_and_the_worker_survives(monkeypatch) -> None:
     model = make_model()
-    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024))
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024, kernel="torch"))
     real = pipeline_mod.fused_adamw_
     calls = []
 

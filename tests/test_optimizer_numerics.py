@@ -115,21 +115,26 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, on_step=None):
     return model, opt
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("chunk_numel", [1024, 1500, 4096, 1 << 20])
-def test_fp32_bitwise_equal_to_torch_fused_adamw(chunk_numel: int, threads: int) -> None:
-    model, opt = _run(torch.float32, OffloadSettings(threads=threads, chunk_numel=chunk_numel))
+def test_fp32_bitwise_equal_to_torch_fused_adamw(chunk_numel: int, threads: int, kernel: str) -> None:
+    """Both kernels ("auto" is the native fp32 entry where it is verified and built)."""
+    model, opt = _run(torch.float32, OffloadSettings(threads=threads, chunk_numel=chunk_numel,
+                                                     kernel=kernel))  # type: ignore[arg-type]
     if chunk_numel == 1024:
         assert len(opt._chunks) > 10  # chunks really split parameters
     _check_against_reference(model, opt, torch.float32)
     opt.close()
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
 @pytest.mark.parametrize(
     ("chunk_numel", "threads"), [(1024, 1), (1500, 2), (1 << 20, 2)]
 )
-def test_bf16_bitwise_equal_to_mixed_precision_reference(chunk_numel: int, threads: int) -> None:
-    model, opt = _run(torch.bfloat16, OffloadSettings(threads=threads, chunk_numel=chunk_numel))
+def test_bf16_bitwise_equal_to_mixed_precision_reference(chunk_numel: int, threads: int, kernel: str) -> None:
+    model, opt = _run(torch.bfloat16, OffloadSettings(threads=threads, chunk_numel=chunk_numel,
+                                                      kernel=kernel))  # type: ignore[arg-type]
     _check_against_reference(model, opt, torch.bfloat16)
     opt.close()
 

@@ -65,10 +65,10 @@ def test_overlap_is_bitwise_equal_to_the_plain_step(dtype, chunk_numel: int, thr
     over.close()
 
 
-def _calibrated(threads: int = 1) -> tuple[torch.nn.Module, CPUOffloadAdamW]:
+def _calibrated(threads: int = 1, kernel: str = "auto") -> tuple[torch.nn.Module, CPUOffloadAdamW]:
     model = make_model()
     opt = CPUOffloadAdamW(
-        param_groups(model), settings=OffloadSettings(threads=threads, chunk_numel=1024),
+        param_groups(model), settings=OffloadSettings(threads=threads, chunk_numel=1024, kernel=kernel),
         overlap_backward=True,
     )
     _train(model, opt, range(2))
@@ -142,7 +142,7 @@ def test_step_without_backward_and_no_grads_match_the_plain_step() -> None:
 
 
 def test_failure_of_an_early_chunk_reaches_step(monkeypatch) -> None:
-    model, opt = _calibrated()
+    model, opt = _calibrated(kernel="torch")
     real = pipeline_mod.fused_adamw_
     monkeypatch.setattr(
         pipeline_mod, "fused_adamw_", lambda *a, **k: (_ for _ in ()).throw(OSError("injected"))

@@ -1,4 +1,5 @@
-// Single-pass mixed-precision AdamW step for CPU offload.
+// Single-pass AdamW steps for CPU offload: mixed precision (bf16/fp16 parameter, fp32 master)
+// and fp32 (the parameter is its own master, adamw_f32_steps_).
 //
 // One pass per element: read the low-precision (bf16/fp16) gradient, upcast it exactly to fp32,
 // update the fp32 master weight and both fp32 moments in place, and write the master, rounded to
@@ -236,6 +237,72 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
   }
 }
 
+// fp32 parameters: the parameter is its own master. Reads the fp32 gradient where it is, updates
+// the parameter and both moments in place and, when `out` is not null, also stores the new value
+// there (CUDA: the pinned buffer the host-to-device copy reads). The lane arithmetic is that of
+// adamw_vec / adamw_scalar, which reproduce torch's fused fp32 kernel; the split into vector body
+// and scalar tail is torch's (one float vector at a time, the last size % fVec::size() scalar).
+// Traffic: 4 (grad) + 8 + 8 + 8 = 28 bytes per parameter, the same as torch's fused kernel.
+void adamw_span_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                    float* out, int64_t size, const Coeffs& c) {
+  constexpr int64_t kW = fVec::size();
+  const VecCoeffs k(c);
+  int64_t d = 0;
+  for (; d + kW <= size; d += kW) {
+    const fVec p = adamw_vec(fVec::loadu(param + d), fVec::loadu(grad + d), exp_avg + d,
+                             exp_avg_sq + d, k);
+    p.store(param + d);
+    if (out != nullptr) p.store(out + d);
+  }
+  const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
+  for (; d < size; ++d) {
+    const float p = adamw_scalar(param[d], grad[d], exp_avg + d, exp_avg_sq + d, d < block_end, c);
+    param[d] = p;
+    if (out != nullptr) out[d] = p;
+  }
+}
+
+// Runs `span(i, lo, hi)` over elements [lo, hi) of tensor i for every tensor, in one parallel
+// region whose threads take blocks of kBlockUnits from a shared counter rather than a fixed
+// 1/threads share each. A fixed share makes every call wait for its slowest thread, and on shared
+// or noisy CPUs (another process, an interrupt) that wait is paid once per call, i.e. per chunk;
+// with blocks the delayed thread just takes fewer of them. Which thread updates an element changes
+// nothing in its arithmetic. Each tensor starts on a unit boundary, so a block maps to unit-aligned
+// slices of consecutive tensors; `lo` is a multiple of kUnit.
+template <typename SpanFn>
+void for_each_span(const std::vector<int64_t>& numel, const SpanFn& span) {
+  const size_t n = numel.size();
+  std::vector<int64_t> unit_start(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) unit_start[i + 1] = unit_start[i] + (numel[i] + kUnit - 1) / kUnit;
+  const int64_t total_units = unit_start[n];
+  if (total_units == 0) return;
+  const auto update_units = [&](int64_t begin, int64_t end) {
+    size_t i = static_cast<size_t>(
+        std::upper_bound(unit_start.begin(), unit_start.end(), begin) - unit_start.begin() - 1);
+    for (; i < n && unit_start[i] < end; ++i) {
+      const int64_t lo_unit = std::max(begin, unit_start[i]) - unit_start[i];
+      const int64_t hi_unit = std::min(end, unit_start[i + 1]) - unit_start[i];
+      const int64_t lo = lo_unit * kUnit;
+      const int64_t hi = std::min(hi_unit * kUnit, numel[i]);
+      if (hi > lo) span(i, lo, hi);
+    }
+  };
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(),
+                                            (total_units + kGrainUnits - 1) / kGrainUnits);
+  if (workers <= 1 || at::in_parallel_region()) {
+    update_units(0, total_units);
+    return;
+  }
+  const int64_t blocks = (total_units + kBlockUnits - 1) / kBlockUnits;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < blocks;
+         b = next.fetch_add(1, std::memory_order_relaxed)) {
+      update_units(b * kBlockUnits, std::min(total_units, (b + 1) * kBlockUnits));
+    }
+  });
+}
+
 // ---- validation (all of it runs before the first write) -------------------------------------
 
 std::string dtype_name(at::ScalarType t) {
@@ -321,7 +388,7 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   std::vector<const grad_t*> g_lp(n);
   std::vector<float*> m32(n), ea(n), eas(n);
   std::vector<int64_t> numel(n);
-  std::vector<int64_t> unit_start(n + 1, 0);
+  int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     p_lp[i] = params_lowp[i].mutable_data_ptr<param_t>();
     g_lp[i] = grads_lowp[i].const_data_ptr<grad_t>();
@@ -329,45 +396,12 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
     ea[i] = exp_avgs[i].mutable_data_ptr<float>();
     eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
     numel[i] = masters[i].numel();
-    unit_start[i + 1] = unit_start[i] + (numel[i] + kUnit - 1) / kUnit;
+    total += numel[i];
   }
-  const int64_t total_units = unit_start[n];
-  if (total_units == 0) return;
-  const bool stream = total_units * kUnit >= kStreamMinElements;
-
-  // Units [begin, end) of the concatenation of all tensors: each tensor starts on a unit
-  // boundary, so the range maps to unit-aligned slices of consecutive tensors.
-  const auto update_units = [&](int64_t begin, int64_t end) {
-    size_t i = static_cast<size_t>(
-        std::upper_bound(unit_start.begin(), unit_start.end(), begin) - unit_start.begin() - 1);
-    for (; i < n && unit_start[i] < end; ++i) {
-      const int64_t lo_unit = std::max(begin, unit_start[i]) - unit_start[i];
-      const int64_t hi_unit = std::min(end, unit_start[i + 1]) - unit_start[i];
-      const int64_t lo = lo_unit * kUnit;
-      const int64_t hi = std::min(hi_unit * kUnit, numel[i]);
-      if (hi <= lo) continue;
-      adamw_span<param_t, grad_t>(p_lp[i] + lo, g_lp[i] + lo, m32[i] + lo, ea[i] + lo,
-                                  eas[i] + lo, hi - lo, coeffs[i], stream);
-    }
-  };
-  // One parallel region per call; its threads take blocks of kBlockUnits from a shared counter
-  // rather than a fixed 1/threads share each. A fixed share makes every call wait for its slowest
-  // thread, and on shared or noisy CPUs (another process, an interrupt) that wait is paid once
-  // per call, i.e. per chunk; with blocks the delayed thread just takes fewer of them. Which
-  // thread updates an element changes nothing in its arithmetic.
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(),
-                                            (total_units + kGrainUnits - 1) / kGrainUnits);
-  if (workers <= 1 || at::in_parallel_region()) {
-    update_units(0, total_units);
-    return;
-  }
-  const int64_t blocks = (total_units + kBlockUnits - 1) / kBlockUnits;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < blocks;
-         b = next.fetch_add(1, std::memory_order_relaxed)) {
-      update_units(b * kBlockUnits, std::min(total_units, (b + 1) * kBlockUnits));
-    }
+  const bool stream = total >= kStreamMinElements;
+  for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
+    adamw_span<param_t, grad_t>(p_lp[i] + lo, g_lp[i] + lo, m32[i] + lo, ea[i] + lo, eas[i] + lo,
+                                hi - lo, coeffs[i], stream);
   });
 }
 
@@ -472,10 +506,10 @@ void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
 }
 
 // Checks a 0-d (or one-element) fp32 CPU step tensor.
-void check_step(const at::Tensor& t, const char* arg, size_t i) {
+void check_step(const char* fn, const at::Tensor& t, const char* arg, size_t i) {
   const auto where = [&]() {
     std::ostringstream out;
-    out << "fused_mp_adamw_steps_: " << arg << "[" << i << "]";
+    out << fn << ": " << arg << "[" << i << "]";
     return out.str();
   };
   if (!t.defined()) fail_value(where() + " is an undefined tensor");
@@ -493,35 +527,27 @@ void check_step(const at::Tensor& t, const char* arg, size_t i) {
   }
 }
 
-// A step per tensor, read from its fp32 step tensor as torch's fused AdamW reads it, after adding
-// one to each of `steps_to_increment` (as torch._foreach_add_(steps, 1) does before the fused
-// call). The offload pipeline calls this once per chunk: the per-parameter step bookkeeping runs
-// here, not as one Python-level tensor op per parameter.
-void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
-                           const std::vector<at::Tensor>& grads_lowp,
-                           const std::vector<at::Tensor>& masters,
-                           const std::vector<at::Tensor>& exp_avgs,
-                           const std::vector<at::Tensor>& exp_avg_sqs,
-                           const std::vector<at::Tensor>& state_steps,
-                           const std::vector<at::Tensor>& steps_to_increment, double lr,
-                           double beta1, double beta2, double eps, double weight_decay) {
-  const auto [p_dtype, g_dtype] = check_lists("fused_mp_adamw_steps_", params_lowp, grads_lowp,
-                                               masters, exp_avgs, exp_avg_sqs);
-  const size_t n = masters.size();
+// The steps of one call: checks every step tensor and computes each tensor's coefficients from
+// the value its step tensor holds after adding one to each of `steps_to_increment` (as
+// torch._foreach_add_(steps, 1) does before the fused call). Writes nothing: the increments are
+// returned in `incremented` (by address), for the caller to store once every check passed. A
+// storage listed twice (the same tensor, or two views of one element) goes up twice, as with
+// _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
+// lazily cloned step tensor never shares the address its original is incremented at.
+std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
+                                const std::vector<at::Tensor>& state_steps,
+                                const std::vector<at::Tensor>& steps_to_increment, double lr,
+                                double beta1, double beta2, double eps, double weight_decay,
+                                std::unordered_map<float*, float>& incremented) {
   if (state_steps.size() != n) {
     std::ostringstream msg;
-    msg << "fused_mp_adamw_steps_: state_steps has " << state_steps.size()
-        << " tensors: expected " << n << " like masters";
+    msg << fn << ": state_steps has " << state_steps.size() << " tensors: expected " << n
+        << " like " << like;
     fail_value(msg.str());
   }
   for (size_t j = 0; j < steps_to_increment.size(); ++j) {
-    check_step(steps_to_increment[j], "steps_to_increment", j);
+    check_step(fn, steps_to_increment[j], "steps_to_increment", j);
   }
-  // The values after the increments, by address, computed before anything is written. A storage
-  // listed twice (the same tensor, or two views of one element) goes up twice, as with
-  // _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
-  // lazily cloned step tensor never shares the address its original is incremented at.
-  std::unordered_map<float*, float> incremented;
   incremented.reserve(steps_to_increment.size());
   for (const at::Tensor& t : steps_to_increment) {
     float* ptr = t.mutable_data_ptr<float>();
@@ -530,22 +556,116 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
   }
   std::vector<Coeffs> coeffs;
   coeffs.reserve(n);
+  // The coefficients depend on the step value only (the hyper-parameters are the call's): reuse
+  // the last ones while the value repeats, as it does for every tensor of a usual step (two pow
+  // calls per tensor were a visible part of a call over thousands of small tensors).
+  float last_value = 0.0f;
   for (size_t i = 0; i < n; ++i) {
-    check_step(state_steps[i], "state_steps", i);
+    check_step(fn, state_steps[i], "state_steps", i);
     const float* ptr = state_steps[i].const_data_ptr<float>();
     const auto found = incremented.find(const_cast<float*>(ptr));
     const float value = found == incremented.end() ? *ptr : found->second;
     if (!std::isfinite(value) || value < 1.0f) {
       std::ostringstream msg;
-      msg << "fused_mp_adamw_steps_: state_steps[" << i << "] is " << value
+      msg << fn << ": state_steps[" << i << "] is " << value
           << " after the increments: expected a finite step >= 1";
       fail_value(msg.str());
     }
-    coeffs.push_back(make_coeffs(value, lr, beta1, beta2, eps, weight_decay));
+    if (!coeffs.empty() && value == last_value) {
+      coeffs.push_back(coeffs.back());
+    } else {
+      coeffs.push_back(make_coeffs(value, lr, beta1, beta2, eps, weight_decay));
+    }
+    last_value = value;
   }
+  return coeffs;
+}
+
+// A step per tensor, read from its fp32 step tensor as torch's fused AdamW reads it (see
+// step_coeffs). The offload pipeline calls this once per chunk: the per-parameter step
+// bookkeeping runs here, not as one Python-level tensor op per parameter.
+void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
+                           const std::vector<at::Tensor>& grads_lowp,
+                           const std::vector<at::Tensor>& masters,
+                           const std::vector<at::Tensor>& exp_avgs,
+                           const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<at::Tensor>& state_steps,
+                           const std::vector<at::Tensor>& steps_to_increment, double lr,
+                           double beta1, double beta2, double eps, double weight_decay) {
+  const char* fn = "fused_mp_adamw_steps_";
+  const auto [p_dtype, g_dtype] =
+      check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  std::unordered_map<float*, float> incremented;
+  const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
+                                                 steps_to_increment, lr, beta1, beta2, eps,
+                                                 weight_decay, incremented);
   bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment);
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs);
+}
+
+// fp32 parameters (each its own master) with fp32 gradients, torch's step bookkeeping as in
+// fused_mp_adamw_steps_. `outs`: empty, or one fp32 tensor per parameter that receives a copy of
+// the updated parameter. Every check runs before the first write.
+void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& exp_avgs,
+                      const std::vector<at::Tensor>& exp_avg_sqs,
+                      const std::vector<at::Tensor>& state_steps,
+                      const std::vector<at::Tensor>& outs,
+                      const std::vector<at::Tensor>& steps_to_increment, double lr, double beta1,
+                      double beta2, double eps, double weight_decay) {
+  const char* fn = "adamw_f32_steps_";
+  const size_t n = params.size();
+  const bool with_out = !outs.empty();
+  const std::vector<std::pair<const char*, const std::vector<at::Tensor>*>> lists = {
+      {"grads", &grads}, {"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}, {"outs", &outs}};
+  for (const auto& [name, list] : lists) {
+    if (list->size() != n && !(list == &outs && outs.empty())) {
+      std::ostringstream msg;
+      msg << fn << ": " << name << " has " << list->size() << " tensors: expected " << n
+          << " like params" << (list == &outs ? " (or none)" : "");
+      fail_value(msg.str());
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!params[i].defined()) {
+      fail_value(std::string(fn) + ": params[" + std::to_string(i) + "] is an undefined tensor");
+    }
+    const int64_t numel = params[i].numel();
+    check_tensor(fn, params[i], "params", i, numel, at::kFloat);
+    check_tensor(fn, grads[i], "grads", i, numel, at::kFloat);
+    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
+    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
+    if (with_out) check_tensor(fn, outs[i], "outs", i, numel, at::kFloat);
+    check_no_overlap(fn, {span_of(params[i], "params"), span_of(grads[i], "grads"),
+                          span_of(exp_avgs[i], "exp_avgs"), span_of(exp_avg_sqs[i], "exp_avg_sqs"),
+                          with_out ? span_of(outs[i], "outs") : Span{0, 0, "outs"}},
+                     i);
+  }
+  std::unordered_map<float*, float> incremented;
+  const std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
+                                                 beta1, beta2, eps, weight_decay, incremented);
+  for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &outs, &steps_to_increment}) {
+    for (const at::Tensor& t : *list) t.unsafeGetTensorImpl()->bump_version();
+  }
+  for (const auto& [p, v] : incremented) *p = v;  // the first write
+  if (n == 0) return;
+  std::vector<float*> pp(n), ea(n), eas(n), op(n);
+  std::vector<const float*> gp(n);
+  std::vector<int64_t> numel(n);
+  for (size_t i = 0; i < n; ++i) {
+    pp[i] = params[i].mutable_data_ptr<float>();
+    gp[i] = grads[i].const_data_ptr<float>();
+    ea[i] = exp_avgs[i].mutable_data_ptr<float>();
+    eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
+    op[i] = with_out ? outs[i].mutable_data_ptr<float>() : nullptr;
+    numel[i] = params[i].numel();
+  }
+  pybind11::gil_scoped_release no_gil;
+  for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
+    adamw_span_f32(pp[i] + lo, gp[i] + lo, ea[i] + lo, eas[i] + lo,
+                   op[i] == nullptr ? nullptr : op[i] + lo, hi - lo, coeffs[i]);
+  });
 }
 
 // Distinct intra-op threads one parallel_for used: checks that the kernel's parallel regions run
@@ -585,6 +705,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"), pybind11::kw_only(),
         pybind11::arg("steps_to_increment"), pybind11::arg("lr"), pybind11::arg("beta1"),
         pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"));
+  m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
+        pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
+        pybind11::kw_only(), pybind11::arg("outs"), pybind11::arg("steps_to_increment"),
+        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
+        pybind11::arg("weight_decay"));
   m.def("capability", &capability, "CPU_CAPABILITY this build was compiled for.");
   m.def("threads_used", &threads_used, pybind11::arg("units"),
         "Distinct intra-op threads a parallel_for over `units` work items ran on.");

@@ -1,0 +1,233 @@
+"""The CUDA transport's schedule, checked without a GPU: its device operations go to fake streams
+(threads that run copies and events asynchronously, in order), and gates make every copy that
+should overlap a kernel wait for that kernel to start, and the kernel wait for the copy to start.
+A schedule that serialises a copy and a kernel then stalls at a gate (a recorded timeout), so the
+test checks structurally, never by wall-clock, that chunk i+1's gradients come down and chunk i-1's
+weights go up while chunk i is in the kernel. The values are checked against torch's AdamW."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import offload._pipeline as pipeline_mod
+from offload._cuda_transport import CudaTransport
+from offload._kernels import Hyper, new_step_tensor
+from offload._pipeline import KIND_F32, KIND_MP, KIND_TORCH, ChunkJob, Item, Pipeline
+from offload._slabs import HostSlabs, plan_chunks
+
+NUMEL, CHUNKS = 1000, 6  # one parameter per chunk (chunk_numel 1024)
+
+
+class Log:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.entries: list[tuple[str, int, str]] = []
+        self.violations: list[str] = []
+        self._cond = threading.Condition()
+
+    def add(self, entry: tuple[str, int, str]) -> None:
+        with self._cond:
+            self.entries.append(entry)
+            self._cond.notify_all()
+
+    def wait_for(self, entry: tuple[str, int, str], who: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: entry in self.entries, timeout=self.timeout_s):
+                self.violations.append(f"{who} waited in vain for {entry}")
+
+    def index(self, entry: tuple[str, int, str]) -> int:
+        return self.entries.index(entry)
+
+
+class FakeEvent:
+    def __init__(self, label: Any) -> None:
+        self.label = label
+        self.done = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(30), f"event {self.label} never completed"
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 0.0
+
+
+class FakeStream:
+    """Runs its operations in order on its own thread, like a CUDA stream on a copy engine."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (op := self.q.get()) is not None:
+            op()
+
+
+class FakeOps:
+    """Device ops whose copies run asynchronously on fake streams; gates on transfer starts."""
+
+    def __init__(self, log: Log, num_chunks: int, *, gate: bool = True) -> None:
+        self.log, self.n, self.gate = log, num_chunks, gate
+        self.streams: list[FakeStream] = []
+
+    def stream(self) -> FakeStream:
+        s = FakeStream()
+        self.streams.append(s)
+        return s
+
+    def event(self, label: tuple[str, int, str]) -> FakeEvent:
+        return FakeEvent(label)
+
+    def record(self, event: FakeEvent, stream: FakeStream) -> None:
+        def reached() -> None:
+            kind, chunk, phase = event.label
+            if phase == "start" and self.gate:  # the gate: the kernel this copy should overlap has started
+                kernel = chunk - 1 if kind == "d2h" else chunk + 1
+                if 0 <= kernel < self.n:
+                    self.log.wait_for(("kernel", kernel, "start"), f"{kind} of chunk {chunk}")
+            self.log.add(event.label)
+            event.done.set()
+
+        stream.q.put(reached)
+
+    def wait(self, stream: FakeStream, event: FakeEvent) -> None:
+        stream.q.put(event.synchronize)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
+        stream.q.put(lambda: dst.copy_(src))
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.q.put(None)
+
+
+def _gated_kernel(log: Log, n: int, real: Callable[..., None]) -> Callable[..., None]:
+    def kernel(self: Any, job: ChunkJob) -> None:
+        c = job.chunk
+        log.add(("kernel", c, "start"))
+        if c + 1 < n:
+            log.wait_for(("d2h", c + 1, "start"), f"kernel of chunk {c}")
+        if c >= 1:
+            log.wait_for(("h2d", c - 1, "start"), f"kernel of chunk {c}")
+        real(self, job)
+        log.add(("kernel", c, "end"))
+
+    return kernel
+
+
+def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
+         early: bool = False):
+    dtype = torch.bfloat16 if kind == KIND_MP else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(NUMEL, generator=gen).to(dtype) for _ in range(CHUNKS)]
+    grads = [torch.randn(NUMEL, generator=gen).to(dtype) for _ in range(CHUNKS)]
+    reference = [p.float().clone().requires_grad_(True) for p in params]
+    for r, g in zip(reference, grads):
+        r.grad = g.float()
+    ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
+    ref_opt.step()
+
+    slabs = HostSlabs([[p.shape for p in params]])
+    for i, p in enumerate(params):
+        slabs.flat("master", i).copy_(p.float())
+    chunks = plan_chunks(list(slabs.slots), 1024)
+    assert len(chunks) == CHUNKS
+    log = Log(timeout_s)
+    ops = FakeOps(log, CHUNKS, gate=not early)
+    if not early:  # (chunks started during backward copy their weights up only in step())
+        monkeypatch.setattr(pipeline_mod._Worker, "_kernel",
+                            _gated_kernel(log, CHUNKS, pipeline_mod._Worker._kernel))
+    transport = CudaTransport(torch.device("cpu"), slots=2, ops=ops)
+    if lookahead is not None:
+        transport.lookahead = lookahead
+    # Hold the worker at its first copy until every job is queued (as step() queues them at once).
+    queued = threading.Event()
+    real_copy = ops.copy
+    ops.copy = lambda dst, src, stream: (queued.wait(30), real_copy(dst, src, stream))[1]  # type: ignore[method-assign]
+    pipe = Pipeline(slabs, transport, name="schedule-test")
+    try:
+        hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+        steps = [new_step_tensor() for _ in params]
+        items = []
+        for c in chunks:
+            (v,) = c.views
+            items.append(Item(v, params[v.slot], grads[v.slot], 0, steps[v.slot], kind))
+            # early: as during backward (kernel into a pinned buffer, weights unchanged)
+            pipe.submit(ChunkJob(c.index, [items[-1]], hyper, 1, True, not early))
+        queued.set()
+        if early:
+            before = [p.clone() for p in params]
+            assert pipe.drain().error is None
+            assert all(torch.equal(p, b) for p, b in zip(params, before)), "weights changed early"
+            for c, item in zip(chunks, items):  # step(): the weights go up
+                pipe.submit(ChunkJob(c.index, [item], hyper, 1, False, True))
+        result = pipe.drain()
+        assert result.error is None, result.error
+        result.last_h2d_event.synchronize()
+    finally:
+        pipe.close()
+        ops.close()
+    return log, params, [r.detach().to(dtype) for r in reference]
+
+
+@pytest.mark.parametrize("kind", [KIND_TORCH, KIND_F32, KIND_MP], ids=["torch-fp32", "fused-fp32", "fused-mp-bf16"])
+def test_copies_of_neighbour_chunks_run_while_a_chunk_is_in_the_kernel(monkeypatch, kind) -> None:
+    if kind != KIND_TORCH:
+        from offload._fused_mp import fused_mp_available
+
+        ok, reason = fused_mp_available()
+        if not ok:
+            pytest.skip(f"fused-mp kernel unavailable: {reason}")
+    log, params, expected = _run(monkeypatch, kind)
+    assert log.violations == []
+    at = log.index
+    for c in range(CHUNKS):
+        if c + 1 < CHUNKS:  # the next chunk's gradients come down during this kernel
+            assert at(("d2h", c + 1, "start")) < at(("kernel", c, "end"))
+            assert at(("kernel", c, "start")) < at(("d2h", c + 1, "end"))
+        if c >= 1:  # the previous chunk's weights go up during this kernel
+            assert at(("h2d", c - 1, "start")) < at(("kernel", c, "end"))
+            assert at(("kernel", c, "start")) < at(("h2d", c - 1, "end"))
+        assert at(("d2h", c, "end")) < at(("kernel", c, "start")) < at(("kernel", c, "end")) < at(("h2d", c, "start"))
+    for i, (p, e) in enumerate(zip(params, expected)):
+        assert torch.equal(p, e), f"parameter {i} differs from torch's AdamW"
+
+
+@pytest.mark.parametrize("kind", [KIND_TORCH, KIND_F32, KIND_MP], ids=["torch-fp32", "fused-fp32", "fused-mp-bf16"])
+def test_chunks_started_during_backward_write_the_weights_only_at_step(monkeypatch, kind) -> None:
+    if kind != KIND_TORCH:
+        from offload._fused_mp import fused_mp_available
+
+        ok, reason = fused_mp_available()
+        if not ok:
+            pytest.skip(f"fused-mp kernel unavailable: {reason}")
+    _, params, expected = _run(monkeypatch, kind, early=True)
+    for i, (p, e) in enumerate(zip(params, expected)):
+        assert torch.equal(p, e), f"parameter {i} differs from torch's AdamW"
+
+
+def test_a_serial_schedule_is_caught(monkeypatch) -> None:
+    """Without lookahead the next chunk's gradients are not in flight during a kernel: the gates
+    record it (so the test above can fail), and the values are still right."""
+    log, params, expected = _run(monkeypatch, KIND_TORCH, lookahead=0, timeout_s=0.2)
+    assert any("kernel of chunk" in v and "'d2h'" in v for v in log.violations)
+    for p, e in zip(params, expected):
+        assert torch.equal(p, e)
+
+
+def test_ring_needs_two_slots() -> None:
+    with pytest.raises(ValueError, match="staging slots=1: expected >= 2"):
+        CudaTransport(torch.device("cpu"), slots=1, ops=FakeOps(Log(1.0), 1))
