@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
+from bench._args import int_list, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
@@ -75,16 +76,6 @@ def step_bytes_per_param(dtype: str, kernel: str = "torch", device: str = "cpu")
             "total": size + 4 + ADAM_BYTES_PER_PARAM + 4 + size}
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
-    return values
-
-
 def _str_list(choices: Sequence[str]):
     def parse(text: str) -> list[str]:
         values = [x.strip() for x in text.split(",") if x.strip()]
@@ -102,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=_str_list(sorted(PRESETS)), default=None,
                    help="model presets, comma-separated (default 50m; tiny with --quick)")
     p.add_argument("--dtypes", type=_str_list(sorted(_DTYPES)), default=["fp32", "bf16"])
-    p.add_argument("--threads", type=_int_list, default=None, help="thread counts (default 1..cpus)")
-    p.add_argument("--chunks", type=_int_list, default=None,
+    p.add_argument("--threads", type=thread_list, default=None, help="thread counts (default 1..cpus)")
+    p.add_argument("--chunks", type=int_list, default=None,
                    help=f"chunk sizes in elements (default {','.join(map(str, _DEFAULT_CHUNKS))})")
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
     p.add_argument("--steps", type=int, default=None,

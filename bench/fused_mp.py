@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from bench._args import int_list, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
@@ -65,18 +66,6 @@ _HYPER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay":
 _VARIANTS = ("torch", "fused-mp", "probe")
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected comma-separated positive integers"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.fused_mp", description=__doc__.split("\n\n")[0],
@@ -84,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-size", choices=sorted(PRESETS), default="125m",
                    help="GPT preset whose parameter shapes are used")
-    p.add_argument("--threads", type=_int_list, default=None,
+    p.add_argument("--threads", type=thread_list, default=None,
                    help="thread counts (default 1..cpus)")
     p.add_argument("--chunk-numel", type=int, default=4 << 20,
                    help="elements per kernel call (whole parameters grouped up to this size)")

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from bench._args import int_list, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import ProbeBuffers, c_kernel_status
 from bench.fused_mp import BYTES_PER_PARAM, TARGET_PROBE_RATIO, TARGET_SPEEDUP
@@ -52,22 +53,12 @@ _MIN_PARAMS = 100_000_000
 _VARIANTS = ("torch", "fused-mp", "probe")
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.fused_mp_optimizer",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-size", choices=sorted(PRESETS), default="125m")
-    p.add_argument("--threads", type=_int_list, default=None, help="thread counts (default 1..cpus)")
+    p.add_argument("--threads", type=thread_list, default=None, help="thread counts (default 1..cpus)")
     p.add_argument("--chunk-numel", type=int, default=4 << 20, help="pipeline chunk size")
     p.add_argument("--rounds", type=int, default=9, help="measured interleaved rounds")
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds before measuring")

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from bench._args import thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 
 logger = logging.getLogger("bench.many_tensors")
@@ -200,7 +201,8 @@ def render_markdown(result: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.many_tensors", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    p.add_argument("--threads", default=None, help="comma-separated thread counts (default 1..cpus)")
+    p.add_argument("--threads", type=thread_list, default=None,
+                   help="comma-separated thread counts (default 1..cpus)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per optimizer, thread count and round")
     p.add_argument("--quick", action="store_true", help="the quick preset, 2 rounds")
@@ -215,12 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        args.threads = [int(x) for x in args.threads.split(",")] if args.threads else list(range(1, cpus + 1))
-    except ValueError:
-        parser.error(f"--threads {args.threads!r}: expected comma-separated integers")
-    if any(t < 1 for t in args.threads) or args.steps < 1:
-        parser.error("--threads and --steps: expected integers >= 1")
+    args.threads = args.threads or list(range(1, cpus + 1))
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: expected an integer >= 1")
     args.preset = args.preset or ("quick" if args.quick else "moe")
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
     args.name = args.name or ("many_tensors-quick" if args.quick else "many_tensors")

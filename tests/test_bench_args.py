@@ -1,0 +1,25 @@
+"""The benchmarks' --threads never lets a value through that torch.set_num_threads would crash on."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+BENCHES = ["bench.bandwidth", "bench.fused_mp", "bench.fused_mp_optimizer", "bench.many_tensors"]
+
+
+@pytest.mark.parametrize("module", BENCHES)
+@pytest.mark.parametrize("value", ["100000", "0", "1,-2", "\u0663", "two", ""])
+def test_bad_thread_counts_are_a_usage_error(module: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = importlib.import_module(module).build_parser()
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--threads", value])
+    assert exc.value.code == 2
+    assert "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", BENCHES)
+def test_good_thread_counts_parse(module: str) -> None:
+    parser = importlib.import_module(module).build_parser()
+    assert parser.parse_args(["--threads", "1,2,1024"]).threads == [1, 2, 1024]
