@@ -21,6 +21,11 @@ master. For fp32 that is a plain copy. For bf16/fp16 the re-seeded elements lose
 extra precision (they restart from the low-precision value); unchanged elements keep it, so
 loading the same weights back (e.g. model then optimizer checkpoint, in either order) costs
 nothing. The moments (``exp_avg``, ``exp_avg_sq``) and ``step`` are kept, as torch keeps them.
+
+A CPU fp32 parameter that is its own master (no master slab place, see offload/_slabs.py) has
+nothing to re-seed; the optimizer re-makes its state entry (``.data`` may be new storage) and,
+if it is no longer fp32, first gives it a master seeded from the fp32 storage it had
+(``CPUOffloadAdamW._sync_edits``).
 """
 
 from __future__ import annotations

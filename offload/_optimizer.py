@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from copy import deepcopy
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -335,6 +335,9 @@ class CPUOffloadAdamW(Optimizer):
         self._device, self._layouts = self._check_params(self._params, self._param_names())
         self._sharded = any(lay is not None for lay in self._layouts)
         self._slot_of: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
+        #: Slots that keep a master slab place even where they could be their own (_give_masters).
+        self._real_masters: set[int] = set()
+        self._recheck_masters: set[int] = set()  # see _drop_equal_masters
         self._slabs, self._numa = self._make_slabs(settings, overlap_backward)
 
         settings = settings if settings is not None else OffloadSettings()
@@ -344,6 +347,7 @@ class CPUOffloadAdamW(Optimizer):
         self._settings = self._resolve_kernel(replace(settings, threads=self._planned_threads))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
         self._state_gen = 0
+        self._step_of: dict[int, Tensor] = {}  # each slot's step tensor when its Items were made
         self._item_cache: dict[int, tuple[Any, ...]] = {}  # see _items
 
         self._pipeline = self._new_pipeline()
@@ -451,14 +455,29 @@ class CPUOffloadAdamW(Optimizer):
                                            for i in range(len(tensors))]
             self._check_params(self._params + tensors, names)
         super().add_param_group({**param_group, "params": plist})
-        if constructed:
-            self._relayout()
+        if not constructed:
+            return
+        self._relayout()
+        if self._tuning is not None and self.tuner is not None and self.tuner.state != "locked":
+            logger.warning(
+                "CPUOffloadAdamW.add_param_group while the tuner is %s: steps measured before "
+                "and after the new group are compared as one workload; add groups after the tuner "
+                "locked in (opt.tuner.state == 'locked') or pass them to the constructor",
+                self.tuner.state,
+            )
+        logger.info(
+            "CPUOffloadAdamW: param group %d added: %d params, %d chunks, %.1f MiB host slabs",
+            len(self.param_groups) - 1, len(self._params), len(self._chunks),
+            self._slabs.nbytes / 2**20,
+        )
 
-    def _relayout(self) -> None:
-        """After ``add_param_group``: slabs, chunks, worker and hooks for the new layout.
+    def _relayout(self, seeds: dict[int, Tensor] | None = None) -> None:
+        """New slabs, chunks, worker and hooks for the current groups (after ``add_param_group``,
+        or :meth:`_give_masters`).
 
-        A new group comes last, so every existing parameter keeps its slot index; its master and
-        moments are copied into the new slabs and its state entry points there.
+        A new group comes last, so every existing parameter keeps its slot index; its moments and
+        master are copied into the new slabs (a slot that was its own master and now has a master
+        place takes ``seeds[slot]``) and its state entry points there.
         """
         old = self._slabs
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -471,9 +490,16 @@ class CPUOffloadAdamW(Optimizer):
             p = self._params[slot]
             if not self.state.get(p):
                 continue
-            own = self._slabs.slots[slot].own_master
-            for kind in ("exp_avg", "exp_avg_sq") if own else ("master", "exp_avg", "exp_avg_sq"):
+            for kind in ("exp_avg", "exp_avg_sq"):
                 self._slabs.flat(kind, slot).copy_(old.flat(kind, slot))
+            if not self._slabs.slots[slot].own_master:
+                if not old.slots[slot].own_master:
+                    master = old.flat("master", slot)
+                elif seeds is not None and slot in seeds:
+                    master = seeds[slot]
+                else:
+                    master = self._local_param(slot)
+                self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
             self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
         self._item_cache.clear()
         self._has_lowp = any(p.dtype in _LOWP_DTYPES for p in self._params)
@@ -487,18 +513,6 @@ class CPUOffloadAdamW(Optimizer):
             learned = self._overlap._expected
             added = len(self._params) - len(old.slots)
             self._start_overlap(None if learned is None else learned + [0] * added)
-        if self._tuning is not None and self.tuner is not None and self.tuner.state != "locked":
-            logger.warning(
-                "CPUOffloadAdamW.add_param_group while the tuner is %s: steps measured before "
-                "and after the new group are compared as one workload; add groups after the tuner "
-                "locked in (opt.tuner.state == 'locked') or pass them to the constructor",
-                self.tuner.state,
-            )
-        logger.info(
-            "CPUOffloadAdamW: param group %d added: %d params, %d chunks, %.1f MiB host slabs",
-            len(self.param_groups) - 1, len(self._params), len(self._chunks),
-            self._slabs.nbytes / 2**20,
-        )
 
     def _param_names(self) -> list[str]:
         """``parameter i`` (with its name when the groups carry ``param_names``), for errors."""
@@ -635,9 +649,12 @@ class CPUOffloadAdamW(Optimizer):
         in place and reshards them); ``step`` is a plain tensor, as in torch's AdamW.
 
         Tensors are live views of the host slabs (like torch's optimizers, which return their
-        state tensors by reference): copy or save them before the next ``step()``.
+        state tensors by reference): copy or save them before the next ``step()``. Weights edited
+        since the last step are followed first (``master_param`` is the edited weight), as the
+        next step would.
         """
         self._check_idle("state_dict()")
+        self._sync_edits([slot for slot, p in enumerate(self._params) if self.state.get(p)])
         sd = super().state_dict()
         if not any(lay is not None for lay in self._layouts):
             return sd
@@ -704,6 +721,19 @@ class CPUOffloadAdamW(Optimizer):
                     )
             entries.append((slot, value))
 
+        # A loaded master with bits its parameter lacks (a bf16 run resumed in fp32, or the model
+        # not loaded yet) needs a master place where the parameter was its own master; the next
+        # step() drops the place again where the parameter then equals it (_drop_equal_masters).
+        seeds = {
+            slot: value["master_param"]
+            for slot, value in entries
+            if self._slabs.slots[slot].own_master and "master_param" in value
+            and not torch.equal(value["master_param"].detach().reshape(-1).to(torch.float32),
+                                self._local_param(slot).detach().reshape(-1))
+        }
+        if seeds:
+            self._give_masters(seeds)
+            self._recheck_masters.update(seeds)
         new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
         with torch.no_grad():
             for slot, value in entries:
@@ -838,8 +868,14 @@ class CPUOffloadAdamW(Optimizer):
                     f"parameter {slot} ({tuple(p.shape)} on {p.device}) has a gradient of shape "
                     f"{tuple(g.shape)} on {g.device}: expected the parameter's shape and device"
                 )
-            if not self.state[param]:
+            state = self.state[param]
+            if not state:
                 self._init_state(slot, param)
+            elif state.get("step") is not self._step_of.get(slot):
+                # The user replaced the step tensor (as torch's AdamW allows): the cached Items
+                # hold the old one.
+                self._step_of[slot] = state.get("step")
+                self._state_gen += 1
             if p.numel() == 0:  # an empty shard is in no chunk: count its step as torch does
                 self.state[param]["step"] += 1
             grads[slot] = g
@@ -867,10 +903,46 @@ class CPUOffloadAdamW(Optimizer):
                     else "No optimizer state was changed."
                 )
             )
-        for slot in self._edits.reseed(self._params, self._slabs, grads):
-            if self._slabs.slots[slot].own_master:  # .data replaced: the entry names the new tensor
-                p = self._params[slot]
-                self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
+        if self._recheck_masters:
+            self._drop_equal_masters()
+        self._sync_edits(grads)
+
+    def _sync_edits(self, slots: Iterable[int]) -> None:
+        """The edited parameters among ``slots`` (offload/_edits.py): their masters follow them,
+        and their state entries are made again (they name the current tensors, and the cached
+        Items and kernel calls of their chunks are rebuilt: ``.data`` may be new storage). A
+        parameter that was its own master and is no longer fp32 (``model.to(torch.bfloat16)``)
+        first gets a master, seeded from its fp32 storage before the change."""
+        edited = self._edits.edited(self._params, slots)
+        if not edited:
+            return
+        cast = {}
+        for slot in edited:
+            if self._slabs.slots[slot].own_master and self._local_param(slot).dtype != torch.float32:
+                cast[slot] = self.state[self._params[slot]]["master_param"]  # the old fp32 tensor
+        if cast:
+            self._give_masters(cast)
+        self._edits.reseed(self._params, self._slabs, edited)
+        for slot in edited:
+            p = self._params[slot]
+            self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
+
+    def _drop_equal_masters(self) -> None:
+        """Slots given a master by ``load_state_dict`` (the loaded master differed from the
+        parameter) whose parameter now equals it (the model was loaded after the optimizer): the
+        parameter is their master again, as before the load."""
+        slots, self._recheck_masters = self._recheck_masters, set()
+        same = {
+            s for s in slots
+            if s in self._real_masters
+            and not self._slabs.slots[s].own_master
+            and self._local_param(s).dtype == torch.float32
+            and torch.equal(self._slabs.flat("master", s),
+                            self._local_param(s).detach().reshape(-1))
+        }
+        if same:
+            self._real_masters -= same
+            self._relayout()
 
     def _make_slabs(self, settings: OffloadSettings | None, overlap_backward: bool) -> tuple[HostSlabs, Any]:
         """The host slabs; with ``settings.bind_numa`` the process is bound to its NUMA node first
@@ -893,7 +965,24 @@ class CPUOffloadAdamW(Optimizer):
         change the weights before ``step()``, so it updates a master that ``step()`` copies out.
         """
         own = self._device.type == "cpu" and not overlap_backward
-        return [[own and p.dtype == torch.float32 for p in g["params"]] for g in self.param_groups]
+        result, slot = [], 0
+        for g in self.param_groups:
+            row = []
+            for p in g["params"]:
+                row.append(own and p.dtype == torch.float32 and slot not in self._real_masters)
+                slot += 1
+            result.append(row)
+        return result
+
+    def _give_masters(self, seeds: dict[int, Tensor]) -> None:
+        """Slots that were their own master get a master slab place, seeded from ``seeds`` (fp32,
+        flat or shaped), and keep it: a parameter that stopped being fp32 (``model.to(bf16)``),
+        or whose loaded ``master_param`` carries bits the parameter lacks (a bf16 run's checkpoint
+        resumed in fp32). The slabs are laid out again (a copy of the moments)."""
+        logger.info("CPUOffloadAdamW: %d parameter(s) get an fp32 master of their own (a dtype "
+                    "change or a loaded master that differs from the parameter)", len(seeds))
+        self._real_masters.update(seeds)
+        self._relayout(seeds)
 
     def _init_state(self, slot: int, p: Tensor) -> None:
         slabs = self._slabs
@@ -910,6 +999,7 @@ class CPUOffloadAdamW(Optimizer):
         sharing its storage, like the slab views), so saved state dicts keep their layout.
         Every new entry starts a new state generation (cached Items hold step tensors)."""
         self._state_gen += 1
+        self._step_of[slot] = step
         self._slabs.used[slot] = 1
         own = self._slabs.slots[slot].own_master
         return {
@@ -923,8 +1013,8 @@ class CPUOffloadAdamW(Optimizer):
 
     def _load_master(self, slot: int, master: Tensor) -> None:
         """A loaded ``master_param`` into the master slab. A parameter that is its own master keeps
-        its value: its master is the model's weight, restored with the model (for such a
-        parameter the saved master and the saved weight are the same bits)."""
+        its value: its master is the model's weight, restored with the model (``load_state_dict``
+        gave a master place to every such parameter whose loaded master differs from it)."""
         if not self._slabs.slots[slot].own_master:
             self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
 
