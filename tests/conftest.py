@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +96,22 @@ def single_threaded_main():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def isolated_trainer(monkeypatch: pytest.MonkeyPatch):
+    """``bench.train.main`` in this process: no inherited thread or local-world overrides, and the
+    process-wide intra-op thread count the trainer sets is restored afterwards."""
+    monkeypatch.delenv("OFFLOAD_AUTOTUNE_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_summary(out: Path, *args: str) -> dict:
+    """Run ``bench.train`` in this process with ``args`` and return its ``--summary-json``."""
+    from bench import train
+
+    assert train.main([*args, "--summary-json", str(out)]) == 0
+    return json.loads(out.read_text())

@@ -22,13 +22,7 @@ REPO = Path(__file__).absolute().parents[1]
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "2", "--seq-len", "16"]
 
 
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("OFFLOAD_AUTOTUNE_THREADS", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 
 def _trainer(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_summary
 
 from bench import train
 
@@ -18,19 +19,11 @@ REPO = Path(__file__).absolute().parents[1]
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32"]
 
 
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("OFFLOAD_AUTOTUNE_THREADS", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 
 def _train(tmp_path: Path, *extra: str, name: str) -> dict:
-    out = tmp_path / name
-    assert train.main([*TINY, "--summary-json", str(out), *extra]) == 0
-    return json.loads(out.read_text())
+    return train_summary(tmp_path / name, *TINY, *extra)
 
 
 def test_fsdp_single_process_overlap_and_accumulation_equal_torch(tmp_path: Path) -> None:

@@ -4,11 +4,10 @@ on FSDP2 ``CPUOffloadPolicy`` shards, its step's threads tuned by ``offload.tune
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import train_summary
 
 from bench import train
 
@@ -16,20 +15,11 @@ TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-l
         "--fsdp-cpu-offload"]
 
 
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch):
-    """The trainer sets process-wide intra-op threads; restore them. No inherited overrides."""
-    monkeypatch.delenv("OFFLOAD_AUTOTUNE_THREADS", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 
 def _train(tmp_path: Path, *extra: str, name: str) -> dict:
-    out = tmp_path / name
-    assert train.main([*TINY, "--summary-json", str(out), *extra]) == 0
-    return json.loads(out.read_text())
+    return train_summary(tmp_path / name, *TINY, *extra)
 
 
 def test_fsdp_cpu_offload_tunes_then_hits_the_cache_without_changing_the_math(tmp_path: Path) -> None:

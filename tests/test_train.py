@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_summary
 
 from bench import train
 
@@ -20,20 +21,11 @@ TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-l
 TUNER_KEYS = {"state", "cache_hit", "probe_steps", "baseline", "winner"}
 
 
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch):
-    """The trainer sets process-wide intra-op threads; restore them. No inherited overrides."""
-    monkeypatch.delenv("OFFLOAD_AUTOTUNE_THREADS", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 
 def _train(tmp_path: Path, *extra: str, name: str = "summary.json") -> dict:
-    out = tmp_path / name
-    assert train.main([*TINY, "--summary-json", str(out), *extra]) == 0
-    return json.loads(out.read_text())
+    return train_summary(tmp_path / name, *TINY, *extra)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
