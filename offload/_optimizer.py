@@ -16,10 +16,11 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, replace
 from itertools import chain
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -471,7 +472,7 @@ class CPUOffloadAdamW(Optimizer):
             self._slabs.nbytes / 2**20,
         )
 
-    def _relayout(self, seeds: dict[int, Tensor] | None = None) -> None:
+    def _relayout(self, seeds: Mapping[int, Tensor] = MappingProxyType({})) -> None:
         """New slabs, chunks, worker and hooks for the current groups (after ``add_param_group``,
         or :meth:`_give_masters`).
 
@@ -493,12 +494,8 @@ class CPUOffloadAdamW(Optimizer):
             for kind in ("exp_avg", "exp_avg_sq"):
                 self._slabs.flat(kind, slot).copy_(old.flat(kind, slot))
             if not self._slabs.slots[slot].own_master:
-                if not old.slots[slot].own_master:
-                    master = old.flat("master", slot)
-                elif seeds is not None and slot in seeds:
-                    master = seeds[slot]
-                else:
-                    master = self._local_param(slot)
+                # A slot only loses its own master through _give_masters, which passes its seed.
+                master = seeds[slot] if old.slots[slot].own_master else old.flat("master", slot)
                 self._slabs.flat("master", slot).copy_(master.detach().reshape(-1))
             self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
         self._item_cache.clear()
@@ -935,7 +932,6 @@ class CPUOffloadAdamW(Optimizer):
         same = {
             s for s in slots
             if s in self._real_masters
-            and not self._slabs.slots[s].own_master
             and self._local_param(s).dtype == torch.float32
             and torch.equal(self._slabs.flat("master", s),
                             self._local_param(s).detach().reshape(-1))
