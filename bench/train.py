@@ -111,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer intra-op threads (default: the rank's thread plan)")
     p.add_argument("--chunk-numel", type=_positive_int, default=None,
                    help="optimizer pipeline chunk size in elements")
-    p.add_argument("--kernel", choices=("torch", "fused-mp"), default=None,
-                   help="CPU AdamW kernel of the offloaded step (default torch; fused-mp: the "
-                        "single-pass kernel for bf16/fp16 parameters, torch path where it cannot build)")
+    p.add_argument("--kernel", choices=("auto", "torch", "fused-mp"), default=None,
+                   help="CPU AdamW kernel of the offloaded step (default auto: fused-mp where it builds "
+                        "and is verified bitwise equal to torch's kernel, else torch; fused-mp: the "
+                        "native single-pass kernel, torch's where it cannot build)")
     p.add_argument("--numa-bind", action="store_true",
                    help="bind to the NUMA node of the GPU (CPU: of the affinity mask) before the "
                         "optimizer allocates its host state (OffloadSettings.bind_numa)")
@@ -223,7 +224,7 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
     settings = None
     if args.threads is not None or args.chunk_numel is not None or args.kernel is not None:
         settings = OffloadSettings(threads=args.threads, chunk_numel=args.chunk_numel or DEFAULT_CHUNK_NUMEL,
-                                   kernel=args.kernel or "torch")
+                                   kernel=args.kernel or "auto")
     if args.numa_bind:
         import dataclasses
 

@@ -23,3 +23,22 @@ def test_bad_thread_counts_are_a_usage_error(module: str, value: str, capsys: py
 def test_good_thread_counts_parse(module: str) -> None:
     parser = importlib.import_module(module).build_parser()
     assert parser.parse_args(["--threads", "1,2,1024"]).threads == [1, 2, 1024]
+
+
+@pytest.mark.parametrize("flags", [["--threads", "1"], ["--chunk-numel", "4096"]])
+def test_trainer_threads_or_chunk_keep_the_default_kernel(flags: list[str]) -> None:
+    """--threads / --chunk-numel set those knobs only: the kernel stays the default ("auto"), as
+    without them (they once switched it to torch's silently)."""
+    import torch
+
+    from bench import train
+
+    parser = train.build_parser()
+    model = torch.nn.Linear(8, 8)
+    plain = train._make_optimizer(parser.parse_args(["--optim-cpu-offload"]), model, {})
+    flagged = train._make_optimizer(parser.parse_args(["--optim-cpu-offload", *flags]), model, {})
+    try:
+        assert flagged.settings.kernel == plain.settings.kernel
+    finally:
+        plain.close()
+        flagged.close()
