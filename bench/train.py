@@ -78,6 +78,34 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _thread_count(text: str) -> int:
+    from autotune.knobs import MAX_THREADS
+
+    value = _positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a thread count from 1 to {MAX_THREADS}")
+    return value
+
+
+def _chunk_numel(text: str) -> int:
+    from offload._settings import MIN_CHUNK_NUMEL
+
+    value = _positive_int(text)
+    if value < MIN_CHUNK_NUMEL:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a chunk size of at least {MIN_CHUNK_NUMEL} elements")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -104,12 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init (same on all ranks) and data seed")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup; default 10%% of --steps")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="on matrices only (not biases, norms)")
+    p.add_argument("--weight-decay", type=_nonnegative_float, default=0.1, help="on matrices only (not biases, norms)")
     p.add_argument("--optim-cpu-offload", action="store_true",
                    help="use offload.CPUOffloadAdamW (else torch.optim.AdamW(fused=True) on the device)")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=_thread_count, default=None,
                    help="optimizer intra-op threads (default: the rank's thread plan)")
-    p.add_argument("--chunk-numel", type=_positive_int, default=None,
+    p.add_argument("--chunk-numel", type=_chunk_numel, default=None,
                    help="optimizer pipeline chunk size in elements")
     p.add_argument("--kernel", choices=("auto", "torch", "fused-mp"), default=None,
                    help="CPU AdamW kernel of the offloaded step (default auto: fused-mp where it builds "
@@ -135,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="folder of run traces: each run writes a new DIR/run-N (DIR/latest links "
                         "to it) with the tuner's trace, train_steps.jsonl and run.json")
-    p.add_argument("--compute-threads", type=_positive_int, default=None,
+    p.add_argument("--compute-threads", type=_thread_count, default=None,
                    help="intra-op threads for forward/backward (default: the rank's thread plan)")
     p.add_argument("--summary-json", type=Path, default=None, help="write the run summary here")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -538,6 +566,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_SetupError, KnobError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # one line per rank, not a traceback per rank
+        dist = torch.distributed
+        rank = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
+        print(f"{parser.prog}: interrupted{rank}", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

@@ -42,3 +42,28 @@ def test_trainer_threads_or_chunk_keep_the_default_kernel(flags: list[str]) -> N
     finally:
         plain.close()
         flagged.close()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--threads", "5000"), ("--chunk-numel", "3"),
+                                             ("--compute-threads", "5000"), ("--weight-decay", "-5"),
+                                             ("--weight-decay", "nan")])
+def test_trainer_bad_values_are_one_line_usage_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import train
+
+    with pytest.raises(SystemExit) as exc:
+        train.build_parser().parse_args(["--optim-cpu-offload", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and value in err and "Traceback" not in err
+
+
+def test_trainer_ctrl_c_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import train
+
+    def interrupted(args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    assert train.main(["--steps", "1"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m bench.train: interrupted"]
