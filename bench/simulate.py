@@ -9,11 +9,11 @@ below and every seed, one complete tuning session of the real :class:`autotune.O
   ``offload._autotune.offload_search_space``, with the baseline and per-rank thread cap of
   ``offload._autotune.OffloadTuning``;
 * every local rank runs its own ``OnlineTuner`` in its own thread, with the default
-  ``AutotuneConfig``; the tuners talk through :class:`SimulatedAgreement`, an in-process
-  implementation of the ``autotune._agree.Agreement`` protocol (all-gather, broadcast, max: the
-  same three collectives ``GlooAgreement`` runs, objects pickled as gloo pickles them, a barrier
-  instead of the network). So rank 0 runs the real probing schedule, Optuna ordering, finals and
-  lock-in rule on the max over ranks, broadcasts its directives, and every rank follows them;
+  ``AutotuneConfig``; the tuners talk through :class:`autotune.InProcessAgreement`, an in-process
+  implementation of the agreement protocol (all-gather, broadcast, max: the same three collectives
+  ``GlooAgreement`` runs, objects pickled as gloo pickles them, a barrier instead of the network).
+  So rank 0 runs the real probing schedule, Optuna ordering, finals and lock-in rule on the max
+  over ranks, broadcasts its directives, and every rank follows them;
 * only the measurement is replaced: each rank's ``StepSample.time_s`` comes from
   :mod:`bench._stepmodel` (noise-free model time x heavy-tailed noise, warm-up penalty after a switch).
 
@@ -36,7 +36,6 @@ import datetime as _dt
 import json
 import logging
 import math
-import pickle
 import re
 import statistics
 import sys
@@ -49,8 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 import offload._threads as _threads_mod
-from autotune import AutotuneConfig, OnlineTuner, StepSample
-from autotune._agree import AgreementTimeout
+from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
 from bench._stepmodel import Hardware, Node, NoiseModel, Workload
 from offload import plan_cpu_threads
 from offload._autotune import offload_search_space
@@ -61,7 +59,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "NODES",
-    "SimulatedAgreement",
     "build_node",
     "gloo_check",
     "main",
@@ -185,71 +182,6 @@ def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[st
     return space, baseline, own
 
 
-# --------------------------------------------------------------------------- in-process agreement
-
-
-class _Hub:
-    """Shared state of the simulated ranks' collectives."""
-
-    def __init__(self, world_size: int, timeout_s: float) -> None:
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self.barrier = threading.Barrier(world_size)
-        self.slots: list[bytes | None] = [None] * world_size
-        self.calls = 0
-
-    def exchange(self, rank: int, payload: bytes, *, step: int | None, what: str) -> list[bytes | None]:
-        self.slots[rank] = payload
-        self._wait(step, what)
-        out = list(self.slots)
-        if rank == 0:
-            self.calls += 1
-        self._wait(step, what)  # nobody overwrites a slot before every rank read it
-        return out
-
-    def _wait(self, step: int | None, what: str) -> None:
-        try:
-            self.barrier.wait(self.timeout_s)
-        except threading.BrokenBarrierError as exc:
-            raise AgreementTimeout(
-                f"SimulatedAgreement: {'start' if step is None else f'step {step}'} ({what}): "
-                "another simulated rank failed or did not arrive",
-                step=step,
-            ) from exc
-
-
-class SimulatedAgreement:
-    """``autotune._agree.Agreement`` for one simulated local rank: the collectives of
-    ``GlooAgreement`` (objects pickled and unpickled per receiver, as gloo's object collectives do)
-    over threads of one process."""
-
-    def __init__(self, hub: _Hub, rank: int) -> None:
-        self._hub = hub
-        self.rank = rank
-        self.world_size = hub.world_size
-
-    def all_gather(self, obj: Any, *, step: int | None, what: str) -> list[Any]:
-        rows = self._hub.exchange(self.rank, pickle.dumps(obj), step=step, what=what)
-        return [pickle.loads(row) for row in rows]  # type: ignore[arg-type]
-
-    def broadcast(self, obj: Any, *, step: int | None, what: str) -> Any:
-        payload = pickle.dumps(obj if self.rank == 0 else None)
-        rows = self._hub.exchange(self.rank, payload, step=step, what=what)
-        return pickle.loads(rows[0])  # type: ignore[arg-type]
-
-    def max_float(self, value: float, *, step: int | None, what: str) -> float:
-        return max(float(v) for v in self.all_gather(float(value), step=step, what=what))
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        self._hub.barrier.abort()
-
-    def __repr__(self) -> str:
-        return f"SimulatedAgreement(rank={self.rank}, world_size={self.world_size})"
-
-
 # --------------------------------------------------------------------------- one tuning session
 
 
@@ -278,7 +210,7 @@ def _rank_session(
 ) -> dict[str, Any]:
     """Simulated local rank ``r``: a real ``OnlineTuner`` fed model step times until it locks in.
 
-    ``agreement`` is what ``OnlineTuner(group=...)`` takes: a :class:`SimulatedAgreement`, or
+    ``agreement`` is what ``OnlineTuner(group=...)`` takes: an :class:`autotune.InProcessAgreement`, or
     None inside a real gloo job (the tuner then builds its own ``GlooAgreement``).
     Rank 0 appends the true node time of every probing step to ``history``.
     """
@@ -350,13 +282,13 @@ def run_seed(
     n = node.ranks
     # The tuner never exceeds its budget; one step more would show it if it did.
     table = _noise_table(node, seed, config.probe_steps + 1, noise)
-    hub = _Hub(n, BARRIER_TIMEOUT_S)
+    agreements = InProcessAgreement.group(n, timeout_s=BARRIER_TIMEOUT_S, owner="simulated node")
     summaries: list[dict[str, Any] | None] = [None] * n
     errors: list[BaseException] = []
     history: list[float] = []
 
     def rank_main(r: int) -> None:
-        agreement = SimulatedAgreement(hub, r)
+        agreement = agreements[r]
         try:
             summaries[r] = _rank_session(r, agreement, node, space, baseline, caps, config, table, noise,
                                          history if r == 0 else None)
@@ -371,7 +303,7 @@ def run_seed(
         w.join()
     if errors:
         raise RuntimeError(f"simulation of {node.name} seed {seed} failed: {errors[0]}") from errors[0]
-    return _result(node, seed, summaries, history, hub.calls)
+    return _result(node, seed, summaries, history, agreements[0].collectives)
 
 
 # --------------------------------------------------------------------------- the same over real gloo
@@ -581,7 +513,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{cfg['warmup_steps']} warm-up + {cfg['measure_steps']} measured per candidate, "
         f"{cfg['finalists']} finalists x "
         f"{cfg['final_rounds']} rounds, min gain {cfg['min_gain']:g}, Optuna seed {cfg['seed']}); "
-        "one tuner per simulated local rank, agreeing through `bench.simulate.SimulatedAgreement`",
+        "one tuner per simulated local rank, agreeing through `autotune.InProcessAgreement`",
         "- only the measurement is simulated: search space, static plan and thread caps come from the real "
         "`plan_cpu_threads` and `offload_search_space` on each node's topology and masks",
         f"- targets: median regret <= {_pct(TARGET_MEDIAN_REGRET)}, p95 <= {_pct(TARGET_P95_REGRET)} within the "

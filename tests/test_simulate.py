@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import autotune._probe as probe_mod
-from autotune import AutotuneConfig, OnlineTuner, SearchSpace, Knob
-from autotune._agree import AgreementMismatch
+from autotune import AgreementMismatch, AgreementTimeout, AutotuneConfig, InProcessAgreement, Knob, OnlineTuner, SearchSpace
 from bench import simulate
 from bench._stepmodel import Hardware, Node, NoiseModel, Workload
 
@@ -134,13 +133,13 @@ def test_thread_plans_come_from_plan_cpu_threads(numa: Node) -> None:
 
 def test_simulated_agreement_runs_the_tuners_own_checks() -> None:
     """Ranks that tune different spaces fail in OnlineTuner's own start() check."""
-    hub = simulate._Hub(2, timeout_s=20.0)
+    agreements = InProcessAgreement.group(2, timeout_s=20.0)
     errors: list[BaseException] = []
     spaces = [SearchSpace((Knob("threads", (1, 2)),)), SearchSpace((Knob("threads", (1, 2, 4)),))]
 
     def rank(r: int) -> None:
         tuner = OnlineTuner(spaces[r], baseline={"threads": 2}, apply=lambda s: None,
-                            config=AutotuneConfig(use_cache=False), group=simulate.SimulatedAgreement(hub, r))
+                            config=AutotuneConfig(use_cache=False), group=agreements[r])
         try:
             tuner.start()
         except BaseException as exc:  # noqa: BLE001
@@ -153,6 +152,68 @@ def test_simulated_agreement_runs_the_tuners_own_checks() -> None:
         t.join(30)
     assert len(errors) == 2 and all(isinstance(e, AgreementMismatch) for e in errors)
     assert "search space" in str(errors[0])
+
+
+def _in_threads(fn, world: int) -> list:
+    out: list = [None] * world
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_in_process_agreement_collectives() -> None:
+    agreements = InProcessAgreement.group(3, timeout_s=20.0)
+    assert [(a.rank, a.world_size) for a in agreements] == [(0, 3), (1, 3), (2, 3)]
+    mine = [{"rank": r} for r in range(3)]
+
+    def rank(r: int) -> tuple:
+        a = agreements[r]
+        gathered = a.all_gather(mine[r], step=None, what="gather")
+        told = a.broadcast(f"from {r}", step=1, what="broadcast")
+        top = a.max_float(float(r), step=2, what="max")
+        return gathered, told, top
+
+    results = _in_threads(rank, 3)
+    for r, (gathered, told, top) in enumerate(results):
+        assert gathered == mine and all(g is not m for g, m in zip(gathered, mine))  # pickled per receiver
+        assert told == "from 0" and top == 2.0
+    assert agreements[0].collectives == agreements[2].collectives == 3
+
+
+def test_in_process_agreement_times_out_naming_the_step() -> None:
+    lonely = InProcessAgreement.group(2, timeout_s=0.2, owner="test node")[0]
+    with pytest.raises(AgreementTimeout, match=r"test node: step 7 \(gather\): another rank failed") as info:
+        lonely.all_gather(1, step=7, what="gather")
+    assert info.value.step == 7
+
+
+def test_in_process_agreement_abort_releases_the_others() -> None:
+    agreements = InProcessAgreement.group(2, timeout_s=20.0)
+
+    def rank(r: int) -> object:
+        if r == 1:
+            agreements[1].abort()
+            return None
+        return agreements[0].all_gather(0, step=None, what="start check")
+
+    out = _in_threads(rank, 2)
+    assert isinstance(out[0], AgreementTimeout) and "start (start check)" in str(out[0])
+
+
+@pytest.mark.parametrize("kw", [{"world_size": 0}, {"world_size": True}, {"world_size": 2, "timeout_s": 0}])
+def test_in_process_agreement_rejects_bad_group(kw: dict) -> None:
+    with pytest.raises(ValueError, match="world_size|timeout_s"):
+        InProcessAgreement.group(**kw)
 
 
 def test_regret_comes_from_the_real_lock_in_rule(monkeypatch: pytest.MonkeyPatch, numa: Node) -> None:

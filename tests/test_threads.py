@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune import knobs
+from autotune import InProcessAgreement, knobs
 from offload import _threads
 from offload._threads import (
     RankCpus,
@@ -360,23 +360,7 @@ def test_local_rank_without_local_world_size_is_one_rank(monkeypatch: pytest.Mon
     assert (plan.local_world_size, plan.local_rank, plan.threads) == (1, 0, 2)
 
 
-class _ThreadAgreement:
-    """The ``all_gather`` of an agreement, for ranks that are threads of this process."""
-
-    def __init__(self, rank: int, world_size: int, slots: list[object], barrier: threading.Barrier) -> None:
-        self.rank, self.world_size, self._slots, self._barrier = rank, world_size, slots, barrier
-        self.calls: list[tuple[int | None, str]] = []
-
-    def all_gather(self, obj: object, *, step: int | None, what: str) -> list[object]:
-        self.calls.append((step, what))
-        self._slots[self.rank] = obj
-        self._barrier.wait(10)
-        out = list(self._slots)
-        self._barrier.wait(10)
-        return out
-
-
-def _plans_over(agreements: list, masks: list[set[int]], **kw: object) -> list[ThreadPlan]:
+def _plans_over(agreements: list[InProcessAgreement], masks: list[set[int]], **kw: object) -> list[ThreadPlan]:
     plans: list[ThreadPlan | BaseException | None] = [None] * len(agreements)
 
     def rank_main(r: int) -> None:
@@ -443,9 +427,7 @@ def test_bad_handed_in_masks_raise(kw: dict, match: str) -> None:
 
 def test_plan_through_an_agreement_exchanges_masks() -> None:
     masks = [set(range(4)), set(range(2, 6)), {7}]
-    slots: list[object] = [None] * 3
-    barrier = threading.Barrier(3)
-    agreements = [_ThreadAgreement(r, 3, slots, barrier) for r in range(3)]
+    agreements = InProcessAgreement.group(3, timeout_s=20.0)
     plans = _plans_over(agreements, masks, topology=FLAT8, cpu_count=8)
     for r, plan in enumerate(plans):
         assert (plan.local_rank, plan.local_world_size, plan.masks_from) == (r, 3, "agreement")
@@ -454,12 +436,12 @@ def test_plan_through_an_agreement_exchanges_masks() -> None:
         given = plan_cpu_threads(masks=masks, local_rank=r, topology=FLAT8, cpu_count=8)
         assert (plan.threads, plan.local_threads, plan.static_rule_threads) == (
             given.threads, given.local_threads, given.static_rule_threads)
-        assert agreements[r].calls == [(None, "thread plan")]
     assert len({p.local_threads for p in plans}) == 1
+    assert agreements[0].collectives == 1  # one all-gather, no group of its own
 
 
 def test_plan_through_a_one_rank_agreement_is_single() -> None:
-    agreement = _ThreadAgreement(0, 1, [None], threading.Barrier(1))
+    (agreement,) = InProcessAgreement.group(1)
     plan = plan_cpu_threads(agreement=agreement, topology=FLAT8, cpus={0, 1})
     assert (plan.masks_from, plan.local_world_size, plan.threads) == ("single", 1, 2)
 
