@@ -5,7 +5,7 @@ below and every seed, one complete tuning session of the real :class:`autotune.O
 
 * the search space and static plan are what ``CPUOffloadAdamW(autotune=...)`` builds on that node:
   the real ``offload.plan_cpu_threads`` on the node's CPU topology and every local rank's affinity
-  mask (the mask exchange is the only part replaced: the masks are handed in), then the real
+  mask (handed in with ``masks=``: the mask exchange is the only part skipped), then the real
   ``offload._autotune.offload_search_space``, with the baseline and per-rank thread cap of
   ``offload._autotune.OffloadTuning``;
 * every local rank runs its own ``OnlineTuner`` in its own thread, with the default
@@ -31,7 +31,6 @@ Regret of a run = (true time of the locked-in winner - true best) / true best.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import logging
@@ -43,17 +42,14 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-import offload._threads as _threads_mod
 from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
 from bench._stepmodel import Hardware, Node, NoiseModel, Workload
-from offload import plan_cpu_threads
+from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
 from offload._autotune import offload_search_space
-from offload._settings import DEFAULT_CHUNK_NUMEL
-from offload._threads import RankCpus, ThreadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +71,8 @@ TARGET_P95_REGRET = 0.05
 #: Seconds a simulated collective waits for the other simulated ranks before it fails.
 BARRIER_TIMEOUT_S = 60.0
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+#: The chunk size ``CPUOffloadAdamW`` uses unless told otherwise (the static plan's chunk).
+DEFAULT_CHUNK_NUMEL = OffloadSettings().chunk_numel
 
 
 # --------------------------------------------------------------------------- nodes
@@ -136,34 +134,13 @@ def build_node(name: str) -> Node:
 # --------------------------------------------------------------------------- thread plan and space
 
 
-@contextlib.contextmanager
-def _masks_exchanged(masks: Sequence[RankCpus], index: int) -> Iterator[None]:
-    """Make ``plan_cpu_threads`` see ``masks`` as the exchanged local masks (restored afterwards)."""
-    original = _threads_mod._exchange
-
-    def fake(me: RankCpus, *, group: Any, timeout_s: float) -> tuple[list[RankCpus], int, str]:
-        if me.cpus != masks[index].cpus:
-            raise RuntimeError("simulated mask exchange: this rank's mask is not the one handed in")
-        return list(masks), index, "simulated node"
-
-    _threads_mod._exchange = fake  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _threads_mod._exchange = original  # type: ignore[assignment]
-
-
 def plan_node(node: Node) -> list[ThreadPlan]:
-    """Every local rank's real ``plan_cpu_threads`` on the node's topology and masks."""
+    """Every local rank's real ``plan_cpu_threads`` on the node's topology, the masks handed in."""
     topology = node.hardware.topology()
-    masks = [RankCpus(cpus=m) for m in node.masks]
-    plans = []
-    for r in range(node.ranks):
-        with _masks_exchanged(masks, r):
-            plans.append(
-                plan_cpu_threads(topology=topology, cpus=masks[r].cpus, cpu_count=node.hardware.logical_cpus)
-            )
-    return plans
+    return [
+        plan_cpu_threads(masks=node.masks, local_rank=r, topology=topology, cpu_count=node.hardware.logical_cpus)
+        for r in range(node.ranks)
+    ]
 
 
 def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[str, int], list[int]]:
@@ -549,7 +526,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             "",
             f"{n['description']}.",
             "",
-            f"- thread plan (rank 0, the real `plan_cpu_threads`; the simulated exchange hands the masks in): "
+            f"- thread plan (rank 0, the real `plan_cpu_threads`, the masks handed in): "
             f"{n['plan_reason_rank0']}",
             f"- space: {n['n_candidates']} candidates, threads {n['space']['knobs'][0]['values']}, chunk_numel "
             f"{n['space']['knobs'][1]['values']}; static plan `threads={n['baseline']['threads']} "
