@@ -15,19 +15,9 @@ import pytest
 import torch
 
 from autotune import InProcessAgreement, knobs
-from offload import _threads
-from offload._threads import (
-    RankCpus,
-    ThreadPlan,
-    ThreadPlanError,
-    allocate_threads,
-    apply_thread_plan,
-    bind_to_device_numa_node,
-    bind_to_numa_node,
-    plan_cpu_threads,
-    static_rule_threads,
-    thread_limit,
-)
+from offload._numa import bind_to_device_numa_node, bind_to_numa_node
+from offload._thread_rule import RankCpus, ThreadPlanError, allocate_threads, static_rule_threads
+from offload._threads import ThreadPlan, apply_thread_plan, forget_logged_plans, plan_cpu_threads, thread_limit
 from offload._topology import (
     CgroupCpuLimit,
     CpuTopology,
@@ -325,7 +315,7 @@ def test_thread_counts_above_the_hard_maximum_never_reach_torch(bad: int) -> Non
     with pytest.raises(ThreadPlanError, match=f"threads={bad}: expected an int from 1 to 1024"):
         plan_cpu_threads(threads=bad, topology=FLAT8, cpus={0})
     with pytest.raises(ThreadPlanError, match="expected an int from 1 to 1024"):
-        with _threads.thread_limit(bad):
+        with thread_limit(bad):
             pass
     from offload import OffloadSettings
 
@@ -463,8 +453,8 @@ def test_bad_timeout_raises(bad: object) -> None:
         plan_cpu_threads(timeout_s=bad, topology=FLAT8, cpus={0})  # type: ignore[arg-type]
 
 
-def test_plan_logs_once_at_info(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(_threads, "_LOGGED", set())
+def test_plan_logs_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    forget_logged_plans()
     with caplog.at_level(logging.DEBUG, logger="offload._threads"):
         first = plan_cpu_threads(topology=FLAT8, cpus={0, 1, 2})
         plan_cpu_threads(topology=FLAT8, cpus={0, 1, 2})
@@ -515,7 +505,7 @@ def test_numa_bind_skips_cpu_less_node_and_empty_intersection(
     mask = frozenset(os.sched_getaffinity(0))
     far = max(mask) + 1000
     fake_sysfs(tmp_path, [[c] for c in sorted(mask)], nodes={0: format_cpulist(mask), 1: "", 2: f"{far}"})
-    with caplog.at_level(logging.WARNING, logger="offload._threads"):
+    with caplog.at_level(logging.WARNING, logger="offload._numa"):
         for node, why in [(1, "no CPUs"), (2, "do not intersect"), (7, "no cpulist")]:
             binding = bind_to_numa_node(node, root=tmp_path)
             assert not binding.bound and binding.cpus == mask
@@ -564,12 +554,11 @@ def test_device_numa_bind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     bus = {0: "0000:3b:00.0", 1: "0000:5e:00.0"}
-    monkeypatch.setattr(_threads, "_device_pci_bus_id", lambda index: bus[index])
-    with bind_to_device_numa_node(root=tmp_path) as binding:
+    with bind_to_device_numa_node(root=tmp_path, pci_bus_id=bus.__getitem__) as binding:
         assert binding.bound and binding.node == 0 and binding.cpus == mask
-    unknown = bind_to_device_numa_node("cuda:1", root=tmp_path)
+    unknown = bind_to_device_numa_node("cuda:1", root=tmp_path, pci_bus_id=bus.__getitem__)
     assert not unknown.bound and unknown.node is None
-    assert not bind_to_device_numa_node("cpu", root=tmp_path).bound
+    assert not bind_to_device_numa_node("cpu", root=tmp_path, pci_bus_id=bus.__getitem__).bound
     assert frozenset(os.sched_getaffinity(0)) == mask
 
 
