@@ -184,11 +184,13 @@ def _rank_session(
     table: np.ndarray,
     noise: NoiseModel,
     history: list[float] | None,
+    trace: Any = None,
 ) -> dict[str, Any]:
     """Simulated local rank ``r``: a real ``OnlineTuner`` fed model step times until it locks in.
 
     ``agreement`` is what ``OnlineTuner(group=...)`` takes: an :class:`autotune.InProcessAgreement`, or
-    None inside a real gloo job (the tuner then builds its own ``GlooAgreement``).
+    None inside a real gloo job (the tuner then builds its own ``GlooAgreement``). ``trace``: what
+    ``OnlineTuner(trace=...)`` takes (the tuner writes it on rank 0 only).
     Rank 0 appends the true node time of every probing step to ``history``.
     """
     current: dict[str, Any] = {}
@@ -200,7 +202,8 @@ def _rank_session(
         switched[0] = True
 
     workload = {"params": node.workload.params, "node": node.name}
-    tuner = OnlineTuner(space, baseline=baseline, apply=apply, config=config, workload=workload, group=agreement)
+    tuner = OnlineTuner(space, baseline=baseline, apply=apply, config=config, workload=workload, group=agreement,
+                        trace=trace)
     tuner.start()
     step = 0
     while tuner.state in ("probing", "checking") and step < len(table):
@@ -252,11 +255,18 @@ def run_seed(
     *,
     config: AutotuneConfig | None = None,
     noise: NoiseModel | None = None,
+    traces: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """One tuning session of ``node.ranks`` real tuners in lockstep threads; returns rank 0's view."""
+    """One tuning session of ``node.ranks`` real tuners in lockstep threads; returns rank 0's view.
+
+    ``traces``: one ``OnlineTuner(trace=...)`` object per rank (``autotune.TraceWriter``, or any
+    object with its ``add_step``/``add_spans``/``write_summary``), to see every measured step.
+    """
     config = config or AutotuneConfig(use_cache=False)
     noise = noise or NoiseModel()
     n = node.ranks
+    if traces is not None and len(traces) != n:
+        raise ValueError(f"run_seed: {len(traces)} traces for {n} ranks: expected one per rank")
     # The tuner never exceeds its budget; one step more would show it if it did.
     table = _noise_table(node, seed, config.probe_steps + 1, noise)
     agreements = InProcessAgreement.group(n, timeout_s=BARRIER_TIMEOUT_S, owner="simulated node")
@@ -268,7 +278,7 @@ def run_seed(
         agreement = agreements[r]
         try:
             summaries[r] = _rank_session(r, agreement, node, space, baseline, caps, config, table, noise,
-                                         history if r == 0 else None)
+                                         history if r == 0 else None, None if traces is None else traces[r])
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors.append(exc)
             agreement.abort()

@@ -10,7 +10,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import autotune._probe as probe_mod
 from autotune import AgreementMismatch, AgreementTimeout, AutotuneConfig, InProcessAgreement, Knob, OnlineTuner, SearchSpace
 from bench import simulate
 from bench._stepmodel import Hardware, Node, NoiseModel, Workload
@@ -216,29 +215,35 @@ def test_in_process_agreement_rejects_bad_group(kw: dict) -> None:
         InProcessAgreement.group(**kw)
 
 
-def test_regret_comes_from_the_real_lock_in_rule(monkeypatch: pytest.MonkeyPatch, numa: Node) -> None:
-    calls: list[tuple] = []
-    real_choose = probe_mod.choose
+class _RecordingTrace:
+    """What ``OnlineTuner(trace=...)`` writes: every measured step and the summary at lock-in."""
 
-    def spy(*args, **kwargs):
-        out = real_choose(*args, **kwargs)
-        calls.append(out)
-        return out
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.summaries: list[dict] = []
 
-    observed = []
-    real_observe = OnlineTuner.observe
+    def add_step(self, row: dict) -> None:
+        self.rows.append(row)
 
-    def observe(self, sample):
-        observed.append(sample.time_s)
-        return real_observe(self, sample)
+    def add_spans(self, rank: int, step: int, spans: object) -> None:
+        pass
 
-    monkeypatch.setattr(probe_mod, "choose", spy)
-    monkeypatch.setattr(OnlineTuner, "observe", observe)
+    def write_summary(self, summary: dict) -> None:
+        self.summaries.append(summary)
+
+
+def test_regret_comes_from_the_real_lock_in_rule(numa: Node) -> None:
     plans = simulate.plan_node(numa)
     space, baseline, caps = simulate.tuning_inputs(numa, plans)
-    out = simulate.run_seed(numa, space, baseline, caps, seed=3)
+    traces = [_RecordingTrace() for _ in range(numa.ranks)]
+    out = simulate.run_seed(numa, space, baseline, caps, seed=3, traces=traces)
+    calls = [row["decision"] for t in traces for row in t.rows if row["decision"]]
     assert len(calls) == 1  # rank 0 alone decides, once
-    assert space.setting(calls[0][0]) == out["winner"] and calls[0][1] == out["reason"]
+    assert all(not t.rows and not t.summaries for t in traces[1:])
+    (decided,) = traces[0].summaries  # the tuner's summary when it locked in
+    assert calls[0] == f"locked {space.describe(out['winner'])}"
+    assert decided["winner"] == out["winner"] and decided["reason"] == out["reason"]
+    observed = [rank["time_s"] for row in traces[0].rows for rank in row["ranks"].values()]
     assert len(observed) == 8 * out["probe_steps"] and out["probe_steps"] <= AutotuneConfig().probe_steps
     assert out["collectives"] >= 2 * out["probe_steps"]  # a gather and a broadcast per step
     # The tuner saw noisy model times, not the truth.
