@@ -40,6 +40,8 @@ __all__ = [
     "Row",
     "STAGES",
     "ScenarioError",
+    "TABLE_LABEL",
+    "TABLE_ROWS",
     "TrainerConfig",
     "TrainerRun",
     "build_rows",
@@ -62,6 +64,18 @@ ROW_NAMES: dict[str, str] = {
     "5a": "autotuned, first run",
     "5b": "autotuned, second run (cache hit)",
     "6": "no offload: torch AdamW(fused=True) on the device",
+}
+#: Rows of the suite's scenario table, in order; 5a is reported twice (probing included / excluded).
+TABLE_ROWS = ("1", "2", "3", "4", "5a-incl", "5a-excl", "5b", "6")
+TABLE_LABEL = {
+    "1": "1 launcher default (OMP_NUM_THREADS=1)",
+    "2": "2 env override OMP_NUM_THREADS=cores/ranks",
+    "3": "3 old static rule",
+    "4": "4 ThreadPlan",
+    "5a-incl": "5 autotuned, 1st run, probing included",
+    "5a-excl": "5 autotuned, 1st run, probing excluded",
+    "5b": "5 autotuned, 2nd run (cache hit)",
+    "6": "6 no offload: AdamW(fused=True)",
 }
 #: Stage times reported per row (``StepStats`` field names).
 STAGES = ("adam_kernel_s", "materialize_s", "drain_s")

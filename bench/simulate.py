@@ -42,12 +42,14 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
-from bench._stepmodel import Hardware, Node, NoiseModel, Workload
+from bench._simulate_nodes import NODES, REQUIRED_NODES, build_node
+from bench._simulate_report import model_text, render_markdown, summary_line
+from bench._stepmodel import Node, NoiseModel
 from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
 from offload._autotune import offload_search_space
 
@@ -73,62 +75,6 @@ BARRIER_TIMEOUT_S = 60.0
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 #: The chunk size ``CPUOffloadAdamW`` uses unless told otherwise (the static plan's chunk).
 DEFAULT_CHUNK_NUMEL = OffloadSettings().chunk_numel
-
-
-# --------------------------------------------------------------------------- nodes
-
-
-def _two_socket(masks: str, *, overlap: bool = False) -> Node:
-    hw = Hardware(sockets=2, cores_per_socket=60, smt=2)
-    sockets = [hw.socket_cpus(s) for s in range(2)]
-    if masks == "numa":
-        ranks = tuple(sockets[r // 4] for r in range(8))
-        text = "8 ranks, each bound to its socket's NUMA node (4 ranks share each 120-CPU socket mask)"
-    elif masks == "shared":
-        ranks = (frozenset(range(hw.logical_cpus)),) * 8
-        text = "8 ranks on one shared mask: all 240 CPUs (no binding, one cpuset)"
-    elif masks == "exclusive":
-        ranks = tuple(
-            frozenset(hw.cpu(r // 4, c, t) for c in range((r % 4) * 15, (r % 4 + 1) * 15) for t in range(2))
-            for r in range(8)
-        )
-        text = "8 ranks, each with its own 15 cores + SMT siblings (30 CPUs), 4 per socket"
-    else:
-        raise ValueError(f"masks={masks!r}: expected 'numa', 'shared' or 'exclusive'")
-    wl = Workload(params=2_000_000_000, overlap_backward=overlap)
-    name = f"2s60c-smt2-8r-{masks}" + ("-overlap" if overlap else "")
-    if overlap:
-        text += "; optimizer step overlapped with backward (objective: iteration time)"
-    return Node(name=name, hardware=hw, masks=ranks, workload=wl,
-                description=f"2 sockets x 60 cores x SMT2 (240 CPUs, 2 NUMA domains); {text}; 2e9 params per rank")
-
-
-def _one_socket(ranks: int = 1) -> Node:
-    hw = Hardware(sockets=1, cores_per_socket=16, smt=2, domain_bw_gbs=110.0)
-    wl = Workload(params=1_000_000_000 // ranks)
-    who = "1 rank on all CPUs" if ranks == 1 else f"{ranks} ranks sharing all CPUs"
-    return Node(name=f"1s16c-smt2-{ranks}r", hardware=hw, masks=(frozenset(range(hw.logical_cpus)),) * ranks,
-                workload=wl,
-                description=f"1 socket x 16 cores x SMT2 (32 CPUs, 110 GB/s); {who}; {1e9 / ranks:.0e} params per rank")
-
-
-#: Node name -> builder. The first three are the issue's; the others widen the picture.
-NODES: dict[str, Callable[[], Node]] = {
-    "2s60c-smt2-8r-numa": lambda: _two_socket("numa"),
-    "2s60c-smt2-8r-shared": lambda: _two_socket("shared"),
-    "1s16c-smt2-1r": lambda: _one_socket(1),
-    "2s60c-smt2-8r-exclusive": lambda: _two_socket("exclusive"),
-    "2s60c-smt2-8r-numa-overlap": lambda: _two_socket("numa", overlap=True),
-    "1s16c-smt2-2r": lambda: _one_socket(2),
-}
-REQUIRED_NODES = ("2s60c-smt2-8r-numa", "2s60c-smt2-8r-shared", "1s16c-smt2-1r")
-
-
-def build_node(name: str) -> Node:
-    try:
-        return NODES[name]()
-    except KeyError:
-        raise ValueError(f"unknown node {name!r}: expected one of {sorted(NODES)}") from None
 
 
 # --------------------------------------------------------------------------- thread plan and space
@@ -482,143 +428,6 @@ def simulate_node(
     }
 
 
-# --------------------------------------------------------------------------- report
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f} %"
-
-
-def render_markdown(result: dict[str, Any]) -> str:
-    cfg = result["config"]
-    lines = [
-        "# Simulated large nodes: the real online tuner on a step-time model",
-        "",
-        f"- command: `{result['command']}`",
-        f"- date (UTC): {result['date']}; duration {result['duration_s']:.1f} s on this machine",
-        f"- tuner: `autotune.OnlineTuner` with the default `AutotuneConfig` (probe budget {cfg['probe_steps']} steps, "
-        f"{cfg['warmup_steps']} warm-up + {cfg['measure_steps']} measured per candidate, "
-        f"{cfg['finalists']} finalists x "
-        f"{cfg['final_rounds']} rounds, min gain {cfg['min_gain']:g}, Optuna seed {cfg['seed']}); "
-        "one tuner per simulated local rank, agreeing through `autotune.InProcessAgreement`",
-        "- only the measurement is simulated: search space, static plan and thread caps come from the real "
-        "`plan_cpu_threads` and `offload_search_space` on each node's topology and masks",
-        f"- targets: median regret <= {_pct(TARGET_MEDIAN_REGRET)}, p95 <= {_pct(TARGET_P95_REGRET)} within the "
-        "default probe budget",
-        "",
-        "Regret = (true time of the locked-in winner - true best of the space) / true best, true = the model "
-        "without noise. Probe overhead = extra step-equivalents the probing steps cost over running the true best.",
-        "",
-        "| node | ranks | seeds | candidates | regret median | regret p95 | regret max | probe steps (median/max) "
-        "| probe overhead (steps) | static plan regret | static rule oversubscribes | static rule / tuner | targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|",
-    ]
-    for n in result["nodes"]:
-        sr = n["static_rule"]
-        lines.append(
-            f"| {n['node']} | {n['ranks']} | {n['seeds']} | {n['n_candidates']} | {_pct(n['regret']['median'])} "
-            f"| {_pct(n['regret']['p95'])} | {_pct(n['regret']['max'])} | {n['probe_steps']['median']:g} / "
-            f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_pct(n['baseline_regret'])} "
-            f"| {'yes' if sr['oversubscribed'] else 'no'} ({sum(sr['threads'])} threads) "
-            f"| {n['tuner_vs_static_median']:.2f}x | {'met' if n['meets_targets'] else '**not met**'} |"
-        )
-    over = [n for n in result["nodes"] if n["static_rule"]["oversubscribed"]]
-    lines += [
-        "",
-        f"The old static rule `min(len(mask), cpu_count // local ranks)` oversubscribes on {len(over)} of "
-        f"{len(result['nodes'])} node types (it is deterministic per node: the same every seed).",
-        "",
-    ]
-    for n in result["nodes"]:
-        sr = n["static_rule"]
-        lines += [
-            f"## {n['node']}",
-            "",
-            f"{n['description']}.",
-            "",
-            f"- thread plan (rank 0, the real `plan_cpu_threads`, the masks handed in): "
-            f"{n['plan_reason_rank0']}",
-            f"- space: {n['n_candidates']} candidates, threads {n['space']['knobs'][0]['values']}, chunk_numel "
-            f"{n['space']['knobs'][1]['values']}; static plan `threads={n['baseline']['threads']} "
-            f"chunk_numel={n['baseline']['chunk_numel']}` ({n['baseline_true_s']:.4f} s, "
-            f"regret {_pct(n['baseline_regret'])})",
-            f"- true best `{n['best']['candidate']}`: {n['best']['true_s']:.4f} s",
-            f"- old static rule: threads {sorted(set(sr['threads']))} per rank, chunk {DEFAULT_CHUNK_NUMEL}: "
-            f"{sr['true_s']:.4f} s = {sr['vs_best']:.3f}x the true best; "
-            f"{'oversubscribes' if sr['oversubscribed'] else 'does not oversubscribe'} ({sr['detail']})",
-            f"- regret: median {_pct(n['regret']['median'])}, p95 {_pct(n['regret']['p95'])}, max "
-            f"{_pct(n['regret']['max'])}, {_pct(n['regret']['within_2pct'])} of seeds within 2 %; static plan kept in "
-            f"{_pct(n['kept_baseline_rate'])} of seeds; the true best was measured at all in "
-            f"{_pct(n['best_measured_rate'])} of seeds ({n['explored_median']:g} of {n['n_candidates']} candidates "
-            "measured per session)",
-            f"- probing cost: {n['probe_overhead_steps_median']:.1f} step-equivalents over running the true best for "
-            f"{n['probe_steps']['median']:g} steps (slow candidates probed); the tuner's winner is "
-            f"{n['tuner_vs_static_median']:.2f}x faster than the old static rule (median)",
-            f"- winners (seeds): " + ", ".join(f"`{k}` {v}" for k, v in n["winners"].items()),
-            "",
-            "| candidate | true s | vs best |",
-            "|---|---:|---:|",
-        ]
-        for cand, t in sorted(n["truth_s"].items(), key=lambda kv: kv[1]):
-            lines.append(f"| {cand} | {t:.4f} | {t / n['best']['true_s']:.3f} |")
-        lines.append("")
-    if result.get("what_if"):
-        lines += [
-            "## What-if: the same tuner with another configuration",
-            "",
-            "Each row: the real tuner on the same model with one change (an `AutotuneConfig` field, or a quieter "
-            "noise model), fewer seeds. Evidence for what limits the regret, not the product's numbers (those are "
-            "the table above).",
-            "",
-            "| variant | node | seeds | regret median | regret p95 | probe steps (median/max) | static plan kept "
-            "| true best measured | targets |",
-            "|---|---|---:|---:|---:|---|---:|---:|---|",
-        ]
-        for v in result["what_if"]:
-            for n in v["nodes"]:
-                lines.append(
-                    f"| {v['description']} | {n['node']} | {n['seeds']} | {_pct(n['regret']['median'])} "
-                    f"| {_pct(n['regret']['p95'])} | {n['probe_steps']['median']:g} / {n['probe_steps']['max']} "
-                    f"| {_pct(n['kept_baseline_rate'])} | {_pct(n['best_measured_rate'])} "
-                    f"| {'met' if n['meets_targets'] else 'not met'} |"
-                )
-        lines.append("")
-    check = result.get("gloo_check")
-    if check:
-        lines += [
-            "## Cross-check over real gloo",
-            "",
-            f"Seeds {check['seeds']} of `{check['node']}` re-run with {check['processes']} real processes joined by "
-            "a gloo group, each tuner building its own `GlooAgreement` (group=None), the same model times: "
-            f"**{check['identical_decisions']} of {len(check['seeds'])} sessions took identical decisions** (winner, "
-            "probe steps, reason, every measured median) to the in-process simulation. Cost on this 2-core machine: "
-            f"{check['gloo_wall_s']:.1f} s for the processes (start-up included; sessions "
-            f"{', '.join(f'{x:.2f}' for x in check['gloo_session_s'])} s each) against "
-            f"{check['in_process_wall_s']:.2f} s in-process, which is why the main run uses threads.",
-            "",
-        ]
-    lines += ["## The model", "", result["model"], ""]
-    return "\n".join(lines)
-
-
-def _model_text() -> str:
-    from bench import _stepmodel
-
-    doc = (_stepmodel.__doc__ or "").strip()
-    hw = Hardware(sockets=2, cores_per_socket=60)
-    wl = Workload(params=1)
-    nm = NoiseModel()
-    params = ", ".join(f"{k}={v}" for k, v in asdict(hw).items() if k not in ("sockets", "cores_per_socket", "smt"))
-    wlp = ", ".join(f"{k}={v}" for k, v in asdict(wl).items() if k != "params")
-    noise = ", ".join(f"{k}={v}" for k, v in asdict(nm).items())
-    return (
-        doc.split("\n\n", 1)[1]
-        + f"\n\nDefault hardware parameters: {params}.\nDefault workload parameters: {wlp}.\nNoise: {noise}.\n"
-        "Per-node overrides are in the JSON (`hardware`, `workload`). These numbers are assumptions, loosely "
-        "calibrated on `bench/results/bandwidth-h200host.md`; the tuner never sees them, only noisy step times."
-    )
-
-
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     config = AutotuneConfig(use_cache=False)
     began = time.perf_counter()
@@ -652,7 +461,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "duration_s": time.perf_counter() - began,
         "config": asdict(config),
         "targets": {"median_regret": TARGET_MEDIAN_REGRET, "p95_regret": TARGET_P95_REGRET},
-        "model": _model_text(),
+        "model": model_text(),
         "nodes": nodes,
         "what_if": variants,
         "gloo_check": check,
@@ -706,13 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
         (out_dir / f"{args.name}.md").write_text(text)
     for n in result["nodes"]:
-        print(
-            f"{n['node']:<28} seeds {n['seeds']:>3}  regret median {_pct(n['regret']['median']):>8}  p95 "
-            f"{_pct(n['regret']['p95']):>8}  probe steps {n['probe_steps']['median']:g}/{n['probe_steps']['max']}  "
-            f"static rule {'oversubscribes' if n['static_rule']['oversubscribed'] else 'ok'} "
-            f"({n['static_rule']['vs_best']:.2f}x best)  {'met' if n['meets_targets'] else 'NOT MET'}  "
-            f"[{n['elapsed_s']:.1f} s]"
-        )
+        print(summary_line(n))
     return 0
 
 

@@ -67,7 +67,6 @@ class Allocation:
     """``(cgroup key, quota in CPUs, thread cap, ranks)`` for every quota that applied."""
 
 
-
 def _trim(threads: list[int], shares: Sequence[Fraction], members: Sequence[int], limit: int,
           trimmed: set[int]) -> None:
     """Take threads back from ``members`` until they total at most ``limit`` (never below 1):

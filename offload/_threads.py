@@ -80,7 +80,6 @@ class ThreadPlan:
     """Whether the old rule, applied on every local rank, totals more threads than the budget."""
 
 
-
 def _check_threads(value: object, what: str) -> int:
     """``value`` if it is an int from 1 to ``MAX_THREADS``: nothing else reaches set_num_threads."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= knobs.MAX_THREADS:
