@@ -9,6 +9,7 @@ from __future__ import annotations
 from autotune._agree import AgreementError, AgreementMismatch, AgreementTimeout
 from autotune._cache import TuningCache
 from autotune._fingerprint import Fingerprint, fingerprint
+from autotune._inprocess import InProcessAgreement
 from autotune._measurement import Measurement
 from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
 from autotune._trace import TraceWriter
@@ -20,6 +21,7 @@ __all__ = [
     "AgreementTimeout",
     "AutotuneConfig",
     "Fingerprint",
+    "InProcessAgreement",
     "Knob",
     "Measurement",
     "OnlineTuner",

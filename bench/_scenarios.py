@@ -40,6 +40,8 @@ __all__ = [
     "Row",
     "STAGES",
     "ScenarioError",
+    "TABLE_LABEL",
+    "TABLE_ROWS",
     "TrainerConfig",
     "TrainerRun",
     "build_rows",
@@ -63,6 +65,18 @@ ROW_NAMES: dict[str, str] = {
     "5b": "autotuned, second run (cache hit)",
     "6": "no offload: torch AdamW(fused=True) on the device",
 }
+#: Rows of the suite's scenario table, in order; 5a is reported twice (probing included / excluded).
+TABLE_ROWS = ("1", "2", "3", "4", "5a-incl", "5a-excl", "5b", "6")
+TABLE_LABEL = {
+    "1": "1 launcher default (OMP_NUM_THREADS=1)",
+    "2": "2 env override OMP_NUM_THREADS=cores/ranks",
+    "3": "3 old static rule",
+    "4": "4 ThreadPlan",
+    "5a-incl": "5 autotuned, 1st run, probing included",
+    "5a-excl": "5 autotuned, 1st run, probing excluded",
+    "5b": "5 autotuned, 2nd run (cache hit)",
+    "6": "6 no offload: AdamW(fused=True)",
+}
 #: Stage times reported per row (``StepStats`` field names).
 STAGES = ("adam_kernel_s", "materialize_s", "drain_s")
 #: Environment variables a parent process may have set that would change what a row runs.
@@ -76,7 +90,7 @@ class ScenarioError(RuntimeError):
 
 def thread_rules(*, cpu_count: int, affinity: int, ranks: int) -> dict[str, int]:
     """Threads per rank each static rule gives: ``launcher`` (row 1), ``env`` (row 2), ``static`` (row 3)."""
-    from offload._threads import static_rule_threads
+    from offload._thread_rule import static_rule_threads
 
     for name, value in (("cpu_count", cpu_count), ("affinity", affinity), ("ranks", ranks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -5,15 +5,15 @@ below and every seed, one complete tuning session of the real :class:`autotune.O
 
 * the search space and static plan are what ``CPUOffloadAdamW(autotune=...)`` builds on that node:
   the real ``offload.plan_cpu_threads`` on the node's CPU topology and every local rank's affinity
-  mask (the mask exchange is the only part replaced: the masks are handed in), then the real
+  mask (handed in with ``masks=``: the mask exchange is the only part skipped), then the real
   ``offload._autotune.offload_search_space``, with the baseline and per-rank thread cap of
   ``offload._autotune.OffloadTuning``;
 * every local rank runs its own ``OnlineTuner`` in its own thread, with the default
-  ``AutotuneConfig``; the tuners talk through :class:`SimulatedAgreement`, an in-process
-  implementation of the ``autotune._agree.Agreement`` protocol (all-gather, broadcast, max: the
-  same three collectives ``GlooAgreement`` runs, objects pickled as gloo pickles them, a barrier
-  instead of the network). So rank 0 runs the real probing schedule, Optuna ordering, finals and
-  lock-in rule on the max over ranks, broadcasts its directives, and every rank follows them;
+  ``AutotuneConfig``; the tuners talk through :class:`autotune.InProcessAgreement`, an in-process
+  implementation of the agreement protocol (all-gather, broadcast, max: the same three collectives
+  ``GlooAgreement`` runs, objects pickled as gloo pickles them, a barrier instead of the network).
+  So rank 0 runs the real probing schedule, Optuna ordering, finals and lock-in rule on the max
+  over ranks, broadcasts its directives, and every rank follows them;
 * only the measurement is replaced: each rank's ``StepSample.time_s`` comes from
   :mod:`bench._stepmodel` (noise-free model time x heavy-tailed noise, warm-up penalty after a switch).
 
@@ -31,12 +31,10 @@ Regret of a run = (true time of the locked-in winner - true best) / true best.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import logging
 import math
-import pickle
 import re
 import statistics
 import sys
@@ -44,24 +42,21 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-import offload._threads as _threads_mod
-from autotune import AutotuneConfig, OnlineTuner, StepSample
-from autotune._agree import AgreementTimeout
-from bench._stepmodel import Hardware, Node, NoiseModel, Workload
-from offload import plan_cpu_threads
+from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
+from bench._simulate_nodes import NODES, REQUIRED_NODES, build_node
+from bench._simulate_report import model_text, render_markdown, summary_line
+from bench._stepmodel import Node, NoiseModel
+from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
 from offload._autotune import offload_search_space
-from offload._settings import DEFAULT_CHUNK_NUMEL
-from offload._threads import RankCpus, ThreadPlan
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "NODES",
-    "SimulatedAgreement",
     "build_node",
     "gloo_check",
     "main",
@@ -78,95 +73,20 @@ TARGET_P95_REGRET = 0.05
 #: Seconds a simulated collective waits for the other simulated ranks before it fails.
 BARRIER_TIMEOUT_S = 60.0
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
-
-
-# --------------------------------------------------------------------------- nodes
-
-
-def _two_socket(masks: str, *, overlap: bool = False) -> Node:
-    hw = Hardware(sockets=2, cores_per_socket=60, smt=2)
-    sockets = [hw.socket_cpus(s) for s in range(2)]
-    if masks == "numa":
-        ranks = tuple(sockets[r // 4] for r in range(8))
-        text = "8 ranks, each bound to its socket's NUMA node (4 ranks share each 120-CPU socket mask)"
-    elif masks == "shared":
-        ranks = (frozenset(range(hw.logical_cpus)),) * 8
-        text = "8 ranks on one shared mask: all 240 CPUs (no binding, one cpuset)"
-    elif masks == "exclusive":
-        ranks = tuple(
-            frozenset(hw.cpu(r // 4, c, t) for c in range((r % 4) * 15, (r % 4 + 1) * 15) for t in range(2))
-            for r in range(8)
-        )
-        text = "8 ranks, each with its own 15 cores + SMT siblings (30 CPUs), 4 per socket"
-    else:
-        raise ValueError(f"masks={masks!r}: expected 'numa', 'shared' or 'exclusive'")
-    wl = Workload(params=2_000_000_000, overlap_backward=overlap)
-    name = f"2s60c-smt2-8r-{masks}" + ("-overlap" if overlap else "")
-    if overlap:
-        text += "; optimizer step overlapped with backward (objective: iteration time)"
-    return Node(name=name, hardware=hw, masks=ranks, workload=wl,
-                description=f"2 sockets x 60 cores x SMT2 (240 CPUs, 2 NUMA domains); {text}; 2e9 params per rank")
-
-
-def _one_socket(ranks: int = 1) -> Node:
-    hw = Hardware(sockets=1, cores_per_socket=16, smt=2, domain_bw_gbs=110.0)
-    wl = Workload(params=1_000_000_000 // ranks)
-    who = "1 rank on all CPUs" if ranks == 1 else f"{ranks} ranks sharing all CPUs"
-    return Node(name=f"1s16c-smt2-{ranks}r", hardware=hw, masks=(frozenset(range(hw.logical_cpus)),) * ranks,
-                workload=wl,
-                description=f"1 socket x 16 cores x SMT2 (32 CPUs, 110 GB/s); {who}; {1e9 / ranks:.0e} params per rank")
-
-
-#: Node name -> builder. The first three are the issue's; the others widen the picture.
-NODES: dict[str, Callable[[], Node]] = {
-    "2s60c-smt2-8r-numa": lambda: _two_socket("numa"),
-    "2s60c-smt2-8r-shared": lambda: _two_socket("shared"),
-    "1s16c-smt2-1r": lambda: _one_socket(1),
-    "2s60c-smt2-8r-exclusive": lambda: _two_socket("exclusive"),
-    "2s60c-smt2-8r-numa-overlap": lambda: _two_socket("numa", overlap=True),
-    "1s16c-smt2-2r": lambda: _one_socket(2),
-}
-REQUIRED_NODES = ("2s60c-smt2-8r-numa", "2s60c-smt2-8r-shared", "1s16c-smt2-1r")
-
-
-def build_node(name: str) -> Node:
-    try:
-        return NODES[name]()
-    except KeyError:
-        raise ValueError(f"unknown node {name!r}: expected one of {sorted(NODES)}") from None
+#: The chunk size ``CPUOffloadAdamW`` uses unless told otherwise (the static plan's chunk).
+DEFAULT_CHUNK_NUMEL = OffloadSettings().chunk_numel
 
 
 # --------------------------------------------------------------------------- thread plan and space
 
 
-@contextlib.contextmanager
-def _masks_exchanged(masks: Sequence[RankCpus], index: int) -> Iterator[None]:
-    """Make ``plan_cpu_threads`` see ``masks`` as the exchanged local masks (restored afterwards)."""
-    original = _threads_mod._exchange
-
-    def fake(me: RankCpus, *, group: Any, timeout_s: float) -> tuple[list[RankCpus], int, str]:
-        if me.cpus != masks[index].cpus:
-            raise RuntimeError("simulated mask exchange: this rank's mask is not the one handed in")
-        return list(masks), index, "simulated node"
-
-    _threads_mod._exchange = fake  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _threads_mod._exchange = original  # type: ignore[assignment]
-
-
 def plan_node(node: Node) -> list[ThreadPlan]:
-    """Every local rank's real ``plan_cpu_threads`` on the node's topology and masks."""
+    """Every local rank's real ``plan_cpu_threads`` on the node's topology, the masks handed in."""
     topology = node.hardware.topology()
-    masks = [RankCpus(cpus=m) for m in node.masks]
-    plans = []
-    for r in range(node.ranks):
-        with _masks_exchanged(masks, r):
-            plans.append(
-                plan_cpu_threads(topology=topology, cpus=masks[r].cpus, cpu_count=node.hardware.logical_cpus)
-            )
-    return plans
+    return [
+        plan_cpu_threads(masks=node.masks, local_rank=r, topology=topology, cpu_count=node.hardware.logical_cpus)
+        for r in range(node.ranks)
+    ]
 
 
 def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[str, int], list[int]]:
@@ -183,71 +103,6 @@ def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[st
         fixed_threads=False,
     )
     return space, baseline, own
-
-
-# --------------------------------------------------------------------------- in-process agreement
-
-
-class _Hub:
-    """Shared state of the simulated ranks' collectives."""
-
-    def __init__(self, world_size: int, timeout_s: float) -> None:
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self.barrier = threading.Barrier(world_size)
-        self.slots: list[bytes | None] = [None] * world_size
-        self.calls = 0
-
-    def exchange(self, rank: int, payload: bytes, *, step: int | None, what: str) -> list[bytes | None]:
-        self.slots[rank] = payload
-        self._wait(step, what)
-        out = list(self.slots)
-        if rank == 0:
-            self.calls += 1
-        self._wait(step, what)  # nobody overwrites a slot before every rank read it
-        return out
-
-    def _wait(self, step: int | None, what: str) -> None:
-        try:
-            self.barrier.wait(self.timeout_s)
-        except threading.BrokenBarrierError as exc:
-            raise AgreementTimeout(
-                f"SimulatedAgreement: {'start' if step is None else f'step {step}'} ({what}): "
-                "another simulated rank failed or did not arrive",
-                step=step,
-            ) from exc
-
-
-class SimulatedAgreement:
-    """``autotune._agree.Agreement`` for one simulated local rank: the collectives of
-    ``GlooAgreement`` (objects pickled and unpickled per receiver, as gloo's object collectives do)
-    over threads of one process."""
-
-    def __init__(self, hub: _Hub, rank: int) -> None:
-        self._hub = hub
-        self.rank = rank
-        self.world_size = hub.world_size
-
-    def all_gather(self, obj: Any, *, step: int | None, what: str) -> list[Any]:
-        rows = self._hub.exchange(self.rank, pickle.dumps(obj), step=step, what=what)
-        return [pickle.loads(row) for row in rows]  # type: ignore[arg-type]
-
-    def broadcast(self, obj: Any, *, step: int | None, what: str) -> Any:
-        payload = pickle.dumps(obj if self.rank == 0 else None)
-        rows = self._hub.exchange(self.rank, payload, step=step, what=what)
-        return pickle.loads(rows[0])  # type: ignore[arg-type]
-
-    def max_float(self, value: float, *, step: int | None, what: str) -> float:
-        return max(float(v) for v in self.all_gather(float(value), step=step, what=what))
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        self._hub.barrier.abort()
-
-    def __repr__(self) -> str:
-        return f"SimulatedAgreement(rank={self.rank}, world_size={self.world_size})"
 
 
 # --------------------------------------------------------------------------- one tuning session
@@ -275,11 +130,13 @@ def _rank_session(
     table: np.ndarray,
     noise: NoiseModel,
     history: list[float] | None,
+    trace: Any = None,
 ) -> dict[str, Any]:
     """Simulated local rank ``r``: a real ``OnlineTuner`` fed model step times until it locks in.
 
-    ``agreement`` is what ``OnlineTuner(group=...)`` takes: a :class:`SimulatedAgreement`, or
-    None inside a real gloo job (the tuner then builds its own ``GlooAgreement``).
+    ``agreement`` is what ``OnlineTuner(group=...)`` takes: an :class:`autotune.InProcessAgreement`, or
+    None inside a real gloo job (the tuner then builds its own ``GlooAgreement``). ``trace``: what
+    ``OnlineTuner(trace=...)`` takes (the tuner writes it on rank 0 only).
     Rank 0 appends the true node time of every probing step to ``history``.
     """
     current: dict[str, Any] = {}
@@ -291,7 +148,8 @@ def _rank_session(
         switched[0] = True
 
     workload = {"params": node.workload.params, "node": node.name}
-    tuner = OnlineTuner(space, baseline=baseline, apply=apply, config=config, workload=workload, group=agreement)
+    tuner = OnlineTuner(space, baseline=baseline, apply=apply, config=config, workload=workload, group=agreement,
+                        trace=trace)
     tuner.start()
     step = 0
     while tuner.state in ("probing", "checking") and step < len(table):
@@ -343,23 +201,30 @@ def run_seed(
     *,
     config: AutotuneConfig | None = None,
     noise: NoiseModel | None = None,
+    traces: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """One tuning session of ``node.ranks`` real tuners in lockstep threads; returns rank 0's view."""
+    """One tuning session of ``node.ranks`` real tuners in lockstep threads; returns rank 0's view.
+
+    ``traces``: one ``OnlineTuner(trace=...)`` object per rank (``autotune.TraceWriter``, or any
+    object with its ``add_step``/``add_spans``/``write_summary``), to see every measured step.
+    """
     config = config or AutotuneConfig(use_cache=False)
     noise = noise or NoiseModel()
     n = node.ranks
+    if traces is not None and len(traces) != n:
+        raise ValueError(f"run_seed: {len(traces)} traces for {n} ranks: expected one per rank")
     # The tuner never exceeds its budget; one step more would show it if it did.
     table = _noise_table(node, seed, config.probe_steps + 1, noise)
-    hub = _Hub(n, BARRIER_TIMEOUT_S)
+    agreements = InProcessAgreement.group(n, timeout_s=BARRIER_TIMEOUT_S, owner="simulated node")
     summaries: list[dict[str, Any] | None] = [None] * n
     errors: list[BaseException] = []
     history: list[float] = []
 
     def rank_main(r: int) -> None:
-        agreement = SimulatedAgreement(hub, r)
+        agreement = agreements[r]
         try:
             summaries[r] = _rank_session(r, agreement, node, space, baseline, caps, config, table, noise,
-                                         history if r == 0 else None)
+                                         history if r == 0 else None, None if traces is None else traces[r])
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors.append(exc)
             agreement.abort()
@@ -371,7 +236,7 @@ def run_seed(
         w.join()
     if errors:
         raise RuntimeError(f"simulation of {node.name} seed {seed} failed: {errors[0]}") from errors[0]
-    return _result(node, seed, summaries, history, hub.calls)
+    return _result(node, seed, summaries, history, agreements[0].collectives)
 
 
 # --------------------------------------------------------------------------- the same over real gloo
@@ -563,143 +428,6 @@ def simulate_node(
     }
 
 
-# --------------------------------------------------------------------------- report
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f} %"
-
-
-def render_markdown(result: dict[str, Any]) -> str:
-    cfg = result["config"]
-    lines = [
-        "# Simulated large nodes: the real online tuner on a step-time model",
-        "",
-        f"- command: `{result['command']}`",
-        f"- date (UTC): {result['date']}; duration {result['duration_s']:.1f} s on this machine",
-        f"- tuner: `autotune.OnlineTuner` with the default `AutotuneConfig` (probe budget {cfg['probe_steps']} steps, "
-        f"{cfg['warmup_steps']} warm-up + {cfg['measure_steps']} measured per candidate, "
-        f"{cfg['finalists']} finalists x "
-        f"{cfg['final_rounds']} rounds, min gain {cfg['min_gain']:g}, Optuna seed {cfg['seed']}); "
-        "one tuner per simulated local rank, agreeing through `bench.simulate.SimulatedAgreement`",
-        "- only the measurement is simulated: search space, static plan and thread caps come from the real "
-        "`plan_cpu_threads` and `offload_search_space` on each node's topology and masks",
-        f"- targets: median regret <= {_pct(TARGET_MEDIAN_REGRET)}, p95 <= {_pct(TARGET_P95_REGRET)} within the "
-        "default probe budget",
-        "",
-        "Regret = (true time of the locked-in winner - true best of the space) / true best, true = the model "
-        "without noise. Probe overhead = extra step-equivalents the probing steps cost over running the true best.",
-        "",
-        "| node | ranks | seeds | candidates | regret median | regret p95 | regret max | probe steps (median/max) "
-        "| probe overhead (steps) | static plan regret | static rule oversubscribes | static rule / tuner | targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|",
-    ]
-    for n in result["nodes"]:
-        sr = n["static_rule"]
-        lines.append(
-            f"| {n['node']} | {n['ranks']} | {n['seeds']} | {n['n_candidates']} | {_pct(n['regret']['median'])} "
-            f"| {_pct(n['regret']['p95'])} | {_pct(n['regret']['max'])} | {n['probe_steps']['median']:g} / "
-            f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_pct(n['baseline_regret'])} "
-            f"| {'yes' if sr['oversubscribed'] else 'no'} ({sum(sr['threads'])} threads) "
-            f"| {n['tuner_vs_static_median']:.2f}x | {'met' if n['meets_targets'] else '**not met**'} |"
-        )
-    over = [n for n in result["nodes"] if n["static_rule"]["oversubscribed"]]
-    lines += [
-        "",
-        f"The old static rule `min(len(mask), cpu_count // local ranks)` oversubscribes on {len(over)} of "
-        f"{len(result['nodes'])} node types (it is deterministic per node: the same every seed).",
-        "",
-    ]
-    for n in result["nodes"]:
-        sr = n["static_rule"]
-        lines += [
-            f"## {n['node']}",
-            "",
-            f"{n['description']}.",
-            "",
-            f"- thread plan (rank 0, the real `plan_cpu_threads`; the simulated exchange hands the masks in): "
-            f"{n['plan_reason_rank0']}",
-            f"- space: {n['n_candidates']} candidates, threads {n['space']['knobs'][0]['values']}, chunk_numel "
-            f"{n['space']['knobs'][1]['values']}; static plan `threads={n['baseline']['threads']} "
-            f"chunk_numel={n['baseline']['chunk_numel']}` ({n['baseline_true_s']:.4f} s, "
-            f"regret {_pct(n['baseline_regret'])})",
-            f"- true best `{n['best']['candidate']}`: {n['best']['true_s']:.4f} s",
-            f"- old static rule: threads {sorted(set(sr['threads']))} per rank, chunk {DEFAULT_CHUNK_NUMEL}: "
-            f"{sr['true_s']:.4f} s = {sr['vs_best']:.3f}x the true best; "
-            f"{'oversubscribes' if sr['oversubscribed'] else 'does not oversubscribe'} ({sr['detail']})",
-            f"- regret: median {_pct(n['regret']['median'])}, p95 {_pct(n['regret']['p95'])}, max "
-            f"{_pct(n['regret']['max'])}, {_pct(n['regret']['within_2pct'])} of seeds within 2 %; static plan kept in "
-            f"{_pct(n['kept_baseline_rate'])} of seeds; the true best was measured at all in "
-            f"{_pct(n['best_measured_rate'])} of seeds ({n['explored_median']:g} of {n['n_candidates']} candidates "
-            "measured per session)",
-            f"- probing cost: {n['probe_overhead_steps_median']:.1f} step-equivalents over running the true best for "
-            f"{n['probe_steps']['median']:g} steps (slow candidates probed); the tuner's winner is "
-            f"{n['tuner_vs_static_median']:.2f}x faster than the old static rule (median)",
-            f"- winners (seeds): " + ", ".join(f"`{k}` {v}" for k, v in n["winners"].items()),
-            "",
-            "| candidate | true s | vs best |",
-            "|---|---:|---:|",
-        ]
-        for cand, t in sorted(n["truth_s"].items(), key=lambda kv: kv[1]):
-            lines.append(f"| {cand} | {t:.4f} | {t / n['best']['true_s']:.3f} |")
-        lines.append("")
-    if result.get("what_if"):
-        lines += [
-            "## What-if: the same tuner with another configuration",
-            "",
-            "Each row: the real tuner on the same model with one change (an `AutotuneConfig` field, or a quieter "
-            "noise model), fewer seeds. Evidence for what limits the regret, not the product's numbers (those are "
-            "the table above).",
-            "",
-            "| variant | node | seeds | regret median | regret p95 | probe steps (median/max) | static plan kept "
-            "| true best measured | targets |",
-            "|---|---|---:|---:|---:|---|---:|---:|---|",
-        ]
-        for v in result["what_if"]:
-            for n in v["nodes"]:
-                lines.append(
-                    f"| {v['description']} | {n['node']} | {n['seeds']} | {_pct(n['regret']['median'])} "
-                    f"| {_pct(n['regret']['p95'])} | {n['probe_steps']['median']:g} / {n['probe_steps']['max']} "
-                    f"| {_pct(n['kept_baseline_rate'])} | {_pct(n['best_measured_rate'])} "
-                    f"| {'met' if n['meets_targets'] else 'not met'} |"
-                )
-        lines.append("")
-    check = result.get("gloo_check")
-    if check:
-        lines += [
-            "## Cross-check over real gloo",
-            "",
-            f"Seeds {check['seeds']} of `{check['node']}` re-run with {check['processes']} real processes joined by "
-            "a gloo group, each tuner building its own `GlooAgreement` (group=None), the same model times: "
-            f"**{check['identical_decisions']} of {len(check['seeds'])} sessions took identical decisions** (winner, "
-            "probe steps, reason, every measured median) to the in-process simulation. Cost on this 2-core machine: "
-            f"{check['gloo_wall_s']:.1f} s for the processes (start-up included; sessions "
-            f"{', '.join(f'{x:.2f}' for x in check['gloo_session_s'])} s each) against "
-            f"{check['in_process_wall_s']:.2f} s in-process, which is why the main run uses threads.",
-            "",
-        ]
-    lines += ["## The model", "", result["model"], ""]
-    return "\n".join(lines)
-
-
-def _model_text() -> str:
-    from bench import _stepmodel
-
-    doc = (_stepmodel.__doc__ or "").strip()
-    hw = Hardware(sockets=2, cores_per_socket=60)
-    wl = Workload(params=1)
-    nm = NoiseModel()
-    params = ", ".join(f"{k}={v}" for k, v in asdict(hw).items() if k not in ("sockets", "cores_per_socket", "smt"))
-    wlp = ", ".join(f"{k}={v}" for k, v in asdict(wl).items() if k != "params")
-    noise = ", ".join(f"{k}={v}" for k, v in asdict(nm).items())
-    return (
-        doc.split("\n\n", 1)[1]
-        + f"\n\nDefault hardware parameters: {params}.\nDefault workload parameters: {wlp}.\nNoise: {noise}.\n"
-        "Per-node overrides are in the JSON (`hardware`, `workload`). These numbers are assumptions, loosely "
-        "calibrated on `bench/results/bandwidth-h200host.md`; the tuner never sees them, only noisy step times."
-    )
-
-
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     config = AutotuneConfig(use_cache=False)
     began = time.perf_counter()
@@ -733,7 +461,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "duration_s": time.perf_counter() - began,
         "config": asdict(config),
         "targets": {"median_regret": TARGET_MEDIAN_REGRET, "p95_regret": TARGET_P95_REGRET},
-        "model": _model_text(),
+        "model": model_text(),
         "nodes": nodes,
         "what_if": variants,
         "gloo_check": check,
@@ -787,13 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
         (out_dir / f"{args.name}.md").write_text(text)
     for n in result["nodes"]:
-        print(
-            f"{n['node']:<28} seeds {n['seeds']:>3}  regret median {_pct(n['regret']['median']):>8}  p95 "
-            f"{_pct(n['regret']['p95']):>8}  probe steps {n['probe_steps']['median']:g}/{n['probe_steps']['max']}  "
-            f"static rule {'oversubscribes' if n['static_rule']['oversubscribed'] else 'ok'} "
-            f"({n['static_rule']['vs_best']:.2f}x best)  {'met' if n['meets_targets'] else 'NOT MET'}  "
-            f"[{n['elapsed_s']:.1f} s]"
-        )
+        print(summary_line(n))
     return 0
 
 

@@ -5,7 +5,7 @@ tree in ``tmp_path``); when sysfs has no topology, psutil's physical/logical cor
 average "physical cores per logical CPU" instead. :class:`CpuTopology` can also be built directly.
 
 Nothing here changes process state; ``offload._threads`` turns a topology and the local ranks'
-affinity masks into a thread budget.
+affinity masks into a thread budget, and ``offload._numa`` binds to a NUMA node.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ __all__ = [
     "format_cpulist",
     "normalize_pci_bus_id",
     "parse_cpulist",
+    "read_affinity",
     "read_cgroup_cpu_limit",
     "read_cpu_topology",
     "read_numa_nodes",
@@ -64,6 +65,13 @@ def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
             raise TopologyError(f"Unable to parse {what} {text!r}: bad range {part!r}")
         cpus.update(range(first, last + 1, stride))
     return frozenset(cpus)
+
+
+def read_affinity() -> frozenset[int]:
+    """The CPUs the calling thread may run on (``os.sched_getaffinity(0)``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))  # pragma: no cover - non-Linux
 
 
 def format_cpulist(cpus: Iterable[int]) -> str:

@@ -10,9 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import autotune._probe as probe_mod
-from autotune import AutotuneConfig, OnlineTuner, SearchSpace, Knob
-from autotune._agree import AgreementMismatch
+from autotune import AgreementMismatch, AgreementTimeout, AutotuneConfig, InProcessAgreement, Knob, OnlineTuner, SearchSpace
 from bench import simulate
 from bench._stepmodel import Hardware, Node, NoiseModel, Workload
 
@@ -134,13 +132,13 @@ def test_thread_plans_come_from_plan_cpu_threads(numa: Node) -> None:
 
 def test_simulated_agreement_runs_the_tuners_own_checks() -> None:
     """Ranks that tune different spaces fail in OnlineTuner's own start() check."""
-    hub = simulate._Hub(2, timeout_s=20.0)
+    agreements = InProcessAgreement.group(2, timeout_s=20.0)
     errors: list[BaseException] = []
     spaces = [SearchSpace((Knob("threads", (1, 2)),)), SearchSpace((Knob("threads", (1, 2, 4)),))]
 
     def rank(r: int) -> None:
         tuner = OnlineTuner(spaces[r], baseline={"threads": 2}, apply=lambda s: None,
-                            config=AutotuneConfig(use_cache=False), group=simulate.SimulatedAgreement(hub, r))
+                            config=AutotuneConfig(use_cache=False), group=agreements[r])
         try:
             tuner.start()
         except BaseException as exc:  # noqa: BLE001
@@ -155,29 +153,97 @@ def test_simulated_agreement_runs_the_tuners_own_checks() -> None:
     assert "search space" in str(errors[0])
 
 
-def test_regret_comes_from_the_real_lock_in_rule(monkeypatch: pytest.MonkeyPatch, numa: Node) -> None:
-    calls: list[tuple] = []
-    real_choose = probe_mod.choose
+def _in_threads(fn, world: int) -> list:
+    out: list = [None] * world
 
-    def spy(*args, **kwargs):
-        out = real_choose(*args, **kwargs)
-        calls.append(out)
-        return out
+    def rank(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            out[r] = exc
 
-    observed = []
-    real_observe = OnlineTuner.observe
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
 
-    def observe(self, sample):
-        observed.append(sample.time_s)
-        return real_observe(self, sample)
 
-    monkeypatch.setattr(probe_mod, "choose", spy)
-    monkeypatch.setattr(OnlineTuner, "observe", observe)
+def test_in_process_agreement_collectives() -> None:
+    agreements = InProcessAgreement.group(3, timeout_s=20.0)
+    assert [(a.rank, a.world_size) for a in agreements] == [(0, 3), (1, 3), (2, 3)]
+    mine = [{"rank": r} for r in range(3)]
+
+    def rank(r: int) -> tuple:
+        a = agreements[r]
+        gathered = a.all_gather(mine[r], step=None, what="gather")
+        told = a.broadcast(f"from {r}", step=1, what="broadcast")
+        top = a.max_float(float(r), step=2, what="max")
+        return gathered, told, top
+
+    results = _in_threads(rank, 3)
+    for r, (gathered, told, top) in enumerate(results):
+        assert gathered == mine and all(g is not m for g, m in zip(gathered, mine))  # pickled per receiver
+        assert told == "from 0" and top == 2.0
+    assert agreements[0].collectives == agreements[2].collectives == 3
+
+
+def test_in_process_agreement_times_out_naming_the_step() -> None:
+    lonely = InProcessAgreement.group(2, timeout_s=0.2, owner="test node")[0]
+    with pytest.raises(AgreementTimeout, match=r"test node: step 7 \(gather\): another rank failed") as info:
+        lonely.all_gather(1, step=7, what="gather")
+    assert info.value.step == 7
+
+
+def test_in_process_agreement_abort_releases_the_others() -> None:
+    agreements = InProcessAgreement.group(2, timeout_s=20.0)
+
+    def rank(r: int) -> object:
+        if r == 1:
+            agreements[1].abort()
+            return None
+        return agreements[0].all_gather(0, step=None, what="start check")
+
+    out = _in_threads(rank, 2)
+    assert isinstance(out[0], AgreementTimeout) and "start (start check)" in str(out[0])
+
+
+@pytest.mark.parametrize("kw", [{"world_size": 0}, {"world_size": True}, {"world_size": 2, "timeout_s": 0}])
+def test_in_process_agreement_rejects_bad_group(kw: dict) -> None:
+    with pytest.raises(ValueError, match="world_size|timeout_s"):
+        InProcessAgreement.group(**kw)
+
+
+class _RecordingTrace:
+    """What ``OnlineTuner(trace=...)`` writes: every measured step and the summary at lock-in."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.summaries: list[dict] = []
+
+    def add_step(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def add_spans(self, rank: int, step: int, spans: object) -> None:
+        pass
+
+    def write_summary(self, summary: dict) -> None:
+        self.summaries.append(summary)
+
+
+def test_regret_comes_from_the_real_lock_in_rule(numa: Node) -> None:
     plans = simulate.plan_node(numa)
     space, baseline, caps = simulate.tuning_inputs(numa, plans)
-    out = simulate.run_seed(numa, space, baseline, caps, seed=3)
+    traces = [_RecordingTrace() for _ in range(numa.ranks)]
+    out = simulate.run_seed(numa, space, baseline, caps, seed=3, traces=traces)
+    calls = [row["decision"] for t in traces for row in t.rows if row["decision"]]
     assert len(calls) == 1  # rank 0 alone decides, once
-    assert space.setting(calls[0][0]) == out["winner"] and calls[0][1] == out["reason"]
+    assert all(not t.rows and not t.summaries for t in traces[1:])
+    (decided,) = traces[0].summaries  # the tuner's summary when it locked in
+    assert calls[0] == f"locked {space.describe(out['winner'])}"
+    assert decided["winner"] == out["winner"] and decided["reason"] == out["reason"]
+    observed = [rank["time_s"] for row in traces[0].rows for rank in row["ranks"].values()]
     assert len(observed) == 8 * out["probe_steps"] and out["probe_steps"] <= AutotuneConfig().probe_steps
     assert out["collectives"] >= 2 * out["probe_steps"]  # a gather and a broadcast per step
     # The tuner saw noisy model times, not the truth.

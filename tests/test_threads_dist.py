@@ -1,4 +1,5 @@
-"""The thread plan over a real 2-process gloo group: masks are exchanged, and both ranks agree."""
+"""The thread plan over a real 2-process gloo group: masks are exchanged (over a gloo group made by
+the plan, or through the tuner's ``GlooAgreement``), and both ranks agree."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def record(plan):
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 plans = {"node": record(plan_cpu_threads(timeout_s=30)),  # node ranks from LOCAL_RANK/LOCAL_WORLD_SIZE
          "group": record(plan_cpu_threads(group=dist.group.WORLD, timeout_s=30))}
+from autotune._agree import GlooAgreement  # the agreement an OnlineTuner builds for the local ranks
+agreement = GlooAgreement.for_local_ranks(timeout_s=30)
+plans["agreement"] = record(plan_cpu_threads(agreement=agreement))
+agreement.close()
 os.sched_setaffinity(0, shared)
 del os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]
 plans["host"] = record(plan_cpu_threads(timeout_s=30))  # all ranks, filtered by host name
@@ -92,11 +97,12 @@ def test_two_gloo_ranks_exchange_masks_and_agree(tmp_path: Path) -> None:
         assert p.returncode == 0, f"rank {rank} failed:\n{log}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
-    for how, masks in [("node", own), ("group", own), ("host", [shared, shared])]:
+    for how, masks, source in [("node", own, "collective"), ("group", own, "collective"),
+                               ("agreement", own, "agreement"), ("host", [shared, shared], "collective")]:
         a, b = (res[how] for res in results)
         # The exchange happened: each rank knows the other's real mask, in local-rank order.
         assert a["masks"] == b["masks"] == masks, how
-        assert a["from"] == b["from"] == "collective", how
+        assert a["from"] == b["from"] == source, how
         assert a["world"] == b["world"] == WORLD, how
         assert (a["rank"], b["rank"]) == (0, 1), how
         # Consistent plans: the same node allocation, each rank taking its own entry.

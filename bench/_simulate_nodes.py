@@ -1,0 +1,67 @@
+"""The simulated nodes of ``python -m bench.simulate``: hardware, each local rank's mask, workload.
+
+The first three are the issue's (two sockets of 60 cores with NUMA-bound or shared masks, one
+16-core socket); the others widen the picture (exclusive masks, overlap with backward, 2 ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from bench._stepmodel import Hardware, Node, Workload
+
+__all__ = ["NODES", "REQUIRED_NODES", "build_node"]
+
+
+def _two_socket(masks: str, *, overlap: bool = False) -> Node:
+    hw = Hardware(sockets=2, cores_per_socket=60, smt=2)
+    sockets = [hw.socket_cpus(s) for s in range(2)]
+    if masks == "numa":
+        ranks = tuple(sockets[r // 4] for r in range(8))
+        text = "8 ranks, each bound to its socket's NUMA node (4 ranks share each 120-CPU socket mask)"
+    elif masks == "shared":
+        ranks = (frozenset(range(hw.logical_cpus)),) * 8
+        text = "8 ranks on one shared mask: all 240 CPUs (no binding, one cpuset)"
+    elif masks == "exclusive":
+        ranks = tuple(
+            frozenset(hw.cpu(r // 4, c, t) for c in range((r % 4) * 15, (r % 4 + 1) * 15) for t in range(2))
+            for r in range(8)
+        )
+        text = "8 ranks, each with its own 15 cores + SMT siblings (30 CPUs), 4 per socket"
+    else:
+        raise ValueError(f"masks={masks!r}: expected 'numa', 'shared' or 'exclusive'")
+    wl = Workload(params=2_000_000_000, overlap_backward=overlap)
+    name = f"2s60c-smt2-8r-{masks}" + ("-overlap" if overlap else "")
+    if overlap:
+        text += "; optimizer step overlapped with backward (objective: iteration time)"
+    return Node(name=name, hardware=hw, masks=ranks, workload=wl,
+                description=f"2 sockets x 60 cores x SMT2 (240 CPUs, 2 NUMA domains); {text}; 2e9 params per rank")
+
+
+def _one_socket(ranks: int = 1) -> Node:
+    hw = Hardware(sockets=1, cores_per_socket=16, smt=2, domain_bw_gbs=110.0)
+    wl = Workload(params=1_000_000_000 // ranks)
+    who = "1 rank on all CPUs" if ranks == 1 else f"{ranks} ranks sharing all CPUs"
+    return Node(name=f"1s16c-smt2-{ranks}r", hardware=hw, masks=(frozenset(range(hw.logical_cpus)),) * ranks,
+                workload=wl,
+                description=f"1 socket x 16 cores x SMT2 (32 CPUs, 110 GB/s); {who}; {1e9 / ranks:.0e} params per rank")
+
+
+#: Node name -> builder. The first three are the issue's; the others widen the picture.
+NODES: dict[str, Callable[[], Node]] = {
+    "2s60c-smt2-8r-numa": lambda: _two_socket("numa"),
+    "2s60c-smt2-8r-shared": lambda: _two_socket("shared"),
+    "1s16c-smt2-1r": lambda: _one_socket(1),
+    "2s60c-smt2-8r-exclusive": lambda: _two_socket("exclusive"),
+    "2s60c-smt2-8r-numa-overlap": lambda: _two_socket("numa", overlap=True),
+    "1s16c-smt2-2r": lambda: _one_socket(2),
+}
+REQUIRED_NODES = ("2s60c-smt2-8r-numa", "2s60c-smt2-8r-shared", "1s16c-smt2-1r")
+
+
+def build_node(name: str) -> Node:
+    """The node called ``name`` (a key of :data:`NODES`)."""
+    try:
+        return NODES[name]()
+    except KeyError:
+        raise ValueError(f"unknown node {name!r}: expected one of {sorted(NODES)}") from None
