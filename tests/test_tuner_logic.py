@@ -18,7 +18,7 @@ from autotune import _measurement, _space
 from autotune._measurement import Measurement, gain_threshold, significantly_faster
 from autotune._probe import choose, plan_budget
 from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
-from autotune._tuner import AutotuneConfig, OnlineTuner, StepSample
+from autotune import AutotuneConfig, OnlineTuner, StepSample
 
 THREADS = (1, 2, 4, 8)
 CHUNKS = (1 << 20, 1 << 21, 1 << 22)
