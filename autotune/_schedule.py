@@ -9,10 +9,10 @@ schedule, so the cache and the Optuna sampler live on one rank and cannot disagr
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Callable, Mapping, Protocol
 
+from autotune._cache import CacheEntry, CacheEntryError
 from autotune._check import CheckSession, CheckVerdict
 from autotune._config import AutotuneConfig
 from autotune._probe import ProbeSession
@@ -33,23 +33,6 @@ class CacheLike(Protocol):
 class FingerprintLike(Protocol):
     key: str
     details: dict[str, Any]
-
-
-def _finite_positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def _validate_cached(entry: object, space: SearchSpace) -> str | None:
-    """None if ``entry`` is a usable cache entry for ``space``, else why not."""
-    if not isinstance(entry, Mapping):
-        return f"the entry is a {type(entry).__name__}, expected a dict"
-    reason = space.why_not(entry.get("winner"))
-    if reason is not None:
-        return f"cached winner: {reason}"
-    for name in ("winner_median_s", "baseline_median_s"):
-        if not _finite_positive(entry.get(name)):
-            return f"cached {name}={entry.get(name)!r}: expected a finite number of seconds > 0"
-    return None
 
 
 class Schedule:
@@ -85,7 +68,7 @@ class Schedule:
         """The latest probing session (None before the first)."""
         self.check: CheckSession | None = None
         """The re-check of the cached choice (None without a cache hit)."""
-        self._cached_entry: Mapping[str, Any] | None = None
+        self._cached_entry: CacheEntry | None = None
 
     def directive(
         self,
@@ -119,14 +102,14 @@ class Schedule:
         status, entry = self._lookup()
         if status == "hit":
             assert entry is not None
-            winner = self.space.check(entry["winner"])
+            winner = self.space.check(entry.winner)
             self._cached_entry = entry
-            self.check = CheckSession(self.space.key(winner), float(entry["winner_median_s"]), self.config)
+            self.check = CheckSession(self.space.key(winner), float(entry.winner_median_s), self.config)
             assert self.check.slot is not None
             return self.directive(None, "checking", self.check.slot.phase, winner, cache_status=status)
         return self.new_session(None, cache_status=status)
 
-    def _lookup(self) -> tuple[str, Mapping[str, Any] | None]:
+    def _lookup(self) -> tuple[str, CacheEntry | None]:
         if self._cache is None:
             return "disabled", None
         owner = self.owner
@@ -136,21 +119,25 @@ class Schedule:
             logger.info("%s: force_retune: ignoring the cache for key %s", owner, fp.key)
             return "forced", None
         try:
-            entry = self._cache.get(fp.key)
+            found = self._cache.get(fp.key)
         except Exception as exc:  # a broken cache must never stop training
             logger.warning("%s: cache lookup for key %s failed (%s); tuning instead", owner, fp.key, exc)
             return "miss", None
-        if entry is None:
+        if found is None:
             logger.info("%s: no cached choice for key %s; probing", owner, fp.key)
             return "miss", None
-        reason = _validate_cached(entry, self.space)
+        try:
+            entry = CacheEntry.from_json(found)
+            reason = entry.why_unusable(self.space)
+        except CacheEntryError as exc:
+            reason = str(exc)
         if reason is not None:
             logger.warning("%s: ignoring the cached choice for key %s: %s; re-tuning", owner, fp.key, reason)
             return "invalid", None
         logger.info(
             "%s: cached choice %s for key %s; re-checking it on its first steps",
             owner,
-            self.space.describe(entry["winner"]),
+            self.space.describe(entry.winner),
             fp.key,
         )
         return "hit", entry
@@ -218,8 +205,8 @@ class Schedule:
             self.space,
             self.baseline,
             winner=self.space.setting(self.check.key),
-            winner_median_s=float(entry["winner_median_s"]),
-            baseline_median_s=float(entry["baseline_median_s"]),
+            winner_median_s=float(entry.winner_median_s),
+            baseline_median_s=float(entry.baseline_median_s),
             reason=verdict.reason,
             measurements=verdict.measurements,
             sampler="cache",
@@ -232,17 +219,17 @@ class Schedule:
         """Write the new choice to the cache (never fatal)."""
         if self._cache is None or self.cache_key is None:
             return
-        entry = {
-            "winner": decision.winner,
-            "baseline": decision.baseline,
-            "winner_median_s": decision.winner_median_s,
-            "baseline_median_s": decision.baseline_median_s,
-            "measurements": [{"candidate": m["candidate"], "samples": m["samples"]} for m in decision.measurements],
-            "probe_steps": decision.session_probe_steps,
-            "created_unix": time.time(),
-            "fingerprint": self.fingerprint_details,
-        }
         try:
-            self._cache.put(self.cache_key, entry)
+            entry = CacheEntry(
+                winner=decision.winner,
+                baseline=decision.baseline,
+                winner_median_s=decision.winner_median_s,  # type: ignore[arg-type]  # measured: a float
+                baseline_median_s=decision.baseline_median_s,  # type: ignore[arg-type]
+                measurements=tuple({"candidate": m["candidate"], "samples": m["samples"]} for m in decision.measurements),
+                probe_steps=decision.session_probe_steps,
+                created_unix=time.time(),
+                fingerprint=self.fingerprint_details,
+            )
+            self._cache.put(self.cache_key, entry.to_json())
         except Exception as exc:  # a broken cache must never stop training
             logger.warning("%s: could not store the choice in the cache (%s)", self.owner, exc)
