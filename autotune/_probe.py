@@ -205,8 +205,12 @@ class _OptunaOrder:
     sweep result) asks for whatever budget remains.
     """
 
-    def __init__(self, space: SearchSpace, baseline: Key, plan: BudgetPlan, seed: int) -> None:
+    def __init__(
+        self, space: SearchSpace, baseline: Key, plan: BudgetPlan, seed: int, *,
+        max_repeated_asks: int = MAX_REPEATED_ASKS,
+    ) -> None:
         self._space = space
+        self._max_repeated_asks = max_repeated_asks
         self._baseline = baseline
         self._sweep = plan.sampler == "tpe"
         with _quiet_optuna() as optuna:
@@ -236,7 +240,7 @@ class _OptunaOrder:
                     self._pending[self._space.key(trial.params)] = trial
                     return self._space.key(trial.params)
                 self._sweep = False
-            for _ in range(MAX_REPEATED_ASKS):
+            for _ in range(self._max_repeated_asks):
                 trial = self._study.ask(self._distributions)
                 key = self._space.key(trial.params)
                 if key in measured:
