@@ -15,7 +15,7 @@ from typing import Any, Literal, Sequence
 from autotune._measurement import Measurement
 from autotune._space import Scalar, SearchSpace
 
-__all__ = ["Decision", "Directive", "TunerState", "lock_in_table"]
+__all__ = ["NO_DECISION", "Decision", "Directive", "TunerState", "lock_in_table"]
 
 TunerState = Literal["new", "checking", "probing", "locked", "failed"]
 Key = tuple[Scalar, ...]
