@@ -142,6 +142,8 @@ def test_torch_dtypes_and_numpy_scalars_are_keyed() -> None:
         ({"workload": {"params": float("nan")}}, ValueError),
         ({"space": 42}, TypeError),
         ({"extra": "tag"}, TypeError),
+        ({"hardware": "box"}, TypeError),
+        ({"software": ["1.0"]}, TypeError),
     ],
 )
 def test_bad_arguments_raise_naming_the_value(kwargs: dict, error: type) -> None:

@@ -238,6 +238,8 @@ def test_span_cap(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rank"):
         TraceWriter(tmp_path, rank=-1)
+    with pytest.raises(ValueError, match="max_spans=-1"):
+        TraceWriter(tmp_path, max_spans=-1)
     writer = TraceWriter(tmp_path, plot=False)
     with pytest.raises(TypeError, match="row"):
         writer.add_step([1, 2])  # type: ignore[arg-type]
