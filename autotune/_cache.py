@@ -39,19 +39,13 @@ import logging
 import math
 import os
 import stat
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-try:  # POSIX only; elsewhere writes are atomic but not serialised between processes.
-    import fcntl
-except ImportError:  # pragma: no cover - not reachable on Linux
-    fcntl = None  # type: ignore[assignment]
-
 from autotune import knobs
-from autotune._cachefile import atomic_write_bytes, bad_path, kind, read_regular
+from autotune._cachefile import atomic_write_bytes, bad_path, exclusive_lock, kind, read_regular
 
 if TYPE_CHECKING:
     from autotune._space import SearchSpace
@@ -64,8 +58,6 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 #: Seconds a writer waits for the file lock before it gives up (and skips persisting).
 DEFAULT_LOCK_TIMEOUT_S = 10.0
-#: Poll interval while waiting for the lock.
-_LOCK_POLL_S = 0.01
 #: Files larger than this are not parsed (a cache holds a few KiB per machine and workload).
 MAX_FILE_BYTES = 32 << 20
 #: Integers outside int64 are rejected: no knob of a real machine needs more.
@@ -479,43 +471,10 @@ class TuningCache:
 
     @contextlib.contextmanager
     def _locked(self, action: str) -> Iterator[bool]:
-        if fcntl is None:  # pragma: no cover
-            yield True
-            return
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            logger.warning("Cannot %s: lock file %s is unusable (%s); continuing without persisting",
-                           action, self.lock_path, exc)
-            yield False
-            return
-        try:
-            acquired = self._acquire(fd, action)
-            try:
-                yield acquired
-            finally:
-                if acquired:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-    def _acquire(self, fd: int, action: str) -> bool:
-        deadline = time.monotonic() + self.lock_timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                pass
-            except OSError as exc:  # e.g. ENOLCK on a file system without flock
-                logger.warning("Cannot %s: locking %s failed (%s); continuing without persisting",
-                               action, self.lock_path, exc)
-                return False
-            if time.monotonic() >= deadline:
-                logger.warning("Cannot %s: %s stayed locked for %.1f s; continuing without persisting",
-                               action, self.lock_path, self.lock_timeout_s)
-                return False
-            time.sleep(_LOCK_POLL_S)
+        with exclusive_lock(self.lock_path, timeout_s=self.lock_timeout_s) as problem:
+            if problem is not None:
+                logger.warning("Cannot %s: %s; continuing without persisting", action, problem)
+            yield problem is None
 
     def _temp_prefix(self) -> str:
         return f".{self.target.name}.tmp-"

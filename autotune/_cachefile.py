@@ -14,11 +14,20 @@ import contextlib
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["RawRead", "atomic_write_bytes", "bad_path", "kind", "read_regular"]
+try:  # POSIX only; elsewhere writes are atomic but not serialised between processes.
+    import fcntl
+except ImportError:  # pragma: no cover - not reachable on Linux
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["RawRead", "atomic_write_bytes", "bad_path", "exclusive_lock", "kind", "read_regular"]
+
+#: Poll interval while waiting for the lock.
+LOCK_POLL_S = 0.01
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -130,3 +139,42 @@ def bad_path(target: Path) -> Path:
         candidate = target.with_name(f"{target.name}.bad-{stamp}-{n}")
         n += 1
     return candidate
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path, *, timeout_s: float) -> Iterator[str | None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if needed), polled for at most
+    ``timeout_s``: yields None while held, or why it could not be taken (then nothing is held).
+    The kernel releases the lock of a process that dies, so a killed writer never blocks others."""
+    if fcntl is None:  # pragma: no cover
+        yield None
+        return
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        yield f"lock file {lock_path} is unusable ({exc})"
+        return
+    try:
+        problem = _acquire(fd, lock_path, timeout_s)
+        try:
+            yield problem
+        finally:
+            if problem is None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _acquire(fd: int, lock_path: Path, timeout_s: float) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # e.g. ENOLCK on a file system without flock
+            return f"locking {lock_path} failed ({exc})"
+        if time.monotonic() >= deadline:
+            return f"{lock_path} stayed locked for {timeout_s:.1f} s"
+        time.sleep(LOCK_POLL_S)
