@@ -13,7 +13,8 @@ from autotune._inprocess import InProcessAgreement
 from autotune._measurement import Measurement
 from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
 from autotune._trace import TraceWriter
-from autotune._tuner import AutotuneConfig, OnlineTuner, StepSample
+from autotune._config import AutotuneConfig, StepSample
+from autotune._tuner import OnlineTuner
 
 __all__ = [
     "AgreementError",

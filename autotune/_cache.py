@@ -4,33 +4,26 @@ File format (JSON only, never pickle)::
 
     {"schema": 1, "entries": {"<fingerprint key>": {<entry>}, ...}}
 
-An entry is what the tuner locked in for one fingerprint (see ``docs/architecture.md``)::
+An entry is what the tuner locked in for one fingerprint, a :class:`CacheEntry`; this module
+alone spells its JSON form (:meth:`CacheEntry.to_json`, :meth:`CacheEntry.from_json`)::
 
     {"winner": {...}, "baseline": {...}, "winner_median_s": float, "baseline_median_s": float,
      "measurements": [{"candidate": {...}, "samples": [float, ...]}, ...],
      "probe_steps": int, "created_unix": float, "fingerprint": {...}}
 
-Guarantees:
+Guarantees (the file primitives live in :mod:`autotune._cachefile`):
 
-- Reads take no lock: writers only ever ``os.replace`` a complete, fsynced temp file, so a reader
-  sees the old or the new file, never a torn one.
+- Reads take no lock: writers only ever ``os.replace`` a complete, fsynced temp file.
 - Writes take an exclusive ``fcntl.flock`` on the sidecar ``<path>.lock`` (polled, with a timeout:
   on timeout the write is skipped with a warning, never a deadlock), re-read the file, merge, and
-  replace it. Entries written meanwhile by other processes survive. A writer killed mid-write
-  leaves the old file intact; the kernel releases its lock, and the next writer removes its
-  half-written temp file.
-- Bad input is a warning and a miss, never a crash: undecodable or non-JSON bytes, wrong types,
-  non-finite or out-of-range numbers. A corrupt file is renamed aside (``cache.json.bad-<ts>``);
-  when the file parses but some entries are bad, a copy is kept aside and the valid entries are
-  rewritten. A file with a newer schema belongs to a newer version of this package: it is never
-  overwritten, and this version neither reads nor writes it.
+  replace it: entries written meanwhile by other processes survive. A writer killed mid-write
+  leaves the old file intact; the next writer removes its half-written temp file.
+- Bad input is a warning and a miss, never a crash. A corrupt file is renamed aside
+  (``cache.json.bad-<ts>``); when some entries are bad, a copy is kept aside and the valid ones
+  rewritten. A file with a newer schema is never overwritten, read or written.
 - An unusable location (unwritable, a path below a regular file) warns and continues without
-  persisting.
-- No path the user gives is ever renamed, replaced or blocked on unless it is a regular file the
-  cache owns: a path that is not a regular file (``/dev/null``, a FIFO, a socket, a directory) is
-  a warning and a miss, opened only with ``O_NONBLOCK`` and never written, renamed or locked
-  beside. A symlink is written through: the link is resolved on every access and the atomic
-  rename happens in the target's directory, so every link to a shared file sees the entry.
+  persisting; a path that is not a regular file is a miss, never written, renamed or locked
+  beside; a symlink is written through (the rename happens in the target's directory).
 
 Values are checked for type only (knob dicts map str to a JSON scalar, ints fit in int64, floats
 are finite, counts are non-negative ints, not bools); whether a cached setting belongs to the
@@ -46,20 +39,18 @@ import logging
 import math
 import os
 import stat
-import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
-
-try:  # POSIX only; elsewhere writes are atomic but not serialised between processes.
-    import fcntl
-except ImportError:  # pragma: no cover - not reachable on Linux
-    fcntl = None  # type: ignore[assignment]
+from typing import TYPE_CHECKING, Any, Literal
 
 from autotune import knobs
+from autotune._cachefile import atomic_write_bytes, bad_path, exclusive_lock, kind, read_regular
 
-__all__ = ["TuningCache", "CacheEntryError", "SCHEMA_VERSION", "validate_entry"]
+if TYPE_CHECKING:
+    from autotune._space import SearchSpace
+
+__all__ = ["CacheEntry", "TuningCache", "CacheEntryError", "SCHEMA_VERSION", "validate_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,40 +58,12 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 #: Seconds a writer waits for the file lock before it gives up (and skips persisting).
 DEFAULT_LOCK_TIMEOUT_S = 10.0
-#: Poll interval while waiting for the lock.
-_LOCK_POLL_S = 0.01
 #: Files larger than this are not parsed (a cache holds a few KiB per machine and workload).
 MAX_FILE_BYTES = 32 << 20
 #: Integers outside int64 are rejected: no knob of a real machine needs more.
 _INT_LIMIT = 1 << 63
 
-_REQUIRED_KEYS = (
-    "winner",
-    "baseline",
-    "winner_median_s",
-    "baseline_median_s",
-    "measurements",
-    "probe_steps",
-    "created_unix",
-)
-
 _State = Literal["missing", "ok", "partial", "corrupt", "newer", "unreadable", "special"]
-
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
-def _kind(mode: int) -> str:
-    """``"a FIFO"``, ``"a character device"``, ... for a mode that is not a regular file."""
-    for test, name in _KINDS:
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 class CacheEntryError(ValueError):
@@ -155,7 +118,7 @@ def _check_seconds(value: Any, where: str) -> None:
         raise CacheEntryError(f"{where}={value!r}: expected a finite number >= 0")
 
 
-def validate_entry(entry: Any) -> None:
+def _check_entry(entry: Any) -> None:
     """Raise :class:`CacheEntryError` naming the first field of ``entry`` with a wrong type."""
     if not isinstance(entry, dict):
         raise CacheEntryError(f"entry={type(entry).__name__}: expected a dict")
@@ -185,6 +148,81 @@ def validate_entry(entry: Any) -> None:
             _check_seconds(s, f"measurements[{i}].samples[{j}]")
     if "fingerprint" in entry and not isinstance(entry["fingerprint"], dict):
         raise CacheEntryError(f"fingerprint={entry['fingerprint']!r}: expected a dict")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheEntry:
+    """What the tuner locked in for one fingerprint: one value of the file's ``entries``."""
+
+    winner: dict[str, Any]
+    """The setting locked in (knob name -> JSON scalar)."""
+    baseline: dict[str, Any]
+    """The static plan it was compared with."""
+    winner_median_s: float
+    """The winner's median step time when recorded (what a re-check compares with)."""
+    baseline_median_s: float
+    """The static plan's median step time when recorded."""
+    measurements: tuple[dict[str, Any], ...]
+    """Every measured candidate: ``{"candidate": setting, "samples": [seconds, ...]}``."""
+    probe_steps: int
+    """Probe steps the tuning session spent."""
+    created_unix: float
+    """When the entry was made (``time.time()``)."""
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    """What the key was made of (machine, software, workload), for ``python -m autotune show``."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry's JSON form (plain, deep-copied values)."""
+        return {
+            "winner": dict(self.winner),
+            "baseline": dict(self.baseline),
+            "winner_median_s": self.winner_median_s,
+            "baseline_median_s": self.baseline_median_s,
+            "measurements": [copy.deepcopy(dict(m)) for m in self.measurements],
+            "probe_steps": self.probe_steps,
+            "created_unix": self.created_unix,
+            "fingerprint": copy.deepcopy(dict(self.fingerprint)),
+        }
+
+    @classmethod
+    def from_json(cls, value: object) -> CacheEntry:
+        """The entry of a JSON value; raises :class:`CacheEntryError` naming the first bad field
+        (types only: whether it suits a search space is :meth:`why_unusable`). Unknown keys are
+        allowed (a later version may add some) and dropped."""
+        _check_entry(value)
+        assert isinstance(value, dict)
+        return cls(
+            winner=dict(value["winner"]),
+            baseline=dict(value["baseline"]),
+            winner_median_s=value["winner_median_s"],
+            baseline_median_s=value["baseline_median_s"],
+            measurements=tuple(
+                {"candidate": dict(m["candidate"]), "samples": list(m["samples"])} for m in value["measurements"]
+            ),
+            probe_steps=value["probe_steps"],
+            created_unix=value["created_unix"],
+            fingerprint=copy.deepcopy(value.get("fingerprint", {})),
+        )
+
+    def why_unusable(self, space: SearchSpace) -> str | None:
+        """None if the tuner of ``space`` may re-check this entry's winner, else why not."""
+        reason = space.why_not(self.winner)
+        if reason is not None:
+            return f"cached winner: {reason}"
+        for name in ("winner_median_s", "baseline_median_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                return f"cached {name}={value!r}: expected a finite number of seconds > 0"
+        return None
+
+
+#: Keys every entry's JSON form has (``fingerprint`` may be absent in files of older versions).
+_REQUIRED_KEYS = tuple(f.name for f in fields(CacheEntry) if f.name != "fingerprint")
+
+
+def validate_entry(entry: Any) -> None:
+    """Raise :class:`CacheEntryError` naming the first field of ``entry`` with a wrong type."""
+    _check_entry(entry)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,26 +268,6 @@ def _parse(raw: bytes) -> _Snapshot:
     if snap.problems:
         snap.state = "partial"
     return snap
-
-
-# --------------------------------------------------------------------------------------------
-# Writing helpers (module level so tests can slow them down in a child process)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class TuningCache:
@@ -299,7 +317,7 @@ class TuningCache:
             return f"cannot be examined ({exc.strerror or exc})"
         if stat.S_ISREG(mode):
             return None
-        return f"is {_kind(mode)}, not a regular file"
+        return f"is {kind(mode)}, not a regular file"
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -314,7 +332,7 @@ class TuningCache:
         """All valid entries, keyed by fingerprint key (deep copies)."""
         return copy.deepcopy(self._read_checked().entries)
 
-    def put(self, key: str, entry: Mapping[str, Any]) -> bool:
+    def put(self, key: str, entry: Mapping[str, Any] | CacheEntry) -> bool:
         """Store ``entry`` under ``key``, merging with entries other processes wrote meanwhile.
 
         Returns True when persisted; False (after a warning) when the location is unusable, the
@@ -322,7 +340,7 @@ class TuningCache:
         ``entry`` lacks the documented structure: that is a bug in the caller, not bad input.
         """
         _check_key(key)
-        value = copy.deepcopy(dict(entry))
+        value = entry.to_json() if isinstance(entry, CacheEntry) else copy.deepcopy(dict(entry))
         validate_entry(value)
 
         def store(entries: dict[str, dict[str, Any]]) -> bool:
@@ -365,39 +383,11 @@ class TuningCache:
     # -- reading -------------------------------------------------------------------------------
 
     def _read(self) -> _Snapshot:
-        # stat first: a device or FIFO is never even opened. O_NONBLOCK: a FIFO that appears
-        # after the stat does not wait for a writer; fstat then tells what was opened.
-        with contextlib.suppress(OSError):
-            mode = os.stat(self.target).st_mode
-            if not stat.S_ISREG(mode):
-                return _Snapshot("special", problems=[f"it is {_kind(mode)}, not a regular file"])
-        try:
-            fd = os.open(self.target, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            return _Snapshot("missing")
-        except OSError as exc:  # no permission, a path below a regular file, a symlink loop, ...
-            if isinstance(exc, NotADirectoryError):
-                return _Snapshot("missing", problems=[f"{exc}"])
-            return _Snapshot("unreadable", problems=[f"{type(exc).__name__}: {exc}"])
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                return _Snapshot("special", problems=[f"it is {_kind(mode)}, not a regular file"])
-            chunks, size = [], 0
-            while size <= MAX_FILE_BYTES:
-                chunk = os.read(fd, min(1 << 20, MAX_FILE_BYTES + 1 - size))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            raw = b"".join(chunks)
-        except OSError as exc:
-            return _Snapshot("unreadable", problems=[f"{type(exc).__name__}: {exc}"])
-        finally:
-            os.close(fd)
-        if len(raw) > MAX_FILE_BYTES:
-            return _Snapshot("corrupt", problems=[f"larger than {MAX_FILE_BYTES} bytes"])
-        return _parse(raw)
+        raw = read_regular(self.target, max_bytes=MAX_FILE_BYTES)
+        if raw.state == "ok":
+            return _parse(raw.data)
+        state: _State = "corrupt" if raw.state == "too_large" else raw.state
+        return _Snapshot(state, problems=[raw.problem] if raw.problem is not None else [])
 
     def _read_checked(self) -> _Snapshot:
         """Read, warn about bad input and set bad files aside (best effort, under the lock)."""
@@ -481,43 +471,10 @@ class TuningCache:
 
     @contextlib.contextmanager
     def _locked(self, action: str) -> Iterator[bool]:
-        if fcntl is None:  # pragma: no cover
-            yield True
-            return
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            logger.warning("Cannot %s: lock file %s is unusable (%s); continuing without persisting",
-                           action, self.lock_path, exc)
-            yield False
-            return
-        try:
-            acquired = self._acquire(fd, action)
-            try:
-                yield acquired
-            finally:
-                if acquired:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-    def _acquire(self, fd: int, action: str) -> bool:
-        deadline = time.monotonic() + self.lock_timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                pass
-            except OSError as exc:  # e.g. ENOLCK on a file system without flock
-                logger.warning("Cannot %s: locking %s failed (%s); continuing without persisting",
-                               action, self.lock_path, exc)
-                return False
-            if time.monotonic() >= deadline:
-                logger.warning("Cannot %s: %s stayed locked for %.1f s; continuing without persisting",
-                               action, self.lock_path, self.lock_timeout_s)
-                return False
-            time.sleep(_LOCK_POLL_S)
+        with exclusive_lock(self.lock_path, timeout_s=self.lock_timeout_s) as problem:
+            if problem is not None:
+                logger.warning("Cannot %s: %s; continuing without persisting", action, problem)
+            yield problem is None
 
     def _temp_prefix(self) -> str:
         return f".{self.target.name}.tmp-"
@@ -530,19 +487,9 @@ class TuningCache:
                     stale.unlink()
                     logger.info("Removed %s left by a writer that died mid-write", stale)
 
-    def _bad_path(self) -> Path:
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
-        target = self.target
-        candidate = target.with_name(f"{target.name}.bad-{stamp}")
-        n = 1
-        while candidate.exists():
-            candidate = target.with_name(f"{target.name}.bad-{stamp}-{n}")
-            n += 1
-        return candidate
-
     def _set_aside(self, *, rename: bool) -> bool:
         """Keep the current (bad) file as ``<name>.bad-<ts>``: renamed, or copied when ``rename`` is False."""
-        target = self._bad_path()
+        target = bad_path(self.target)
         source = self.target
         try:
             if not stat.S_ISREG(os.lstat(source).st_mode):  # only a regular file is ever moved
@@ -552,7 +499,7 @@ class TuningCache:
             else:
                 with open(source, "rb") as src:
                     raw = src.read(MAX_FILE_BYTES + 1)
-                self._atomic_write_bytes(target, raw)
+                atomic_write_bytes(target, raw, temp_prefix=self._temp_prefix())
         except OSError as exc:
             logger.warning("Could not keep the bad cache file %s aside as %s (%s); leaving it in place",
                            self.path, target, exc)
@@ -564,28 +511,11 @@ class TuningCache:
         doc = {"schema": SCHEMA_VERSION, "entries": entries}
         data = (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
         try:
-            self._atomic_write_bytes(self.target, data)
+            atomic_write_bytes(self.target, data, temp_prefix=self._temp_prefix())
         except OSError as exc:
             logger.warning("Cannot %s: writing %s failed (%s); continuing without persisting", action, self.path, exc)
             return False
         return True
-
-    def _atomic_write_bytes(self, target: Path, data: bytes) -> None:
-        tmp = target.parent / f"{self._temp_prefix()}{os.getpid()}-{time.monotonic_ns()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(target.parent)
-
 
 def _check_key(key: Any) -> None:
     if not isinstance(key, str) or not key:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Fingerprint", "fingerprint", "hardware_details", "software_details", "canonical_json"]
+__all__ = ["CPUINFO", "NUMA_ROOT", "Fingerprint", "fingerprint", "hardware_details", "software_details", "canonical_json"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 FINGERPRINT_VERSION = 1
 #: Distribution name of this package (``pyproject.toml``).
 PACKAGE_NAME = "offload-autotune"
-_NUMA_ROOT = Path("/sys/devices/system/node")
-_CPUINFO = Path("/proc/cpuinfo")
+#: Where :func:`hardware_details` counts NUMA nodes and reads the CPU model by default.
+NUMA_ROOT = Path("/sys/devices/system/node")
+CPUINFO = Path("/proc/cpuinfo")
 _GIB = 1 << 30
 
 
@@ -100,9 +101,9 @@ def _canonical(value: Any, where: str) -> Any:
 # Hardware
 
 
-def _cpu_model() -> str:
+def _cpu_model(cpuinfo: Path) -> str:
     try:
-        text = _CPUINFO.read_text(errors="replace")
+        text = cpuinfo.read_text(errors="replace")
     except OSError:
         text = ""
     for key in ("model name", "Model", "Hardware", "cpu model"):
@@ -112,9 +113,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _numa_nodes() -> int:
+def _numa_nodes(root: Path) -> int:
     try:
-        nodes = [p for p in _NUMA_ROOT.iterdir() if re.fullmatch(r"node\d+", p.name)]
+        nodes = [p for p in root.iterdir() if re.fullmatch(r"node\d+", p.name)]
     except OSError:
         return 1
     return max(1, len(nodes))
@@ -145,8 +146,9 @@ def _accelerator() -> dict[str, Any]:
     return {"name": "cpu", "count": 0}
 
 
-def hardware_details() -> dict[str, Any]:
-    """What this machine looks like to the tuner (JSON values only)."""
+def hardware_details(*, numa_root: Path = NUMA_ROOT, cpuinfo: Path = CPUINFO) -> dict[str, Any]:
+    """What this machine looks like to the tuner (JSON values only). ``numa_root`` (the sysfs
+    node directory) and ``cpuinfo`` say where NUMA nodes are counted and the CPU model is read."""
     import psutil
 
     try:
@@ -154,11 +156,11 @@ def hardware_details() -> dict[str, Any]:
     except Exception:  # psutil on an exotic platform
         memory_gib = None
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": _cpu_model(Path(cpuinfo)),
         "physical_cores": psutil.cpu_count(logical=False),
         "logical_cores": psutil.cpu_count(logical=True),
         "affinity_cpus": _affinity_size(),
-        "numa_nodes": _numa_nodes(),
+        "numa_nodes": _numa_nodes(Path(numa_root)),
         "memory_gib": memory_gib,
         "accelerator": _accelerator(),
     }
@@ -198,6 +200,8 @@ def fingerprint(
     space: Any,
     local_world_size: int,
     extra: Mapping[str, Any] | None = None,
+    hardware: Mapping[str, Any] | None = None,
+    software: Mapping[str, Any] | None = None,
 ) -> Fingerprint:
     """The cache key of tuning ``space`` for ``workload`` on this machine.
 
@@ -206,6 +210,8 @@ def fingerprint(
         space: the search space, a mapping or an object with ``to_dict()``.
         local_world_size: ranks on this node sharing the CPU.
         extra: anything else that should split the cache (e.g. a user-chosen tag).
+        hardware: the machine's facts instead of :func:`hardware_details` (simulations, tests).
+        software: the versions instead of :func:`software_details`.
     """
     if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
         raise ValueError(f"local_world_size={local_world_size!r}: expected an int >= 1")
@@ -215,10 +221,13 @@ def fingerprint(
         raise TypeError(f"extra={extra!r}: expected a mapping or None")
     if not isinstance(space, Mapping) and not callable(getattr(space, "to_dict", None)):
         raise TypeError(f"space={space!r}: expected a mapping or an object with to_dict()")
+    for name, facts in (("hardware", hardware), ("software", software)):
+        if facts is not None and not isinstance(facts, Mapping):
+            raise TypeError(f"{name}={facts!r}: expected a mapping or None")
     details = {
         "version": FINGERPRINT_VERSION,
-        "hardware": hardware_details(),
-        "software": software_details(),
+        "hardware": hardware_details() if hardware is None else dict(hardware),
+        "software": software_details() if software is None else dict(software),
         "local_world_size": local_world_size,
         "workload": _canonical(workload, "workload"),
         "space": _canonical(space, "space"),

@@ -31,8 +31,9 @@ import math
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Literal
+from typing import Any, Iterator, Literal
 
+from autotune._config import AutotuneConfig
 from autotune._measurement import (
     Measurement,
     format_ms,
@@ -42,12 +43,9 @@ from autotune._measurement import (
 )
 from autotune._space import Scalar, SearchSpace
 
-if TYPE_CHECKING:
-    from autotune._tuner import AutotuneConfig
-
 logger = logging.getLogger("autotune._tuner")
 
-__all__ = ["BudgetPlan", "CheckSession", "ProbeSession", "Slot", "choose", "plan_budget", "sweep_next"]
+__all__ = ["BudgetPlan", "Key", "Phase", "ProbeSession", "Slot", "choose", "plan_budget", "sweep_next"]
 
 Key = tuple[Scalar, ...]
 Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "check", "check_baseline"]
@@ -207,8 +205,12 @@ class _OptunaOrder:
     sweep result) asks for whatever budget remains.
     """
 
-    def __init__(self, space: SearchSpace, baseline: Key, plan: BudgetPlan, seed: int) -> None:
+    def __init__(
+        self, space: SearchSpace, baseline: Key, plan: BudgetPlan, seed: int, *,
+        max_repeated_asks: int = MAX_REPEATED_ASKS,
+    ) -> None:
         self._space = space
+        self._max_repeated_asks = max_repeated_asks
         self._baseline = baseline
         self._sweep = plan.sampler == "tpe"
         with _quiet_optuna() as optuna:
@@ -238,7 +240,7 @@ class _OptunaOrder:
                     self._pending[self._space.key(trial.params)] = trial
                     return self._space.key(trial.params)
                 self._sweep = False
-            for _ in range(MAX_REPEATED_ASKS):
+            for _ in range(self._max_repeated_asks):
                 trial = self._study.ask(self._distributions)
                 key = self._space.key(trial.params)
                 if key in measured:
@@ -479,72 +481,3 @@ class ProbeSession:
     def measurements(self) -> list[tuple[Key, Measurement]]:
         """Every measured candidate, in the order it was first probed."""
         return [(k, self.measurement(k)) for k in self.samples if self.samples[k]]
-
-
-class CheckSession:
-    """Re-check of a cached choice: warm-up steps, then ``measure_steps`` measured ones.
-
-    If the choice is clearly slower than recorded, the absolute comparison alone cannot tell a
-    choice gone bad from a machine that is slower for everyone (other jobs, a noisy neighbour):
-    :meth:`measure_baseline` then adds the same number of steps of the static plan, and
-    :meth:`still_ahead_of_baseline` compares the two measured side by side.
-    """
-
-    def __init__(self, key: Key, recorded_median_s: float, config: AutotuneConfig) -> None:
-        self.key = key
-        self.recorded_median_s = recorded_median_s
-        self.config = config
-        self.samples: list[float] = []
-        self.baseline_key: Key | None = None
-        self.baseline_samples: list[float] = []
-        self._queue = deque(self._slots(key, "check_warmup", "check"))
-        self.slot: Slot | None = self._queue.popleft()
-
-    def _slots(self, key: Key, warmup: Phase, measure: Phase) -> list[Slot]:
-        return [Slot(key, warmup)] * self.config.warmup_steps + [Slot(key, measure)] * self.config.measure_steps
-
-    def record(self, node_time: float) -> Slot | None:
-        if self.slot is None:
-            raise RuntimeError("the cache re-check has already finished")
-        if self.slot.phase == "check":
-            self.samples.append(node_time)
-        elif self.slot.phase == "check_baseline":
-            self.baseline_samples.append(node_time)
-        self.slot = self._queue.popleft() if self._queue else None
-        return self.slot
-
-    def measurement(self) -> Measurement:
-        return Measurement(tuple(self.samples), "re-check")
-
-    def baseline_measurement(self) -> Measurement:
-        return Measurement(tuple(self.baseline_samples), "re-check, static plan")
-
-    def clearly_slower(self) -> bool:
-        """True if the re-check median exceeds the recorded one by more than ``recheck_tolerance``
-        and by more than the noise."""
-        m = self.measurement().without_outliers()
-        excess = m.median - self.recorded_median_s
-        beyond_tolerance = excess > self.config.recheck_tolerance * self.recorded_median_s
-        return beyond_tolerance and excess > self.config.noise_factor * median_standard_error(m)
-
-    def measure_baseline(self, baseline_key: Key) -> Slot:
-        """Queue the static plan's warm-up and measured steps; returns the next slot."""
-        if self.slot is not None or self.baseline_key is not None:
-            raise RuntimeError("the static plan is measured once, after the cached choice")
-        self.baseline_key = baseline_key
-        self._queue.extend(self._slots(baseline_key, "check_warmup", "check_baseline"))
-        self.slot = self._queue.popleft()
-        return self.slot
-
-    def still_ahead_of_baseline(self) -> bool:
-        """The cached choice, measured next to the static plan, is not slower than it by more than
-        ``min_gain``: whatever slowed the machine down slowed both, and the choice still holds."""
-        if self.baseline_key is None or not self.baseline_samples:
-            raise RuntimeError("the static plan was not measured")
-        choice = self.measurement().without_outliers().median
-        static = self.baseline_measurement().without_outliers().median
-        return choice <= static * (1.0 + self.config.min_gain)
-
-
-def finite_positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

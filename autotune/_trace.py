@@ -304,11 +304,17 @@ class TraceWriter:
         rank: rank of the writing process; rank 0 writes the plain file names, rank r the
             ``.rank<r>`` variants.
         plot: draw ``tuning.png`` on close when matplotlib is installed.
+        max_spans: most spans kept (the rest are counted and dropped), default :data:`MAX_SPANS`.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], rank: int = 0, *, plot: bool = True):
+    def __init__(
+        self, directory: str | os.PathLike[str], rank: int = 0, *, plot: bool = True, max_spans: int = MAX_SPANS
+    ):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank={rank!r}: expected an int >= 0")
+        if isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 0:
+            raise ValueError(f"max_spans={max_spans!r}: expected an int >= 0")
+        self.max_spans = max_spans
         self.directory = Path(directory).expanduser()
         self.rank = rank
         self.plot = plot
@@ -406,9 +412,9 @@ class TraceWriter:
             stage, chunk, start, end = _span_fields(span)
             if not (math.isfinite(start) and math.isfinite(end)):
                 continue
-            if len(self._spans) >= MAX_SPANS:
+            if len(self._spans) >= self.max_spans:
                 if self._dropped_spans == 0:
-                    logger.warning("Tuning trace keeps at most %d spans; dropping the rest", MAX_SPANS)
+                    logger.warning("Tuning trace keeps at most %d spans; dropping the rest", self.max_spans)
                 self._dropped_spans += 1
                 continue
             self._spans.append((rank, step, stage, chunk, start, max(end, start)))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from autotune import knobs
-from autotune._cache import SCHEMA_VERSION, CacheEntryError, TuningCache
+from autotune._cache import SCHEMA_VERSION, CacheEntry, CacheEntryError, TuningCache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,6 +81,19 @@ def test_roundtrip_and_file_format(tmp_path: Path) -> None:
     assert cache.get("k1")["winner"]["threads"] == 2
     assert cache.put("k1", make_entry(4))  # overwrite
     assert cache.get("k1")["winner"]["threads"] == 4
+
+
+def test_cache_entry_json_form_round_trips_and_names_a_bad_field(tmp_path: Path) -> None:
+    entry = CacheEntry.from_json(make_entry())
+    assert entry.to_json() == make_entry() and entry.winner_median_s == 0.5
+    cache = TuningCache(tmp_path / "cache.json")
+    assert cache.put("k", entry) and cache.get("k") == make_entry()  # put takes the record too
+    bad = make_entry()
+    bad["winner_median_s"] = float("nan")
+    with pytest.raises(CacheEntryError, match="winner_median_s"):
+        CacheEntry.from_json(bad)
+    with pytest.raises(CacheEntryError, match="entry=str: expected a dict"):
+        CacheEntry.from_json("garbage")
 
 
 def test_default_path_follows_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -391,14 +404,17 @@ def test_concurrent_writer_processes_merge(tmp_path: Path) -> None:
 
 _SLOW_WRITER = """
 import json, os, sys, time, pathlib
-from autotune import _cache
+from autotune import TuningCache
 ready = pathlib.Path(sys.argv[2])
-def half_then_hang(fd, data):
-    os.write(fd, data[: len(data) // 2])
+real_write = os.write
+def half_then_hang(fd, data):  # the cache writes its temp file with os.write (nothing else does)
+    data = bytes(data)
+    real_write(fd, data[: len(data) // 2])
     ready.write_text("holding the lock with a half-written temp file")
     time.sleep(600)
-_cache._write_all = half_then_hang
-_cache.TuningCache(sys.argv[1]).put("from-killed-writer", json.loads(sys.argv[3]))
+cache = TuningCache(sys.argv[1])
+os.write = half_then_hang
+cache.put("from-killed-writer", json.loads(sys.argv[3]))
 """
 
 

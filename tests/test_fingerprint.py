@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from autotune import _fingerprint
-from autotune._fingerprint import Fingerprint, canonical_json, fingerprint
+from autotune._fingerprint import Fingerprint, canonical_json, fingerprint, hardware_details, software_details
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = {"params": 1_234_567, "dtypes": ["torch.bfloat16", "torch.float32"]}
@@ -85,19 +84,17 @@ def test_workload_and_job_changes_change_the_key(change: dict) -> None:
         ("accelerator", {"name": "NVIDIA H200", "count": 8}),
     ],
 )
-def test_every_hardware_field_is_in_the_key(monkeypatch: pytest.MonkeyPatch, field: str, value: object) -> None:
+def test_every_hardware_field_is_in_the_key(field: str, value: object) -> None:
     base = fp().key
-    real = _fingerprint.hardware_details()
-    monkeypatch.setattr(_fingerprint, "hardware_details", lambda: {**real, field: value})
-    assert fp().key != base
+    real = hardware_details()
+    assert fp(hardware={**real, field: value}).key != base
 
 
 @pytest.mark.parametrize("field", ["python", "torch", "optuna", "numpy", "package"])
-def test_every_software_version_is_in_the_key(monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+def test_every_software_version_is_in_the_key(field: str) -> None:
     base = fp().key
-    real = _fingerprint.software_details()
-    monkeypatch.setattr(_fingerprint, "software_details", lambda: {**real, field: "0.0.0-other"})
-    assert fp().key != base
+    real = software_details()
+    assert fp(software={**real, field: "0.0.0-other"}).key != base
 
 
 def test_memory_is_rounded_so_small_fluctuations_keep_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,22 +109,18 @@ def test_memory_is_rounded_so_small_fluctuations_keep_the_key(monkeypatch: pytes
     assert a.key == b.key != c.key
 
 
-def test_numa_nodes_counted_from_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_numa_nodes_counted_from_sysfs(tmp_path: Path) -> None:
     for name in ("node0", "node1", "node3", "possible", "online", "has_cpu"):
         (tmp_path / name).mkdir()
-    monkeypatch.setattr(_fingerprint, "_NUMA_ROOT", tmp_path)
-    assert _fingerprint.hardware_details()["numa_nodes"] == 3
-    monkeypatch.setattr(_fingerprint, "_NUMA_ROOT", tmp_path / "absent")
-    assert _fingerprint.hardware_details()["numa_nodes"] == 1
+    assert hardware_details(numa_root=tmp_path)["numa_nodes"] == 3
+    assert hardware_details(numa_root=tmp_path / "absent")["numa_nodes"] == 1
 
 
-def test_cpu_model_from_cpuinfo_with_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_model_from_cpuinfo_with_fallback(tmp_path: Path) -> None:
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t: avx\n")
-    monkeypatch.setattr(_fingerprint, "_CPUINFO", info)
-    assert _fingerprint.hardware_details()["cpu_model"] == "Intel(R) Xeon(R) Platinum 8480+"
-    monkeypatch.setattr(_fingerprint, "_CPUINFO", tmp_path / "absent")
-    assert _fingerprint.hardware_details()["cpu_model"]  # platform fallback, never empty
+    assert hardware_details(cpuinfo=info)["cpu_model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert hardware_details(cpuinfo=tmp_path / "absent")["cpu_model"]  # platform fallback, never empty
 
 
 def test_torch_dtypes_and_numpy_scalars_are_keyed() -> None:
@@ -149,6 +142,8 @@ def test_torch_dtypes_and_numpy_scalars_are_keyed() -> None:
         ({"workload": {"params": float("nan")}}, ValueError),
         ({"space": 42}, TypeError),
         ({"extra": "tag"}, TypeError),
+        ({"hardware": "box"}, TypeError),
+        ({"software": ["1.0"]}, TypeError),
     ],
 )
 def test_bad_arguments_raise_naming_the_value(kwargs: dict, error: type) -> None:

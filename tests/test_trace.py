@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from autotune import _trace
 from autotune._trace import TraceWriter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,9 +225,8 @@ def test_unwritable_directory_warns_and_never_raises(tmp_path: Path, caplog: pyt
     assert len(warnings) == 1 and "disabled" in warnings[0].getMessage()
 
 
-def test_span_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(_trace, "MAX_SPANS", 10)
-    with caplog.at_level(logging.WARNING), TraceWriter(tmp_path, plot=False) as writer:
+def test_span_cap(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING), TraceWriter(tmp_path, plot=False, max_spans=10) as writer:
         for step in range(3):
             writer.add_spans(0, step, stage_spans(2))  # 6 spans a step
     doc = strict_json((tmp_path / "trace.chrome.json").read_text())
@@ -240,6 +238,8 @@ def test_span_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytes
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rank"):
         TraceWriter(tmp_path, rank=-1)
+    with pytest.raises(ValueError, match="max_spans=-1"):
+        TraceWriter(tmp_path, max_spans=-1)
     writer = TraceWriter(tmp_path, plot=False)
     with pytest.raises(TypeError, match="row"):
         writer.add_step([1, 2])  # type: ignore[arg-type]

@@ -50,7 +50,7 @@ class _Records(logging.Handler):
 
 def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, stop_at: int | None = None,
           stop: str = "", slow_from: int | None = None, stop_file: str = "") -> dict[str, Any]:
-    from autotune._tuner import OnlineTuner, StepSample
+    from autotune import OnlineTuner, StepSample
 
     applied: list[tuple[int, dict[str, Any]]] = []
     tuner: Any = None
@@ -82,7 +82,7 @@ def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, 
 
 def _worker_agree(rank: int, world_size: int, *, cache_path: str) -> dict[str, Any]:
     from autotune._cache import TuningCache
-    from autotune._tuner import AutotuneConfig
+    from autotune import AutotuneConfig
 
     records = _Records()
     logging.getLogger("autotune").addHandler(records)
@@ -137,7 +137,7 @@ def test_ranks_apply_the_same_candidates_and_agree_on_the_node_optimum(tmp_path)
 
 
 def _worker_mismatch(rank: int, world_size: int) -> dict[str, Any]:
-    from autotune._tuner import AutotuneConfig
+    from autotune import AutotuneConfig
 
     # Same static plan, but rank 1 derived a different chunk ladder (e.g. from a different model).
     chunks = CHUNKS if rank == 0 else CHUNKS + (1 << 24,)
@@ -154,7 +154,7 @@ def test_mismatched_spaces_fail_with_a_clear_error_on_every_rank():
 
 
 def _worker_stops(rank: int, world_size: int, *, victim: int, stop: str) -> dict[str, Any]:
-    from autotune._tuner import AutotuneConfig
+    from autotune import AutotuneConfig
 
     return _tune(rank, space=_space(), config=AutotuneConfig(timeout_s=5.0), steps=20,
                  stop_at=5 if rank == victim else None, stop=stop)
@@ -182,7 +182,7 @@ _GRACE_S = 20.0
 
 def _worker_signalled(rank: int, world_size: int, *, victim: int, stop: str, timeout_s: float,
                       tmp: str) -> dict[str, Any]:
-    from autotune._tuner import AutotuneConfig
+    from autotune import AutotuneConfig
 
     try:
         return _tune(rank, space=_space(), config=AutotuneConfig(timeout_s=timeout_s), steps=20,
@@ -224,7 +224,7 @@ def test_a_stopped_or_killed_rank_fails_every_survivor_in_time(tmp_path, victim,
 def _worker_two_caches(rank: int, world_size: int, *, tmp: str) -> dict[str, Any]:
     from autotune import knobs
     from autotune._cache import TuningCache
-    from autotune._tuner import AutotuneConfig
+    from autotune import AutotuneConfig
 
     records = _Records()
     logging.getLogger("autotune").addHandler(records)

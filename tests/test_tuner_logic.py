@@ -18,7 +18,7 @@ from autotune import _measurement, _space
 from autotune._measurement import Measurement, gain_threshold, significantly_faster
 from autotune._probe import choose, plan_budget
 from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
-from autotune._tuner import AutotuneConfig, OnlineTuner, StepSample
+from autotune import AutotuneConfig, OnlineTuner, StepSample
 
 THREADS = (1, 2, 4, 8)
 CHUNKS = (1 << 20, 1 << 21, 1 << 22)
@@ -697,14 +697,13 @@ def test_drift_without_reprobe_only_logs_and_stable_steps_never_drift(caplog):
 # --- internals ------------------------------------------------------------------------------
 
 
-def test_sampler_that_repeats_itself_still_yields_every_candidate_once(monkeypatch):
+def test_sampler_that_repeats_itself_still_yields_every_candidate_once():
     from autotune import _probe
 
-    monkeypatch.setattr(_probe, "MAX_REPEATED_ASKS", 1)  # fall back after the first repeat
     space = make_space(threads=(1, 2, 4, 8), chunks=(1 << 20,))
     plan = _probe.BudgetPlan("tpe", 4, 0, 0, 16)
-    for seed in range(4):
-        order = _probe._OptunaOrder(space, (8, 1 << 20), plan, seed)
+    for seed in range(4):  # max_repeated_asks=1: fall back after the first repeat
+        order = _probe._OptunaOrder(space, (8, 1 << 20), plan, seed, max_repeated_asks=1)
         measured: dict[Any, float] = {}
         for _ in range(len(space)):
             key = order.ask(measured)

@@ -9,7 +9,7 @@ import re
 from test_tuner_logic import BASELINE, Client, FakeCache, make_tuner, table
 
 from autotune._measurement import Measurement, format_ms
-from autotune._tuner import AutotuneConfig
+from autotune import AutotuneConfig
 
 _OTHER_UNITS = re.compile(r"\d(?: s\b| us\b|e[-+]\d)")
 

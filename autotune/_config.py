@@ -1,0 +1,132 @@
+"""What a client configures and reports: :class:`AutotuneConfig` (how the tuner probes, decides
+and watches) and :class:`StepSample` (one measured training step).
+
+Kept apart from the tuner so the schedule modules (:mod:`autotune._probe`,
+:mod:`autotune._check`) read the config without importing the tuner that drives them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from autotune._measurement import MIN_GAIN, NOISE_FACTOR, TIE_TOLERANCE
+
+__all__ = ["AutotuneConfig", "StepSample"]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"AutotuneConfig.{name}={value!r}: expected an int >= {minimum}")
+
+
+def _check_float(name: str, value: object, minimum: float, *, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (strict and value == minimum):
+        relation = ">" if strict else ">="
+        raise ValueError(f"AutotuneConfig.{name}={value!r}: expected a finite number {relation} {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutotuneConfig:
+    """How the online tuner probes, decides and watches. Every local rank must use the same one."""
+
+    probe_steps: int = 40
+    """Most training steps one tuning session may spend probing (never exceeded)."""
+    warmup_steps: int = 1
+    """Steps discarded after each switch of setting (the first step after a change is slower)."""
+    measure_steps: int = 3
+    """Measured steps per candidate while exploring; also the steps of a cache re-check."""
+    finalists: int = 3
+    """Candidates re-measured interleaved before the decision, the static plan included (< 2: none)."""
+    final_rounds: int = 2
+    """Round-robin rounds of the finals; each visit is one warm-up and one measured step."""
+    min_gain: float = MIN_GAIN
+    """Smallest relative gain over the static plan that may replace it."""
+    noise_factor: float = NOISE_FACTOR
+    """A gain must also exceed this multiple of the standard error of the difference of the two
+    medians (winner, static plan), each estimated from its IQR and sample count."""
+    tie_tolerance: float = TIE_TOLERANCE
+    """Medians within this relative distance of the fastest count as tied (then the preferred knob values win)."""
+    seed: int = 0
+    """Seed of the Optuna sampler."""
+    timeout_s: float = 300.0
+    """Timeout of every collective of the tuner; a rank that does not answer in time fails the others."""
+    force_retune: bool = False
+    """Ignore a cached choice and probe again (the new result replaces the cache entry)."""
+    recheck_tolerance: float = 0.2
+    """A cached choice whose re-check median exceeds the recorded median by more than this fraction
+    (and the noise) is measured next to the static plan for as many steps; it is re-tuned only if
+    it is then slower than the static plan by more than ``min_gain``, so a machine that is slower
+    for every setting keeps its cached choice."""
+    drift_window: int = 0
+    """Locked steps per drift check (0: no drift watch). Each check costs one all-reduce of a float."""
+    drift_factor: float = 1.25
+    """A window is slow when its median (max over ranks) exceeds this multiple of the locked median."""
+    drift_patience: int = 2
+    """Consecutive slow windows before the drift is reported (and acted on)."""
+    drift_reprobe: bool = False
+    """Re-probe when drift is reported (else only log it)."""
+    max_reprobes: int = 1
+    """Most drift-triggered re-probes per run; each spends at most ``probe_steps`` steps."""
+    use_cache: bool = True
+    """Read and write the tuning cache (clients build a ``TuningCache`` from the two fields below)."""
+    cache_path: str | None = None
+    """Cache file; None: ``$OFFLOAD_AUTOTUNE_CACHE`` or the user cache directory (``autotune.knobs``)."""
+    trace_dir: str | None = None
+    """Directory for the trace files (trace.jsonl, trace.csv, trace.chrome.json, summary.json, tuning.png); None: no trace."""
+
+    def __post_init__(self) -> None:
+        _check_int("probe_steps", self.probe_steps, 1)
+        _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_int("measure_steps", self.measure_steps, 1)
+        _check_int("finalists", self.finalists, 0)
+        _check_int("final_rounds", self.final_rounds, 0)
+        _check_float("min_gain", self.min_gain, 0.0)
+        _check_float("noise_factor", self.noise_factor, 0.0)
+        _check_float("tie_tolerance", self.tie_tolerance, 0.0)
+        if self.tie_tolerance >= self.min_gain and self.min_gain > 0:
+            raise ValueError(
+                f"AutotuneConfig.tie_tolerance={self.tie_tolerance!r}: expected less than min_gain={self.min_gain!r}"
+            )
+        _check_int("seed", self.seed, 0)
+        _check_float("timeout_s", self.timeout_s, 0.0, strict=True)
+        _check_float("recheck_tolerance", self.recheck_tolerance, 0.0)
+        _check_int("drift_window", self.drift_window, 0)
+        _check_float("drift_factor", self.drift_factor, 1.0, strict=True)
+        _check_int("drift_patience", self.drift_patience, 1)
+        _check_int("max_reprobes", self.max_reprobes, 0)
+        for name in ("cache_path", "trace_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"AutotuneConfig.{name}={value!r}: expected None or a non-empty str path")
+        for name in ("force_retune", "drift_reprobe", "use_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AutotuneConfig.{name}={getattr(self, name)!r}: expected a bool")
+        minimum = 2 * (self.warmup_steps + self.measure_steps)
+        if self.probe_steps < minimum:
+            raise ValueError(
+                f"AutotuneConfig.probe_steps={self.probe_steps}: expected >= {minimum} "
+                f"(two candidates of warmup_steps + measure_steps = {self.warmup_steps} + {self.measure_steps})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepSample:
+    """What the client measured for one training step."""
+
+    time_s: float
+    """The step's time in seconds (what the tuner minimises)."""
+    stages: Mapping[str, float] = field(default_factory=dict)
+    """Optional per-stage seconds (``{"step_s": ..., "drain_s": ...}``), written to the trace."""
+    spans: tuple[Any, ...] = ()
+    """Optional ``(stage, chunk, start_s, end_s)`` tuples for the Chrome trace."""
+
+    def __post_init__(self) -> None:
+        t = self.time_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"StepSample.time_s={t!r}: expected a finite number of seconds >= 0")
+        if not isinstance(self.stages, Mapping):
+            raise ValueError(f"StepSample.stages={self.stages!r}: expected a mapping of stage name to seconds")
+        object.__setattr__(self, "spans", tuple(self.spans))

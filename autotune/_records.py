@@ -1,0 +1,205 @@
+"""The tuner's messages as typed records: a :class:`Directive` (what local rank 0 broadcasts for
+the next step) and a :class:`Decision` (a lock-in), plus the lock-in table that logs a decision.
+
+Both travel through the agreement's object collectives (pickled, as gloo's are), so they hold
+plain values only: settings as dicts, measurements as JSON-able dicts. ``OnlineTuner.summary()``
+reads a decision through :meth:`Decision.summary_fields`, the one place its summary keys are
+spelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from autotune._measurement import Measurement
+from autotune._space import Scalar, SearchSpace
+
+__all__ = ["NO_DECISION", "Decision", "Directive", "TunerState", "lock_in_table"]
+
+TunerState = Literal["new", "checking", "probing", "locked", "failed"]
+Key = tuple[Scalar, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    """A lock-in: which setting won, against what, and why. The same on every local rank."""
+
+    winner: dict[str, Any]
+    """The setting locked in."""
+    baseline: dict[str, Any]
+    """The static plan it was compared with."""
+    winner_median_s: float | None
+    """The winner's median step time (recorded in the cache for a cached choice); None when unmeasured."""
+    baseline_median_s: float | None
+    """The static plan's median step time (as recorded, for a cached choice); None when unmeasured."""
+    reason: str
+    """Why the winner won, in words (the statistic that decided)."""
+    sampler: str
+    """How it was found: ``"grid"``, ``"tpe"``, ``"none"`` (one candidate) or ``"cache"``."""
+    session_probe_steps: int
+    """Probe steps of the session that decided (0 for a cached or single candidate)."""
+    reference_s: float | None
+    """Median the drift watch compares locked windows with (None: the first window becomes it)."""
+    finalists: tuple[dict[str, Any], ...] = ()
+    """The settings re-measured interleaved in the finals (empty without finals)."""
+    measurements: tuple[dict[str, Any], ...] = ()
+    """Every measured candidate: ``{"candidate": setting, "samples", "median_s", "iqr_s", "n"}``."""
+
+    @classmethod
+    def of(
+        cls,
+        space: SearchSpace,
+        baseline: dict[str, Any],
+        *,
+        winner: dict[str, Any],
+        winner_median_s: float | None,
+        baseline_median_s: float | None,
+        reason: str,
+        measurements: Sequence[tuple[Key, Measurement]],
+        sampler: str,
+        steps: int,
+        reference_s: float | None,
+        finalists: Sequence[dict[str, Any]] = (),
+    ) -> Decision:
+        """A decision with its measurements turned into plain dicts (picklable, JSON-able)."""
+        return cls(
+            winner=dict(winner),
+            baseline=dict(baseline),
+            winner_median_s=winner_median_s,
+            baseline_median_s=baseline_median_s,
+            reason=reason,
+            sampler=sampler,
+            session_probe_steps=steps,
+            reference_s=reference_s,
+            finalists=tuple(dict(f) for f in finalists),
+            measurements=tuple({"candidate": space.setting(k), **m.to_dict()} for k, m in measurements),
+        )
+
+    @classmethod
+    def measured(
+        cls,
+        space: SearchSpace,
+        baseline: dict[str, Any],
+        *,
+        winner: Key,
+        reason: str,
+        measurements: Sequence[tuple[Key, Measurement]],
+        sampler: str,
+        steps: int,
+        finalists: Sequence[dict[str, Any]] = (),
+    ) -> Decision:
+        """A decision of a probing session: the medians (and the drift reference) from its measurements."""
+        by_key = dict(measurements)
+        win = by_key.get(winner)
+        base = by_key.get(space.key(baseline))
+        return cls.of(
+            space,
+            baseline,
+            winner=space.setting(winner),
+            winner_median_s=win.median if win else None,
+            baseline_median_s=base.median if base else None,
+            reason=reason,
+            measurements=measurements,
+            sampler=sampler,
+            steps=steps,
+            reference_s=win.median if win else None,
+            finalists=finalists,
+        )
+
+    @property
+    def kept_baseline(self) -> bool:
+        """The static plan stayed."""
+        return self.winner == self.baseline
+
+    @property
+    def speedup(self) -> float | None:
+        """Static plan median / winner median (None unless both were measured)."""
+        if self.baseline_median_s and self.winner_median_s:
+            return self.baseline_median_s / self.winner_median_s
+        return None
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The decision's keys of ``OnlineTuner.summary()`` (copies)."""
+        return {
+            "sampler": self.sampler,
+            "winner": dict(self.winner),
+            "speedup": self.speedup,
+            "baseline_median_s": self.baseline_median_s,
+            "winner_median_s": self.winner_median_s,
+            "kept_baseline": self.kept_baseline,
+            "reason": self.reason,
+            "measurements": [dict(m) for m in self.measurements],
+            "finalists": [dict(f) for f in self.finalists],
+        }
+
+
+#: ``OnlineTuner.summary()``'s decision keys before the first lock-in.
+NO_DECISION: dict[str, Any] = {
+    "sampler": None,
+    "winner": None,
+    "speedup": None,
+    "baseline_median_s": None,
+    "winner_median_s": None,
+    "kept_baseline": None,
+    "reason": None,
+    "measurements": [],
+    "finalists": [],
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Directive:
+    """What local rank 0 broadcasts before a step (or at start): every rank follows it."""
+
+    step: int | None
+    """The step just observed (None at start); a rank that observed another one fails."""
+    state: TunerState
+    """The state every rank adopts."""
+    phase: str
+    """The role of the next step (``"warmup"``, ``"measure"``, ``"check"``, ..., ``"locked"``)."""
+    setting: dict[str, Any]
+    """The setting the next step runs (applied only where it changed)."""
+    decision: Decision | None = None
+    """The lock-in, when this directive locks."""
+    cache_status: str | None = None
+    """The new cache status (None: unchanged)."""
+    collect_spans: bool = False
+    """Whether ranks send their spans with their step times (rank 0 has a trace); read at start."""
+    cache_key: str | None = None
+    """Rank 0's cache key (the fingerprint); read at start."""
+
+
+def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, owner: str) -> str:
+    """The lock-in line and its table, in ms, with one ratio: ``speedup`` (the medians' ratio,
+    the figure summary.json, the cache and ``python -m autotune show`` report). The lock-in
+    rule compares the medians without spikes: the reason states that gain and the table shows
+    that statistic ("w/o spikes", and how many samples it kept)."""
+    winner, baseline = decision.winner, decision.baseline
+    trimmed = {
+        space.key(m["candidate"]): Measurement(tuple(m["samples"])).without_outliers() for m in decision.measurements
+    }
+    if decision.kept_baseline:
+        ratio = " (the static plan)"
+    elif decision.speedup:
+        when = " when recorded" if decision.sampler == "cache" else ""
+        ratio = f", {decision.speedup:.3f}x faster than the static plan{when} (medians)"
+    else:
+        ratio = ""
+    head = (
+        f"{owner}: locked in {space.describe(winner)}{ratio}"
+        + f" after {decision.session_probe_steps} probe step(s) of {probe_budget}"
+        + f" ({decision.sampler}): "
+        + decision.reason
+    )
+    rows = [head, f"  {'candidate':<44} {'median ms':>10} {'w/o spikes':>10} {'IQR ms':>10} {'n':>5}"]
+    for m in sorted(decision.measurements, key=lambda m: m["median_s"]):
+        t = trimmed[space.key(m["candidate"])]
+        mark = "*" if m["candidate"] == winner else " "
+        note = " (static plan)" if m["candidate"] == baseline else ""
+        kept = f"{t.n}/{m['n']}"
+        rows.append(
+            f"{mark} {space.describe(m['candidate']):<44} {m['median_s'] * 1e3:>10.3f}"
+            f" {t.median * 1e3:>10.3f} {m['iqr_s'] * 1e3:>10.3f} {kept:>5}{note}"
+        )
+    return "\n".join(rows)

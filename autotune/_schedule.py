@@ -1,0 +1,235 @@
+"""Local rank 0's half of the tuner: the cache lookup, the probing session or the re-check of a
+cached choice, the lock-in and the cache write; it says what every next step runs.
+
+:class:`Schedule` turns each step's node time into the next :class:`~autotune._records.Directive`;
+``OnlineTuner`` broadcasts it and every rank (rank 0 included) follows it. Only rank 0 builds a
+schedule, so the cache and the Optuna sampler live on one rank and cannot disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+from autotune._cache import CacheEntry, CacheEntryError
+from autotune._check import CheckSession, CheckVerdict
+from autotune._config import AutotuneConfig
+from autotune._probe import ProbeSession
+from autotune._records import Decision, Directive, TunerState
+from autotune._space import SearchSpace
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheLike", "FingerprintLike", "Schedule"]
+
+
+class CacheLike(Protocol):
+    def get(self, key: str) -> dict[str, Any] | None: ...
+
+    def put(self, key: str, entry: dict[str, Any]) -> bool | None: ...
+
+
+class FingerprintLike(Protocol):
+    key: str
+    details: dict[str, Any]
+
+
+class Schedule:
+    """Rank 0's schedule: :meth:`first` at start, :meth:`advance` after every probing or
+    re-check step, :meth:`new_session` when the drift watch re-probes."""
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        baseline: dict[str, Any],
+        config: AutotuneConfig,
+        *,
+        workload: Mapping[str, Any],
+        world_size: int,
+        cache: CacheLike | None,
+        fingerprint: Callable[..., FingerprintLike],
+        collect_spans: bool,
+        owner: str,
+    ) -> None:
+        self.space = space
+        self.baseline = baseline
+        self.config = config
+        self.workload = workload
+        self.world_size = world_size
+        self.owner = owner
+        self._baseline_key = space.key(baseline)
+        self._cache = cache
+        self._fingerprint_fn = fingerprint
+        self._collect_spans = collect_spans
+        self.cache_key: str | None = None
+        self.fingerprint_details: dict[str, Any] = {}
+        self.session: ProbeSession | None = None
+        """The latest probing session (None before the first)."""
+        self.check: CheckSession | None = None
+        """The re-check of the cached choice (None without a cache hit)."""
+        self._cached_entry: CacheEntry | None = None
+
+    def directive(
+        self,
+        step: int | None,
+        state: TunerState,
+        phase: str,
+        setting: Mapping[str, Any],
+        *,
+        decision: Decision | None = None,
+        cache_status: str | None = None,
+    ) -> Directive:
+        return Directive(
+            step=step,
+            state=state,
+            phase=phase,
+            setting=dict(setting),
+            decision=decision,
+            cache_status=cache_status,
+            collect_spans=self._collect_spans,
+            cache_key=self.cache_key,
+        )
+
+    def first(self) -> Directive:
+        """The cache decision and the first setting."""
+        if len(self.space) == 1:
+            decision = Decision.measured(
+                self.space, self.baseline, winner=self._baseline_key, reason="only one candidate", measurements=[],
+                sampler="none", steps=0,
+            )
+            return self.directive(None, "locked", "locked", self.baseline, decision=decision, cache_status="skipped")
+        status, entry = self._lookup()
+        if status == "hit":
+            assert entry is not None
+            winner = self.space.check(entry.winner)
+            self._cached_entry = entry
+            self.check = CheckSession(self.space.key(winner), float(entry.winner_median_s), self.config)
+            assert self.check.slot is not None
+            return self.directive(None, "checking", self.check.slot.phase, winner, cache_status=status)
+        return self.new_session(None, cache_status=status)
+
+    def _lookup(self) -> tuple[str, CacheEntry | None]:
+        if self._cache is None:
+            return "disabled", None
+        owner = self.owner
+        fp = self._fingerprint_fn(workload=self.workload, space=self.space, local_world_size=self.world_size)
+        self.cache_key, self.fingerprint_details = fp.key, dict(fp.details)
+        if self.config.force_retune:
+            logger.info("%s: force_retune: ignoring the cache for key %s", owner, fp.key)
+            return "forced", None
+        try:
+            found = self._cache.get(fp.key)
+        except Exception as exc:  # a broken cache must never stop training
+            logger.warning("%s: cache lookup for key %s failed (%s); tuning instead", owner, fp.key, exc)
+            return "miss", None
+        if found is None:
+            logger.info("%s: no cached choice for key %s; probing", owner, fp.key)
+            return "miss", None
+        try:
+            entry = CacheEntry.from_json(found)
+            reason = entry.why_unusable(self.space)
+        except CacheEntryError as exc:
+            reason = str(exc)
+        if reason is not None:
+            logger.warning("%s: ignoring the cached choice for key %s: %s; re-tuning", owner, fp.key, reason)
+            return "invalid", None
+        logger.info(
+            "%s: cached choice %s for key %s; re-checking it on its first steps",
+            owner,
+            self.space.describe(entry.winner),
+            fp.key,
+        )
+        return "hit", entry
+
+    def new_session(self, step: int | None, *, cache_status: str | None = None) -> Directive:
+        """Start a probing session (at start, after a stale re-check, or on drift)."""
+        self.session = ProbeSession(self.space, self._baseline_key, self.config, owner=self.owner)
+        plan = self.session.plan
+        logger.info(
+            "%s: probing %d of %d candidates (%s), %d of at most %d steps: %d warm-up + %d measured each, "
+            "%d finalist(s) x %d round(s), up to %d duel round(s)",
+            self.owner,
+            plan.explore,
+            len(self.space),
+            plan.sampler,
+            plan.steps,
+            self.config.probe_steps,
+            self.config.warmup_steps,
+            self.config.measure_steps,
+            plan.finalists,
+            plan.final_rounds,
+            plan.duel_rounds,
+        )
+        assert self.session.slot is not None
+        return self.directive(step, "probing", self.session.slot.phase, self.baseline, cache_status=cache_status)
+
+    def advance(self, step: int, node_time: float, state: TunerState) -> Directive:
+        """Record the node time of ``step`` (run in ``state``) and say what the next step runs."""
+        if state == "probing":
+            session = self.session
+            assert session is not None
+            slot = session.record(node_time)
+            if slot is not None:
+                return self.directive(step, "probing", slot.phase, self.space.setting(slot.key))
+            assert session.winner is not None
+            decision = Decision.measured(
+                self.space,
+                self.baseline,
+                winner=session.winner,
+                reason=session.reason,
+                measurements=session.measurements(),
+                sampler=session.plan.sampler,
+                steps=session.steps,
+                finalists=[self.space.setting(k) for k in session.finalists],
+            )
+            self._store(decision)
+            return self.directive(step, "locked", "locked", decision.winner, decision=decision)
+        check = self.check
+        assert check is not None and self._cached_entry is not None
+        slot = check.record(node_time)
+        if slot is None:
+            described = self.space.describe(self.space.setting(check.key))
+            outcome = check.conclude(self._baseline_key, described=described, owner=self.owner)
+            if isinstance(outcome, CheckVerdict):
+                return self._after_check(step, outcome)
+            slot = outcome
+        return self.directive(step, "checking", slot.phase, self.space.setting(slot.key))
+
+    def _after_check(self, step: int, verdict: CheckVerdict) -> Directive:
+        if verdict.stale:
+            return self.new_session(step, cache_status="stale")
+        assert self.check is not None and self._cached_entry is not None
+        entry = self._cached_entry
+        decision = Decision.of(
+            self.space,
+            self.baseline,
+            winner=self.space.setting(self.check.key),
+            winner_median_s=float(entry.winner_median_s),
+            baseline_median_s=float(entry.baseline_median_s),
+            reason=verdict.reason,
+            measurements=verdict.measurements,
+            sampler="cache",
+            steps=0,
+            reference_s=verdict.reference_s,
+        )
+        return self.directive(step, "locked", "locked", decision.winner, decision=decision)
+
+    def _store(self, decision: Decision) -> None:
+        """Write the new choice to the cache (never fatal)."""
+        if self._cache is None or self.cache_key is None:
+            return
+        try:
+            entry = CacheEntry(
+                winner=decision.winner,
+                baseline=decision.baseline,
+                winner_median_s=decision.winner_median_s,  # type: ignore[arg-type]  # measured: a float
+                baseline_median_s=decision.baseline_median_s,  # type: ignore[arg-type]
+                measurements=tuple({"candidate": m["candidate"], "samples": m["samples"]} for m in decision.measurements),
+                probe_steps=decision.session_probe_steps,
+                created_unix=time.time(),
+                fingerprint=self.fingerprint_details,
+            )
+            self._cache.put(self.cache_key, entry.to_json())
+        except Exception as exc:  # a broken cache must never stop training
+            logger.warning("%s: could not store the choice in the cache (%s)", self.owner, exc)
