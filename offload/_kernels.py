@@ -21,13 +21,21 @@ through unchanged. With the same inputs the result is bitwise equal to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["Hyper", "fused_adamw_", "mixed_precision_adamw_", "native_adamw_f32_", "new_step_tensor"]
+__all__ = [
+    "DEFAULT_KERNELS",
+    "Hyper",
+    "KernelSet",
+    "fused_adamw_",
+    "mixed_precision_adamw_",
+    "native_adamw_f32_",
+    "new_step_tensor",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,3 +173,29 @@ def mixed_precision_adamw_(
             steps_to_increment=[],
             **hyper_args,
         )
+
+
+Kernel = Callable[..., None]
+"""A kernel of the calling convention above: positional tensor lists, then ``steps_to_increment``
+and ``hyper`` (and ``outs`` for the fp32 native kernel) by keyword."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelSet:
+    """The kernel functions the pipeline calls, one per item kind (``offload._jobs.ItemKind``).
+
+    The pipeline and everything under it call kernels only through the set they were given, so a
+    test spies on a kernel or makes one fail by passing a set (``KernelSet(fused_adamw=spy)``)
+    instead of patching module globals.
+    """
+
+    fused_adamw: Kernel = fused_adamw_
+    """Items of kind TORCH: torch's fused AdamW on fp32 master, gradient and moments."""
+    mixed_precision_adamw: Kernel = mixed_precision_adamw_
+    """Items of kind MP: the single-pass bf16/fp16 kernel (fused-mp)."""
+    native_adamw_f32: Kernel = native_adamw_f32_
+    """Items of kind F32: fused-mp's fp32 entry point (also takes ``outs=``)."""
+
+
+#: The kernels of a pipeline nobody gave other ones.
+DEFAULT_KERNELS = KernelSet()
