@@ -11,6 +11,9 @@ tensors of their parameters, ``steps_to_increment``, :class:`Hyper`):
   one parallel region per call with dynamic blocks (torch's kernel runs one ``parallel_for`` per
   tensor with a fixed split), bitwise equal to torch's fused kernel on the verified builds.
 
+:func:`torch_mp_adamw_` is the torch path with fused-mp's signature (upcast, torch's kernel,
+downcast): the reference the fused-mp tests and benchmarks compare against.
+
 torch's fused AdamW is a private torch op, so it is called from exactly one function,
 :func:`fused_adamw_`, which mirrors the step-count
 handling of ``torch/optim/adam.py::_fused_adam``: the fp32 step tensors are incremented with
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from offload._fused_mp import call_f32_unchecked, call_steps_unchecked, check_hyper, check_lists, check_step
+
 __all__ = [
     "DEFAULT_KERNELS",
     "Hyper",
@@ -35,6 +40,7 @@ __all__ = [
     "mixed_precision_adamw_",
     "native_adamw_f32_",
     "new_step_tensor",
+    "torch_mp_adamw_",
 ]
 
 
@@ -125,8 +131,6 @@ def native_adamw_f32_(
     master slab view); ``outs``, if given, receive a copy of each updated parameter. Raises
     ``FusedMPUnavailable`` when the kernel could not be built.
     """
-    from offload._fused_mp import call_f32_unchecked
-
     call_f32_unchecked(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
         outs=list(outs), steps_to_increment=list(steps_to_increment), **_hyper_args(hyper),
@@ -152,8 +156,6 @@ def mixed_precision_adamw_(
     ``grads_lowp[i]`` is read as is (no fp32 copy). Raises ``FusedMPUnavailable`` when the kernel
     could not be built (the optimizer checks first and keeps the torch path then).
     """
-    from offload._fused_mp import call_steps_unchecked
-
     hyper_args = _hyper_args(hyper)
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
     if len(dtypes) <= 1:  # the usual case: one call
@@ -174,6 +176,51 @@ def mixed_precision_adamw_(
             **hyper_args,
         )
 
+
+
+@torch.no_grad()
+def torch_mp_adamw_(
+    params_lowp: Sequence[Tensor],
+    grads_lowp: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_buffers: Sequence[Tensor] | None = None,
+) -> None:
+    """The torch path with ``offload._fused_mp.fused_mp_adamw_``'s signature: the reference of the
+    fused-mp tests and benchmarks.
+
+    Upcasts each gradient into an fp32 buffer (``grad_buffers`` when given, else new tensors),
+    runs ``torch._fused_adamw_`` on the fp32 masters and moments, and copies the masters into the
+    low-precision parameters. Three passes, about 40 bytes per parameter.
+    """
+    check_lists(
+        params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs,
+    )
+    check_step(step)
+    check_hyper(lr, beta1, beta2, eps, weight_decay)
+    if not masters:
+        return
+    if grad_buffers is None:
+        grads32 = [g.to(torch.float32) for g in grads_lowp]
+    else:
+        grads32 = list(grad_buffers)
+        torch._foreach_copy_(grads32, list(grads_lowp))
+    steps = [torch.tensor(float(step))] * len(masters)
+    fused_adamw_(
+        list(masters), grads32, list(exp_avgs), list(exp_avg_sqs), steps, steps_to_increment=(),
+        hyper=Hyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+                    weight_decay=float(weight_decay), eps=float(eps)),
+    )
+    torch._foreach_copy_(list(params_lowp), list(masters))
 
 Kernel = Callable[..., None]
 """A kernel of the calling convention above: positional tensor lists, then ``steps_to_increment``

@@ -19,6 +19,7 @@ from test_optimizer_numerics import MixedPrecisionReference
 
 from offload import CPUOffloadAdamW, OffloadSettings
 from offload import _fused_mp
+from offload._fused_mp_build import KernelLoader
 from offload._host_transport import HostTransport
 from offload._jobs import KIND_MP, ChunkJob, Item
 from offload._kernels import Hyper, new_step_tensor
@@ -330,7 +331,7 @@ def test_fallback_when_the_kernel_is_unavailable(monkeypatch, caplog, tmp_path) 
     """A build that cannot happen (missing source): one WARNING with the reason, torch path, same
     results as kernel="torch"."""
     monkeypatch.setattr(
-        _fused_mp, "_LOADER", _fused_mp._Loader(source=tmp_path / "missing.cpp", cache_root=tmp_path)
+        _fused_mp, "_LOADER", KernelLoader(source=tmp_path / "missing.cpp", cache_root=tmp_path)
     )
     (want_p, want_s), _, _ = _run(torch.bfloat16, "torch")
     with caplog.at_level(logging.WARNING):
