@@ -24,13 +24,22 @@ through unchanged. With the same inputs the result is bitwise equal to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from offload._fused_mp import call_f32_unchecked, call_steps_unchecked, check_hyper, check_lists, check_step
+from offload._fused_mp import (
+    call_f32_unchecked,
+    call_steps_unchecked,
+    check_hyper,
+    check_lists,
+    check_step,
+    fused_mp_available,
+)
+from offload._fused_mp_build import ExtensionLoader
 
 __all__ = [
     "DEFAULT_KERNELS",
@@ -124,16 +133,19 @@ def native_adamw_f32_(
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
     outs: Sequence[Tensor] = (),
+    loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_adamw_`'s update of fp32 tensors by the native kernel, in one call per chunk.
 
     ``params[i]`` is updated in place (it is its own master: a parameter of a CPU model, or a
-    master slab view); ``outs``, if given, receive a copy of each updated parameter. Raises
-    ``FusedMPUnavailable`` when the kernel could not be built.
+    master slab view); ``outs``, if given, receive a copy of each updated parameter. ``loader``:
+    whose extension runs (None: the process's). Raises ``FusedMPUnavailable`` when the kernel could
+    not be built.
     """
     call_f32_unchecked(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
         outs=list(outs), steps_to_increment=list(steps_to_increment), **_hyper_args(hyper),
+        loader=loader,
     )
 
 
@@ -147,14 +159,16 @@ def mixed_precision_adamw_(
     *,
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
+    loader: ExtensionLoader | None = None,
 ) -> None:
     """The fused-mp step of :func:`offload._fused_mp.fused_mp_adamw_steps_` with
     :func:`fused_adamw_`'s step handling: ``steps_to_increment`` are incremented first, then every
     view is updated with its own parameter's step, in one kernel call.
 
     ``params_lowp[i]`` receives the updated master rounded to the low-precision dtype;
-    ``grads_lowp[i]`` is read as is (no fp32 copy). Raises ``FusedMPUnavailable`` when the kernel
-    could not be built (the optimizer checks first and keeps the torch path then).
+    ``grads_lowp[i]`` is read as is (no fp32 copy). ``loader``: whose extension runs (None: the
+    process's). Raises ``FusedMPUnavailable`` when the kernel could not be built (the optimizer
+    checks first and keeps the torch path then).
     """
     hyper_args = _hyper_args(hyper)
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
@@ -162,6 +176,7 @@ def mixed_precision_adamw_(
         call_steps_unchecked(
             list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
             list(state_steps), steps_to_increment=list(steps_to_increment), **hyper_args,
+            loader=loader,
         )
         return
     # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
@@ -174,6 +189,7 @@ def mixed_precision_adamw_(
                                                 exp_avg_sqs, state_steps)),
             steps_to_increment=[],
             **hyper_args,
+            loader=loader,
         )
 
 
@@ -229,10 +245,12 @@ and ``hyper`` (and ``outs`` for the fp32 native kernel) by keyword."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KernelSet:
-    """The kernel functions the pipeline calls, one per item kind (``offload._jobs.ItemKind``).
+    """The kernel functions the pipeline calls, one per item kind (``offload._jobs.ItemKind``),
+    and the loader of the native extension two of them run on.
 
     The pipeline and everything under it call kernels only through the set they were given, so a
-    test spies on a kernel or makes one fail by passing a set (``KernelSet(fused_adamw=spy)``)
+    test spies on a kernel or makes one fail by passing a set (``KernelSet(fused_adamw=spy)``), or
+    makes the native kernel unavailable (``KernelSet(loader=<a loader of a missing source>)``),
     instead of patching module globals.
     """
 
@@ -242,6 +260,23 @@ class KernelSet:
     """Items of kind MP: the single-pass bf16/fp16 kernel (fused-mp)."""
     native_adamw_f32: Kernel = native_adamw_f32_
     """Items of kind F32: fused-mp's fp32 entry point (also takes ``outs=``)."""
+    loader: ExtensionLoader | None = None
+    """Builds and loads the native extension: :meth:`available` asks it, and the two native kernels
+    left at their defaults run on what it loads. None: the process's loader (built once per
+    process, ``offload._fused_mp.process_loader``)."""
+
+    def __post_init__(self) -> None:
+        if self.loader is None:
+            return
+        for name, default in (("mixed_precision_adamw", mixed_precision_adamw_),
+                              ("native_adamw_f32", native_adamw_f32_)):
+            if getattr(self, name) is default:  # the default kernel, on this set's extension
+                object.__setattr__(self, name, functools.partial(default, loader=self.loader))
+
+    def available(self) -> tuple[bool, str]:
+        """Whether the native kernels can run here, and why (or why not); see
+        ``offload._fused_mp.fused_mp_available`` (the first call builds the extension)."""
+        return fused_mp_available(self.loader)
 
 
 #: The kernels of a pipeline nobody gave other ones.

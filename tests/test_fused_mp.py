@@ -28,7 +28,7 @@ from offload._fused_mp import (
     process_loader,
 )
 from offload._fused_mp_build import KernelLoader, build_spec, pip_ninja_on_path
-from offload._kernels import Hyper, fused_adamw_, new_step_tensor, torch_mp_adamw_
+from offload._kernels import Hyper, KernelSet, fused_adamw_, new_step_tensor, torch_mp_adamw_
 
 REPO = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -421,6 +421,16 @@ def _expect_fallback(caplog, loader, reason_part: str) -> str:
         assert fused_mp_available(loader) == (ok, reason)
         with pytest.raises(FusedMPUnavailable, match="unavailable"):
             fused_mp_adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, step=1, **HYPER, loader=loader)
+        # A kernel set on that loader: the same answer, and its native kernels run on it (fail).
+        kernels = KernelSet(loader=loader)
+        assert kernels.available() == (ok, reason)
+        hyper = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+        with pytest.raises(FusedMPUnavailable, match="unavailable"):
+            kernels.mixed_precision_adamw(params, grads, masters, exp_avgs, exp_avg_sqs,
+                                          [new_step_tensor()], steps_to_increment=[], hyper=hyper)
+        with pytest.raises(FusedMPUnavailable, match="unavailable"):
+            kernels.native_adamw_f32(masters, [g.float() for g in grads], exp_avgs, exp_avg_sqs,
+                                     [new_step_tensor()], steps_to_increment=[], hyper=hyper)
     assert not ok
     assert reason_part in reason, reason
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
