@@ -242,3 +242,15 @@ def test_a_serial_schedule_is_caught() -> None:
 def test_ring_needs_two_slots() -> None:
     with pytest.raises(ValueError, match="staging slots=1: expected >= 2"):
         CudaTransport(torch.device("cpu"), slots=1, ops=FakeOps(Log(1.0), 1))
+
+
+def test_every_transport_implements_the_whole_protocol() -> None:
+    """The worker calls every member of Transport without probing: both transports have them."""
+    from offload._host_transport import HostTransport
+    from offload._transport import Transport
+
+    members = {n for n in vars(Transport) if not n.startswith("_")} | set(Transport.__annotations__)
+    assert {"device", "lookahead", "prepare", "forget", "f32_out", "flush"} <= members
+    for transport in (HostTransport(), CudaTransport(torch.device("cpu"), ops=FakeOps(Log(1.0), 1))):
+        missing = sorted(n for n in members if not hasattr(transport, n))
+        assert not missing, f"{type(transport).__name__} lacks {missing}"
