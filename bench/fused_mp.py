@@ -46,12 +46,8 @@ from bench._args import int_list, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
-from offload._fused_mp import (
-    bitwise_matches_torch,
-    fused_mp_adamw_,
-    fused_mp_available,
-    torch_mp_adamw_,
-)
+from offload._fused_mp import bitwise_matches_torch, fused_mp_adamw_, fused_mp_available
+from offload._kernels import torch_mp_adamw_
 
 logger = logging.getLogger("bench.fused_mp")
 

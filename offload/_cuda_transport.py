@@ -33,17 +33,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload._pipeline import (
-    _STAGING_ALIGN,
-    KIND_MP,
-    ChunkJob,
-    Item,
-    StageRecord,
-    _flat,
-    _LowpBuffers,
-    _Scratch,
-    _SlabListCache,
-)
+from offload._buffers import STAGING_ALIGN, LowpBuffers, Scratch, SlabListCache
+from offload._jobs import KIND_MP, ChunkJob, Item, StageRecord
+from offload._kernels import KernelSet
+from offload._operands import flat
 from offload._slabs import HostSlabs
 
 __all__ = ["STAGING_SLOTS", "CudaTransport", "DeviceOps", "TorchCudaOps"]
@@ -140,7 +133,7 @@ def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[
     for it, dtype in zip(items, dtypes):
         offsets.append(off)
         nbytes = it.view.numel * dtype.itemsize
-        off += -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
+        off += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
     return offsets, off
 
 
@@ -148,14 +141,14 @@ def _staged(buf: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
     return buf[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
-class _OpsLowpBuffers(_LowpBuffers):
-    """:class:`_LowpBuffers` allocating through the device ops (pinned on CUDA)."""
+class _OpsLowpBuffers(LowpBuffers):
+    """:class:`LowpBuffers` allocating through the device ops (pinned on CUDA)."""
 
     def __init__(self, ops: DeviceOps) -> None:
         super().__init__(pin=False)
         self._ops = ops
 
-    def _new(self, it: Item) -> Tensor:
+    def new(self, it: Item) -> Tensor:
         return self._ops.pinned(it.param.numel(), it.param.dtype)
 
 
@@ -171,12 +164,10 @@ class CudaTransport:
     so the next forward sees the new weights without a host sync.
     """
 
-    is_async = True
-
     def __init__(
         self, device: torch.device, *, slots: int = STAGING_SLOTS, ops: DeviceOps | None = None
     ) -> None:
-        self.device = device
+        self.device: torch.device | None = device
         self._ops: DeviceOps = ops if ops is not None else TorchCudaOps(device)
         #: Jobs whose gradient copies the worker issues ahead of the current chunk's kernel.
         self.lookahead = slots - 1
@@ -185,10 +176,10 @@ class CudaTransport:
         self._d2h = _Ring(self._ops, slots)
         self._h2d = _Ring(self._ops, slots)
         self._lowp = _OpsLowpBuffers(self._ops)
-        self._scratch = _Scratch()
+        self._scratch = Scratch()
         self._last_h2d: Any = None
 
-    def prepare(self, job: ChunkJob, lists: _SlabListCache) -> None:
+    def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
         """Nothing: the kernel's gradient operands exist only after the worker's d2h copy."""
 
     def issue_d2h(self, job: ChunkJob) -> None:
@@ -206,7 +197,7 @@ class CudaTransport:
             staged = []
             for it, off, dtype in zip(job.items, offsets, dtypes):
                 dst = _staged(buf, off, it.view.numel, dtype)
-                ops.copy(dst, _flat(it.grad)[it.view.start : it.view.stop], stream)  # type: ignore[arg-type]
+                ops.copy(dst, flat(it.grad)[it.view.start : it.view.stop], stream)  # type: ignore[arg-type]
                 staged.append(dst)
             ops.record(end, stream)
             self._d2h.used_by(slot, end)
@@ -222,7 +213,7 @@ class CudaTransport:
         # upcast, into the chunk-sized scratch buffer.
         grads: list[Tensor] = list(staged)
         upcast = [i for i, (it, src) in enumerate(zip(job.items, staged))
-                  if it.fused != KIND_MP and src.dtype != torch.float32]
+                  if it.kind != KIND_MP and src.dtype != torch.float32]
         if upcast:
             views = self._scratch.views([job.items[i].view.numel for i in upcast])
             for i, dst in zip(upcast, views):
@@ -265,7 +256,7 @@ class CudaTransport:
         t0 = time.perf_counter()
         with ops.context():
             if job.staging is not None:  # the kernel of this job wrote its native items' weights
-                written = {id(it) for it in job.items if it.fused} if job.kernel_ran else set()
+                written = {id(it) for it in job.items if it.kind} if job.kernel_ran else set()
                 staged = []
                 for it in job.items:
                     dst = self._slot_view(job, it)
@@ -276,7 +267,7 @@ class CudaTransport:
                 job.staging = None
                 lowp_used = False
             else:
-                downcast = [it for it in job.items if it.fused != KIND_MP]
+                downcast = [it for it in job.items if it.kind != KIND_MP]
                 dtypes = [it.param.dtype for it in downcast]
                 offsets, nbytes = _staging_layout(downcast, dtypes)
                 slot, buf = self._h2d.take(nbytes)
@@ -287,7 +278,7 @@ class CudaTransport:
                     by_item[id(it)] = dst
                 # fused-mp items of a chunk started during backward: their pinned buffers.
                 staged = [
-                    by_item[id(it)] if it.fused != KIND_MP else self._lowp.view(it, for_write=False)
+                    by_item[id(it)] if it.kind != KIND_MP else self._lowp.view(it, for_write=False)
                     for it in job.items
                 ]
                 lowp_used = True
@@ -303,7 +294,7 @@ class CudaTransport:
             self._h2d.used_by(slot, end)
             if lowp_used:
                 for it in job.items:
-                    if it.fused == KIND_MP:
+                    if it.kind == KIND_MP:
                         self._lowp.used_by(it.view.slot, end)
             self._last_h2d = end
         t2 = time.perf_counter()
@@ -316,3 +307,6 @@ class CudaTransport:
         self._d2h.sync()
         last, self._last_h2d = self._last_h2d, None
         return last
+
+    def forget(self) -> None:
+        """Nothing: the ring and the pinned buffers do not depend on the chunk layout."""

@@ -87,14 +87,22 @@ class Chunk:
         return sum(v.numel for v in self.views)
 
 
-def plan_chunks(slots: list[ParamSlot], chunk_numel: int) -> tuple[Chunk, ...]:
+def plan_chunks(
+    slots: list[ParamSlot], chunk_numel: int, *, align: int | None = None
+) -> tuple[Chunk, ...]:
     """Split the parameters into chunks of at most ``chunk_numel`` elements (see module doc).
 
     A chunk holds whole small parameters and pieces of large ones; a piece that does not end at its
-    parameter's end has a multiple of ``_ALIGN`` elements, so every piece starts aligned.
+    parameter's end has a multiple of ``align`` elements (default :data:`_ALIGN`), so every piece
+    starts aligned. Another ``align`` is for tests that show why the rule exists (1: pieces start
+    anywhere, and bitwise equality with torch's per-parameter kernel is lost).
     """
-    if chunk_numel < _ALIGN:
-        raise ValueError(f"chunk_numel={chunk_numel}: expected >= {_ALIGN}")
+    if align is None:
+        align = _ALIGN
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align={align!r}: expected an int >= 1")
+    if chunk_numel < align:
+        raise ValueError(f"chunk_numel={chunk_numel}: expected >= {align}")
     chunks: list[Chunk] = []
     current: list[View] = []
     used = 0
@@ -119,7 +127,7 @@ def plan_chunks(slots: list[ParamSlot], chunk_numel: int) -> tuple[Chunk, ...]:
                 used += remaining
                 start = slot.numel
             else:
-                take = (room // _ALIGN) * _ALIGN
+                take = (room // align) * align
                 if take == 0:
                     close()
                     continue

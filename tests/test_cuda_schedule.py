@@ -15,10 +15,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import offload._pipeline as pipeline_mod
 from offload._cuda_transport import CudaTransport
-from offload._kernels import Hyper, new_step_tensor
-from offload._pipeline import KIND_F32, KIND_MP, KIND_TORCH, ChunkJob, Item, Pipeline
+from offload._jobs import KIND_F32, KIND_MP, KIND_TORCH, ChunkJob, Item
+from offload._kernels import DEFAULT_KERNELS, Hyper, KernelSet, new_step_tensor
+from offload._pipeline import Pipeline
 from offload._slabs import HostSlabs, plan_chunks
 
 NUMEL, CHUNKS = 1000, 6  # one parameter per chunk (chunk_numel 1024)
@@ -114,21 +114,31 @@ class FakeOps:
             s.q.put(None)
 
 
-def _gated_kernel(log: Log, n: int, real: Callable[..., None]) -> Callable[..., None]:
-    def kernel(self: Any, job: ChunkJob) -> None:
-        c = job.chunk
-        log.add(("kernel", c, "start"))
-        if c + 1 < n:
-            log.wait_for(("d2h", c + 1, "start"), f"kernel of chunk {c}")
-        if c >= 1:
-            log.wait_for(("h2d", c - 1, "start"), f"kernel of chunk {c}")
-        real(self, job)
-        log.add(("kernel", c, "end"))
+def _gated_kernels(log: Log, n: int) -> KernelSet:
+    """The default kernels, each call gated: every job here holds one item, so the worker (one
+    thread, jobs in FIFO order) makes one kernel call per chunk, and call ``c`` is chunk ``c``'s."""
+    calls = [0]
 
-    return kernel
+    def gated(real: Callable[..., None]) -> Callable[..., None]:
+        def kernel(*args: Any, **kwargs: Any) -> None:
+            c = calls[0]
+            calls[0] += 1
+            log.add(("kernel", c, "start"))
+            if c + 1 < n:
+                log.wait_for(("d2h", c + 1, "start"), f"kernel of chunk {c}")
+            if c >= 1:
+                log.wait_for(("h2d", c - 1, "start"), f"kernel of chunk {c}")
+            real(*args, **kwargs)
+            log.add(("kernel", c, "end"))
+
+        return kernel
+
+    d = DEFAULT_KERNELS
+    return KernelSet(fused_adamw=gated(d.fused_adamw), mixed_precision_adamw=gated(d.mixed_precision_adamw),
+                     native_adamw_f32=gated(d.native_adamw_f32))
 
 
-def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
+def _run(kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
          early: bool = False):
     dtype = torch.bfloat16 if kind == KIND_MP else torch.float32
     gen = torch.Generator().manual_seed(3)
@@ -147,9 +157,8 @@ def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: flo
     assert len(chunks) == CHUNKS
     log = Log(timeout_s)
     ops = FakeOps(log, CHUNKS, gate=not early)
-    if not early:  # (chunks started during backward copy their weights up only in step())
-        monkeypatch.setattr(pipeline_mod._Worker, "_kernel",
-                            _gated_kernel(log, CHUNKS, pipeline_mod._Worker._kernel))
+    # (chunks started during backward copy their weights up only in step(): no gates then)
+    kernels = DEFAULT_KERNELS if early else _gated_kernels(log, CHUNKS)
     transport = CudaTransport(torch.device("cpu"), slots=2, ops=ops)
     if lookahead is not None:
         transport.lookahead = lookahead
@@ -157,7 +166,7 @@ def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: flo
     queued = threading.Event()
     real_copy = ops.copy
     ops.copy = lambda dst, src, stream: (queued.wait(30), real_copy(dst, src, stream))[1]  # type: ignore[method-assign]
-    pipe = Pipeline(slabs, transport, name="schedule-test")
+    pipe = Pipeline(slabs, transport, name="schedule-test", kernels=kernels)
     try:
         hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
         steps = [new_step_tensor() for _ in params]
@@ -166,14 +175,16 @@ def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: flo
             (v,) = c.views
             items.append(Item(v, params[v.slot], grads[v.slot], 0, steps[v.slot], kind))
             # early: as during backward (kernel into a pinned buffer, weights unchanged)
-            pipe.submit(ChunkJob(c.index, [items[-1]], hyper, 1, True, not early))
+            pipe.submit(ChunkJob(chunk=c.index, items=[items[-1]], hyper=hyper, threads=1, update=True,
+                                 materialize=not early))
         queued.set()
         if early:
             before = [p.clone() for p in params]
             assert pipe.drain().error is None
             assert all(torch.equal(p, b) for p, b in zip(params, before)), "weights changed early"
             for c, item in zip(chunks, items):  # step(): the weights go up
-                pipe.submit(ChunkJob(c.index, [item], hyper, 1, False, True))
+                pipe.submit(ChunkJob(chunk=c.index, items=[item], hyper=hyper, threads=1, update=False,
+                                     materialize=True))
         result = pipe.drain()
         assert result.error is None, result.error
         result.last_h2d_event.synchronize()
@@ -184,14 +195,14 @@ def _run(monkeypatch, kind: int, *, lookahead: int | None = None, timeout_s: flo
 
 
 @pytest.mark.parametrize("kind", [KIND_TORCH, KIND_F32, KIND_MP], ids=["torch-fp32", "fused-fp32", "fused-mp-bf16"])
-def test_copies_of_neighbour_chunks_run_while_a_chunk_is_in_the_kernel(monkeypatch, kind) -> None:
+def test_copies_of_neighbour_chunks_run_while_a_chunk_is_in_the_kernel(kind) -> None:
     if kind != KIND_TORCH:
         from offload._fused_mp import fused_mp_available
 
         ok, reason = fused_mp_available()
         if not ok:
             pytest.skip(f"fused-mp kernel unavailable: {reason}")
-    log, params, expected = _run(monkeypatch, kind)
+    log, params, expected = _run(kind)
     assert log.violations == []
     at = log.index
     for c in range(CHUNKS):
@@ -207,22 +218,22 @@ def test_copies_of_neighbour_chunks_run_while_a_chunk_is_in_the_kernel(monkeypat
 
 
 @pytest.mark.parametrize("kind", [KIND_TORCH, KIND_F32, KIND_MP], ids=["torch-fp32", "fused-fp32", "fused-mp-bf16"])
-def test_chunks_started_during_backward_write_the_weights_only_at_step(monkeypatch, kind) -> None:
+def test_chunks_started_during_backward_write_the_weights_only_at_step(kind) -> None:
     if kind != KIND_TORCH:
         from offload._fused_mp import fused_mp_available
 
         ok, reason = fused_mp_available()
         if not ok:
             pytest.skip(f"fused-mp kernel unavailable: {reason}")
-    _, params, expected = _run(monkeypatch, kind, early=True)
+    _, params, expected = _run(kind, early=True)
     for i, (p, e) in enumerate(zip(params, expected)):
         assert torch.equal(p, e), f"parameter {i} differs from torch's AdamW"
 
 
-def test_a_serial_schedule_is_caught(monkeypatch) -> None:
+def test_a_serial_schedule_is_caught() -> None:
     """Without lookahead the next chunk's gradients are not in flight during a kernel: the gates
     record it (so the test above can fail), and the values are still right."""
-    log, params, expected = _run(monkeypatch, KIND_TORCH, lookahead=0, timeout_s=0.2)
+    log, params, expected = _run(KIND_TORCH, lookahead=0, timeout_s=0.2)
     assert any("kernel of chunk" in v and "'d2h'" in v for v in log.violations)
     for p, e in zip(params, expected):
         assert torch.equal(p, e)
@@ -231,3 +242,15 @@ def test_a_serial_schedule_is_caught(monkeypatch) -> None:
 def test_ring_needs_two_slots() -> None:
     with pytest.raises(ValueError, match="staging slots=1: expected >= 2"):
         CudaTransport(torch.device("cpu"), slots=1, ops=FakeOps(Log(1.0), 1))
+
+
+def test_every_transport_implements_the_whole_protocol() -> None:
+    """The worker calls every member of Transport without probing: both transports have them."""
+    from offload._host_transport import HostTransport
+    from offload._transport import Transport
+
+    members = {n for n in vars(Transport) if not n.startswith("_")} | set(Transport.__annotations__)
+    assert {"device", "lookahead", "prepare", "forget", "f32_out", "flush"} <= members
+    for transport in (HostTransport(), CudaTransport(torch.device("cpu"), ops=FakeOps(Log(1.0), 1))):
+        missing = sorted(n for n in members if not hasattr(transport, n))
+        assert not missing, f"{type(transport).__name__} lacks {missing}"

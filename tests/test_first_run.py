@@ -126,11 +126,11 @@ def test_thread_plan_is_logged_once_per_run(tmp_path: Path) -> None:
 
 
 def test_fused_mp_builds_under_torch_extensions_dir(tmp_path: Path, monkeypatch) -> None:
-    from offload import _fused_mp
+    from offload._fused_mp_build import build_spec
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    spec = _fused_mp.build_spec()
+    spec = build_spec()
     assert spec.build_dir.parent == tmp_path / "ext"
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     monkeypatch.setenv("OFFLOAD_AUTOTUNE_CACHE", str(tmp_path / "cache" / "c.json"))
-    assert _fused_mp.build_spec().build_dir.parent == tmp_path / "cache" / "ext"
+    assert build_spec().build_dir.parent == tmp_path / "cache" / "ext"

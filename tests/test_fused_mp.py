@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import _fused_mp
-from offload._kernels import Hyper, fused_adamw_, new_step_tensor
 from offload._fused_mp import (
     STEP_RTOL,
     FusedMPUnavailable,
@@ -26,8 +25,10 @@ from offload._fused_mp import (
     fused_mp_adamw_,
     fused_mp_adamw_steps_,
     fused_mp_available,
-    torch_mp_adamw_,
+    process_loader,
 )
+from offload._fused_mp_build import KernelLoader, build_spec, pip_ninja_on_path
+from offload._kernels import Hyper, KernelSet, fused_adamw_, new_step_tensor, torch_mp_adamw_
 
 REPO = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -43,7 +44,7 @@ def kernel() -> object:
         if reason.startswith(("no C++ compiler", "ninja is not installed")):
             pytest.skip(f"fused-mp kernel needs a C++ toolchain: {reason}")
         pytest.fail(f"fused-mp kernel failed to build on a machine with a toolchain: {reason}")
-    module, _ = _fused_mp._LOADER.get()
+    module, _ = process_loader().get()
     return module
 
 
@@ -387,7 +388,7 @@ def _train(cfg, update) -> torch.Tensor:
 
 
 def test_build_is_cached_across_processes(kernel) -> None:
-    spec = _fused_mp.build_spec()
+    spec = build_spec()
     libs = list(spec.build_dir.glob("*.so"))
     assert len(libs) == 1, f"expected one built library in {spec.build_dir}, found {libs}"
     mtime = libs[0].stat().st_mtime_ns
@@ -410,17 +411,26 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in parts if p)
 
 
-def _expect_fallback(monkeypatch, caplog, loader, reason_part: str) -> str:
-    monkeypatch.setattr(_fused_mp, "_LOADER", loader)
+def _expect_fallback(caplog, loader, reason_part: str) -> str:
     gen = torch.Generator().manual_seed(3)
     params, masters, exp_avgs, exp_avg_sqs = _state((20,), torch.bfloat16, gen)
     grads = _grads((20,), torch.bfloat16, gen)
     before = _clone(masters)
-    with caplog.at_level(logging.WARNING, logger="offload._fused_mp"):
-        ok, reason = fused_mp_available()
-        assert fused_mp_available() == (ok, reason)
+    with caplog.at_level(logging.WARNING, logger="offload._fused_mp_build"):
+        ok, reason = fused_mp_available(loader)
+        assert fused_mp_available(loader) == (ok, reason)
         with pytest.raises(FusedMPUnavailable, match="unavailable"):
-            fused_mp_adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, step=1, **HYPER)
+            fused_mp_adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, step=1, **HYPER, loader=loader)
+        # A kernel set on that loader: the same answer, and its native kernels run on it (fail).
+        kernels = KernelSet(loader=loader)
+        assert kernels.available() == (ok, reason)
+        hyper = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+        with pytest.raises(FusedMPUnavailable, match="unavailable"):
+            kernels.mixed_precision_adamw(params, grads, masters, exp_avgs, exp_avg_sqs,
+                                          [new_step_tensor()], steps_to_increment=[], hyper=hyper)
+        with pytest.raises(FusedMPUnavailable, match="unavailable"):
+            kernels.native_adamw_f32(masters, [g.float() for g in grads], exp_avgs, exp_avg_sqs,
+                                     [new_step_tensor()], steps_to_increment=[], hyper=hyper)
     assert not ok
     assert reason_part in reason, reason
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -429,10 +439,10 @@ def _expect_fallback(monkeypatch, caplog, loader, reason_part: str) -> str:
     return reason
 
 
-def test_fallback_when_the_build_fails(monkeypatch, caplog, tmp_path, kernel) -> None:
+def test_fallback_when_the_build_fails(caplog, tmp_path, kernel) -> None:
     broken = tmp_path / "fused_mp_adamw.cpp"
     broken.write_text('#error "deliberately broken kernel source"\n')
-    reason = _expect_fallback(monkeypatch, caplog, _fused_mp._Loader(broken, tmp_path / "cache"),
+    reason = _expect_fallback(caplog, KernelLoader(broken, tmp_path / "cache"),
                               "build of fused_mp_adamw.cpp failed")
     assert "deliberately broken" in reason
 
@@ -441,7 +451,7 @@ def test_fallback_without_a_compiler(monkeypatch, caplog, tmp_path) -> None:
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "get_cxx_compiler", lambda: "no-such-cxx-compiler")
-    _expect_fallback(monkeypatch, caplog, _fused_mp._Loader(cache_root=tmp_path),
+    _expect_fallback(caplog, KernelLoader(cache_root=tmp_path),
                      "no C++ compiler: 'no-such-cxx-compiler' is not on PATH")
 
 
@@ -449,17 +459,17 @@ def test_fallback_without_ninja(monkeypatch, caplog, tmp_path) -> None:
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    _expect_fallback(monkeypatch, caplog, _fused_mp._Loader(cache_root=tmp_path),
+    _expect_fallback(caplog, KernelLoader(cache_root=tmp_path),
                      "ninja is not installed")
 
 
 def test_build_key_tracks_source_and_flags(tmp_path) -> None:
     source = tmp_path / "k.cpp"
     source.write_text("// one\n")
-    first = _fused_mp.build_spec(source, tmp_path)
-    assert first == _fused_mp.build_spec(source, tmp_path)
+    first = build_spec(source, tmp_path)
+    assert first == build_spec(source, tmp_path)
     source.write_text("// two\n")
-    second = _fused_mp.build_spec(source, tmp_path)
+    second = build_spec(source, tmp_path)
     assert second.name != first.name and second.build_dir != first.build_dir
     assert second.build_dir.parent == tmp_path / "ext"
     assert "-march=native" not in first.cflags and "-ffp-contract=off" in first.cflags
@@ -467,11 +477,10 @@ def test_build_key_tracks_source_and_flags(tmp_path) -> None:
 
 def test_pip_ninja_is_put_on_path_only_during_the_build(monkeypatch) -> None:
     ninja = pytest.importorskip("ninja", reason="the pip 'ninja' package is not installed")
-    real_which = _fused_mp.shutil.which
-    monkeypatch.setattr(_fused_mp.shutil, "which",
-                        lambda name: None if name == "ninja" else real_which(name))
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "ninja" else real_which(name))
     before = os.environ.get("PATH", "")
-    with _fused_mp._pip_ninja_on_path():
+    with pip_ninja_on_path():
         assert os.environ["PATH"].split(os.pathsep)[0] == str(ninja.BIN_DIR)
     assert os.environ.get("PATH", "") == before
 

@@ -19,6 +19,12 @@ from test_optimizer_numerics import MixedPrecisionReference
 
 from offload import CPUOffloadAdamW, OffloadSettings
 from offload import _fused_mp
+from offload._fused_mp_build import KernelLoader
+from offload._host_transport import HostTransport
+from offload._jobs import KIND_MP, ChunkJob, Item
+from offload._kernels import Hyper, new_step_tensor
+from offload._pipeline import Pipeline
+from offload._slabs import SLAB_KINDS, HostSlabs, plan_chunks
 from offload._fused_mp import STEP_RTOL, bitwise_matches_torch, fused_mp_available
 
 STEPS = 30
@@ -81,7 +87,8 @@ def _assert_matches(actual, expected, what: str) -> None:
             torch.testing.assert_close(a.float(), e.float(), rtol=4 * eps, atol=4 * eps, msg=f"{what}[{i}]")
 
 
-def _run(dtype, kernel: str, *, chunk: int = 1 << 10, threads: int = 1, overlap: bool = False):
+def _run(dtype, kernel: str, *, chunk: int = 1 << 10, threads: int = 1, overlap: bool = False,
+         inspect=None):
     model = make_model(dtype)
     opt = CPUOffloadAdamW(
         param_groups(model), settings=_settings(kernel, chunk, threads), overlap_backward=overlap
@@ -91,6 +98,8 @@ def _run(dtype, kernel: str, *, chunk: int = 1 << 10, threads: int = 1, overlap:
         assert opt._early_launches_last_step > 0
     params = list(model.parameters())
     result = ([p.detach().clone() for p in params], [t.clone() for t in _state(opt, params)])
+    if inspect is not None:
+        inspect(opt)
     opt.close()
     return result, kernels, opt.settings
 
@@ -167,30 +176,73 @@ def test_chunks_mixing_bf16_and_fp16_parameters(kernel) -> None:
     _assert_matches(got_s, want_s, "state")
 
 
-def test_kernel_calls_prepared_at_submit_or_by_the_worker_agree(kernel, monkeypatch) -> None:
-    """On the CPU, step()'s fused-mp jobs get their kernel arguments from the submitting thread;
-    when that fails the worker builds them itself (and would report a real problem)."""
-    from offload import _pipeline
+class _CountingPrepare(HostTransport):
+    """The host transport, noting per submitted job whether its calls were prepared at submit."""
 
-    (want_p, want_s), _, _ = _run(torch.bfloat16, "fused-mp", chunk=3000)
-    prepared = []
-    real_prepare = _pipeline.HostTransport.prepare
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[bool] = []
 
-    def counting(self, job, lists):
-        real_prepare(self, job, lists)
-        prepared.append(job.calls is not None)
+    def prepare(self, job, lists, kernels) -> None:
+        super().prepare(job, lists, kernels)
+        self.prepared.append(job.calls is not None)
 
-    monkeypatch.setattr(_pipeline.HostTransport, "prepare", counting)
-    _run(torch.bfloat16, "fused-mp", chunk=3000)
-    assert prepared and all(prepared), "step()'s fused-mp jobs were not prepared at submit"
 
-    def failing(self, job, lists):
+class _FailingPrepare(HostTransport):
+    def prepare(self, job, lists, kernels) -> None:
         raise RuntimeError("prepare failed")
 
-    monkeypatch.setattr(_pipeline.HostTransport, "prepare", failing)
-    (got_p, got_s), _, _ = _run(torch.bfloat16, "fused-mp", chunk=3000)
-    assert_bitwise(got_p, want_p, "params")
-    assert_bitwise(got_s, want_s, "state")
+
+def _pipeline_steps(transport: HostTransport, steps: int = 3) -> list[torch.Tensor]:
+    """A few steps of fused-mp jobs built as step() builds them (a reused item list per chunk,
+    each step's gradients put in), on a pipeline with ``transport``; the resulting tensors."""
+    gen = torch.Generator().manual_seed(5)
+    params = [(0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16) for n in (3000, 700, 5000)]
+    slabs = HostSlabs([[p.shape for p in params]])
+    for i, p in enumerate(params):
+        slabs.flat("master", i).copy_(p.float())
+    chunks = plan_chunks(list(slabs.slots), 3000)
+    step_tensors = [new_step_tensor() for _ in params]
+    hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+    items = {c.index: [Item(v, params[v.slot], None, 0, step_tensors[v.slot], KIND_MP) for v in c.views]
+             for c in chunks}
+    pipe = Pipeline(slabs, transport, name="prepare-test")
+    try:
+        for _ in range(steps):
+            grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+            for c in chunks:
+                for it in items[c.index]:
+                    it.grad = grads[it.view.slot]
+                pipe.submit(ChunkJob(chunk=c.index, items=items[c.index], hyper=hyper, threads=1,
+                                     update=True, materialize=True))
+            result = pipe.drain()
+            assert result.error is None, result.error
+    finally:
+        pipe.close()
+    return params + [slabs.flat(k, i) for k in SLAB_KINDS for i in range(len(params))] + step_tensors
+
+
+def test_kernel_calls_prepared_at_submit_or_by_the_worker_agree(kernel, caplog) -> None:
+    """On the CPU, step()'s fused-mp jobs get their kernel arguments from the submitting thread;
+    when that fails the worker builds them itself (and would report a real problem)."""
+    seen = {}
+
+    def inspect(opt: CPUOffloadAdamW) -> None:
+        seen["prepared"] = dict(opt._pipeline.transport._prepared)
+        seen["chunks"] = opt.last_stats.num_chunks
+
+    _run(torch.bfloat16, "fused-mp", chunk=3000, inspect=inspect)
+    assert len(seen["prepared"]) >= seen["chunks"] > 1  # an entry per chunk a step ran
+    assert all(e.direct for e in seen["prepared"].values()), "step()'s fused-mp jobs were not prepared at submit"
+
+    counting = _CountingPrepare()
+    want = _pipeline_steps(counting)
+    assert counting.prepared and all(counting.prepared), "fused-mp step jobs were not prepared at submit"
+    with caplog.at_level(logging.WARNING, logger="offload._pipeline"):
+        got = _pipeline_steps(_FailingPrepare())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "the worker prepares it instead" in warnings[0], warnings
+    assert_bitwise(got, want, "params and state")
 
 
 @pytest.mark.parametrize("kernel_name", ["torch", "fused-mp"])
@@ -279,7 +331,7 @@ def test_fallback_when_the_kernel_is_unavailable(monkeypatch, caplog, tmp_path) 
     """A build that cannot happen (missing source): one WARNING with the reason, torch path, same
     results as kernel="torch"."""
     monkeypatch.setattr(
-        _fused_mp, "_LOADER", _fused_mp._Loader(source=tmp_path / "missing.cpp", cache_root=tmp_path)
+        _fused_mp, "_LOADER", KernelLoader(source=tmp_path / "missing.cpp", cache_root=tmp_path)
     )
     (want_p, want_s), _, _ = _run(torch.bfloat16, "torch")
     with caplog.at_level(logging.WARNING):

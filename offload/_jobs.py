@@ -1,0 +1,163 @@
+"""The pipeline's records: what a job updates (:class:`Item`), a job (:class:`ChunkJob`), what a
+stage took (:class:`StageRecord`) and what a step's drain hands back (:class:`DrainResult`).
+
+Items and jobs are mutable on purpose: the optimizer reuses a chunk's item list from step to step
+and only puts in each step's gradients (see ``CPUOffloadAdamW._items``), and the worker fills a
+job's transfer state as it goes. They are plain slotted records because the worker reads their
+fields once per chunk while the memory bus waits (see :mod:`offload._pipeline`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from torch import Tensor
+
+from offload._kernels import Hyper
+from offload._slabs import View
+
+__all__ = [
+    "KIND_F32",
+    "KIND_MP",
+    "KIND_TORCH",
+    "Call",
+    "CallSteps",
+    "ChunkJob",
+    "DrainResult",
+    "Item",
+    "ItemKind",
+    "StageRecord",
+]
+
+
+class ItemKind(IntEnum):
+    """The kernel that updates an item (chosen by the optimizer, read by the pipeline)."""
+
+    TORCH = 0
+    """torch's fused AdamW on fp32 master, gradient (upcast when needed) and moments."""
+    MP = 1
+    """fused-mp's mixed-precision entry point: a bf16/fp16 parameter with a gradient of its dtype."""
+    F32 = 2
+    """fused-mp's fp32 entry point: an fp32 parameter with an fp32 gradient."""
+
+
+KIND_TORCH, KIND_MP, KIND_F32 = ItemKind.TORCH, ItemKind.MP, ItemKind.F32
+
+
+@dataclass(slots=True)
+class Item:
+    """One view of a chunk, with the tensors it reads and writes for this step."""
+
+    view: View
+    """The elements of one parameter the item covers."""
+    param: Tensor
+    """The model parameter (written by materialize)."""
+    grad: Tensor | None
+    """The parameter's gradient captured when the job was made (read by d2h)."""
+    grad_version: int
+    """``grad._version`` when the job was made (checked by jobs started during backward)."""
+    step: Tensor
+    """The parameter's fp32 step tensor."""
+    kind: ItemKind = KIND_TORCH
+    """Which kernel updates the item. Truthy for the native kernel (MP and F32)."""
+
+    @property
+    def fused(self) -> ItemKind:
+        """Transitional alias of :attr:`kind` (issue 15): ``_optimizer.py`` still reads
+        ``it.fused``; removed at merge."""
+        return self.kind
+
+
+@dataclass(slots=True)
+class StageRecord:
+    """One stage of one chunk, in ``time.perf_counter`` seconds; GPU parts may be pending."""
+
+    chunk: int
+    """The chunk's index."""
+    stage: str
+    """``"d2h"``, ``"adam_kernel"`` or ``"materialize"``."""
+    start: float
+    """When the stage began (host clock)."""
+    end: float
+    """When it ended (host clock; moved later by GPU time in :meth:`finalize`)."""
+    busy_s: float
+    """Time the stage kept its resource busy."""
+    pending: tuple[Any, Any] | None = None
+    """(start_event, end_event) of GPU work whose time is added when the stats are read."""
+
+    def finalize(self) -> None:
+        if self.pending is None:
+            return
+        start_ev, end_ev = self.pending
+        end_ev.synchronize()
+        gpu_s = start_ev.elapsed_time(end_ev) / 1e3
+        self.busy_s += gpu_s
+        self.end = max(self.end, self.start + self.busy_s)
+        self.pending = None
+
+
+Call = tuple[ItemKind, Any, tuple[list[Tensor], ...]]
+"""(kind, kernel function, positional tensor lists) of one kernel call; the worker adds the steps
+to increment and the hyper-parameters."""
+CallSteps = tuple[list[int], list[Tensor]]
+"""The slots and step tensors of one call's items, in order."""
+
+
+# TODO(issue 15, at merge): kw_only=True. _optimizer.py still builds jobs positionally
+# (``ChunkJob(chunk.index, items, hyper, threads, True, True, ...)``) until its split lands.
+@dataclass(slots=True)
+class ChunkJob:
+    """One chunk's work for one step: some of d2h, adam_kernel and materialize."""
+
+    chunk: int
+    """The chunk's index in the layout."""
+    items: list[Item]
+    """Its views (possibly the optimizer's reused list for the chunk)."""
+    hyper: Hyper
+    """The hyper-parameters of the chunk's param group."""
+    threads: int
+    """Intra-op threads the worker runs the job's CPU work with."""
+    update: bool
+    """Run d2h and adam_kernel."""
+    materialize: bool
+    """Write the new weights into the parameters."""
+    check_versions: bool = False
+    """Early launch: skip the kernel if a gradient changed since the job was made."""
+    ready_event: Any = None
+    """CUDA: event after which the gradients are final (d2h waits on it)."""
+    write_event: Any = None
+    """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
+    # Filled by the transport and the worker.
+    transfer: Any = None
+    """The transport's state of an issued d2h (None: not issued yet)."""
+    grads: list[Tensor] | None = None
+    """Per item: the gradient operand its kernel reads (low precision for KIND_MP, fp32 else)."""
+    calls: list[Call] | None = None
+    """The kernel calls of the job, made by the submitting thread (see Transport.prepare)."""
+    call_steps: list[CallSteps] | None = None
+    """Per call: the slots and step tensors of its items (made with ``calls``)."""
+    staging: Any = None
+    """CUDA: the h2d ring slot the kernel wrote the new weights into (see CudaTransport)."""
+    kernel_ran: bool = False
+    """The job's kernel calls ran (read by the optimizer for early launches)."""
+    skipped_stale: bool = False
+    """An early launch whose gradients changed before its kernel: nothing was updated."""
+    direct: bool = False
+    """Host: every item's kernel reads its gradient where it is and writes its parameter itself
+    (no upcast, no materialize copy); set by :meth:`HostTransport.finish_d2h` or ``prepare``."""
+
+
+@dataclass(slots=True)
+class DrainResult:
+    """What :meth:`Pipeline.drain` hands back for the jobs since the previous drain."""
+
+    records: list[StageRecord]
+    """Every stage of every job, in the order they ran."""
+    error: BaseException | None
+    """The first error of the step (later jobs were skipped)."""
+    last_h2d_event: Any
+    """CUDA: the event of the step's last host-to-device copy (not waited for), else None."""
+    wait_s: float = 0.0
+    """How long ``drain`` waited."""
