@@ -1,9 +1,11 @@
 """Glue between ``CPUOffloadAdamW`` and the generic ``autotune.OnlineTuner``.
 
 This module is the only place that knows both sides: it builds the offload search space (threads
-x chunk size, x kernel on bf16/fp16 models) from the thread plan and the slab sizes, turns each
-step's ``StepStats`` into the tuner's ``StepSample`` and turns the tuner's settings back into
-``OffloadSettings``.
+x chunk size, x kernel on bf16/fp16 models) from the thread plan and the slab sizes, and the
+workload the cache key names (:func:`offload_workload`), turns each step's ``StepStats`` into the
+tuner's ``StepSample`` and turns the tuner's settings back into ``OffloadSettings``. It sees the
+optimizer only through :class:`Tunable` (settings, ``apply_settings``, ``last_stats``) and never
+imports it.
 
 Kernel knob ("torch", "fused-mp"): only when the model has bf16/fp16 parameters, the fused-mp
 kernel is available on *every* local rank and :func:`offload._fused_mp.bitwise_matches_torch` is
@@ -33,7 +35,8 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from collections.abc import Sequence
+from typing import Any, Callable, Literal, Protocol
 
 from autotune import (
     AutotuneConfig,
@@ -47,15 +50,14 @@ from autotune import (
     knobs,
     powers_of_two,
 )
-from offload._settings import KERNELS
+from offload._params import ParamRecord
+from offload._settings import KERNELS, OffloadSettings, StepStats
+from offload._slabs import ParamSlot
 from offload._threads import ThreadPlan
-
-if TYPE_CHECKING:
-    from offload._optimizer import CPUOffloadAdamW
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadTuning", "agreed_kernels", "offload_search_space"]
+__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "global_rank", "offload_search_space", "offload_workload"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -146,12 +148,50 @@ def agreed_kernels(
     return KERNELS
 
 
+def offload_workload(records: Sequence[ParamRecord], slots: Sequence[ParamSlot], *, groups: int,
+                     device_type: str, overlap_backward: bool) -> tuple[dict[str, Any], int]:
+    """The tuner's workload of an optimizer (this rank's shard: its element count), and the
+    largest slab of any local rank (the search space must be the same on every local rank: it is
+    sized by the largest shard any rank holds; uneven shards differ by rank)."""
+    group_numel = [0] * groups
+    group_max = [0] * groups
+    for slot in slots:
+        group_numel[slot.group] += slot.numel
+        layout = records[slot.index].layout
+        group_max[slot.group] += slot.numel if layout is None else layout.max_local_numel
+    sharded = [r.layout for r in records if r.layout is not None]
+    objective = "iteration" if overlap_backward else "step"
+    workload = {
+        "params": sum(group_numel),
+        "groups": groups,
+        "dtypes": sorted({str(r.param.dtype) for r in records}),
+        "device": device_type,
+        "overlap_backward": bool(overlap_backward),
+        "objective": objective,
+        **({"sharded_params": len(sharded), "shard_ranks": sharded[0].mesh.size(),
+            "global_params": sum(r.param.numel() for r in records)} if sharded else {}),
+    }
+    return workload, max(group_max, default=0)
+
+
+class Tunable(Protocol):
+    """What the glue needs of the optimizer it tunes."""
+
+    @property
+    def settings(self) -> OffloadSettings: ...
+
+    @property
+    def last_stats(self) -> StepStats | None: ...
+
+    def apply_settings(self, settings: OffloadSettings) -> None: ...
+
+
 class OffloadTuning:
     """Owns the ``OnlineTuner`` of one ``CPUOffloadAdamW`` and feeds it every step."""
 
     def __init__(
         self,
-        optimizer: CPUOffloadAdamW,
+        optimizer: Tunable,
         config: AutotuneConfig,
         *,
         plan: ThreadPlan,
@@ -192,7 +232,7 @@ class OffloadTuning:
         # The tuner writes its cache and trace on local rank 0 only.
         self._trace: TraceWriter | None = None
         if config.trace_dir and (knobs.local_rank() or 0) == 0:
-            self._trace = TraceWriter(Path(config.trace_dir), rank=_global_rank())
+            self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
         self.tuner = OnlineTuner(
             space,
             baseline=baseline,
@@ -252,7 +292,8 @@ class OffloadTuning:
         self.tuner.close()
 
 
-def _global_rank() -> int:
+def global_rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

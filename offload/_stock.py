@@ -75,7 +75,7 @@ import torch
 
 from autotune import AutotuneConfig, Knob, OnlineTuner, SearchSpace, StepSample, TraceWriter, TuningCache, knobs
 from autotune import geometric_ladder
-from offload._autotune import MAX_THREAD_CANDIDATES, _global_rank
+from offload._autotune import MAX_THREAD_CANDIDATES, global_rank
 from offload._threads import ThreadPlan, plan_cpu_threads, thread_limit
 
 logger = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         if config.use_cache:
             cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
         if config.trace_dir and (knobs.local_rank() or 0) == 0:
-            self._trace = TraceWriter(Path(config.trace_dir), rank=_global_rank())
+            self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
         self.tuner = OnlineTuner(space, baseline={"threads": top}, apply=self._apply, config=config,
                                  workload=step_threads_workload(optimizer), cache=cache, trace=self._trace)
         self.tuner.start()

@@ -56,8 +56,8 @@ def test_overlap_is_bitwise_equal_to_the_plain_step(dtype, chunk_numel: int, thr
         assert_bitwise(_state(over_model, over, key), _state(plain_model, plain, key), key)
     assert not over.state.get(over_model.unused.weight)  # no grad ever: no state
     # the block run twice per backward fires its hook twice; the count was learned
-    slot = over._slot_of[id(over_model.twice.weight)]
-    assert over._overlap._expected[slot] == 2
+    slot = over._registry.of(over_model.twice.weight).slot
+    assert over._registry[slot].hooks_expected == 2
     spans = over.last_stats.spans
     # (an early chunk's spans start before step() unless the worker was descheduled: not asserted)
     assert all(s.start_s >= 0 for s in spans if s.stage == "materialize")
