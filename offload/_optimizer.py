@@ -13,6 +13,7 @@ edits in ``offload/_edits.py``, ``state_dict`` in ``offload/_state_io.py``, the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -44,12 +45,13 @@ from offload._masters import (
 )
 from offload._overlap import BackwardOverlap, Launch, raise_late_edit, verify_launches
 from offload._params import ParamRecord, ParamRegistry, check_params, param_names, raise_bad_grad
+from offload._placement import NumaBinder, NumaPlacement
 from offload._pipeline import ChunkJob, HostTransport, Pipeline, Transport
 from offload._settings import OffloadSettings, StepStats
 from offload._slabs import Chunk, HostSlabs, plan_chunks
 from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups
 from offload._stats import StatsBuilder
-from offload._threads import plan_cpu_threads
+from offload._threads import ThreadPlan, plan_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,12 @@ class CPUOffloadAdamW(Optimizer):
             path) online during the first steps (``offload/_autotune.py``); the tuner is
             ``self.tuner``.
             Under torch.distributed every local rank must construct the optimizer together.
+        plan: the ``ThreadPlan`` to use instead of ``plan_cpu_threads()`` (tests, simulations, a
+            plan made once for several optimizers); not with ``settings.threads``.
+        numa_binder: with ``settings.bind_numa``, the function that binds this process to its
+            NUMA node for a device (default ``bind_rank_numa_node``; tests pass one over a fake
+            sysfs root). What the placement did: :attr:`numa_placement`; ``close()`` restores
+            the affinity.
     """
 
     def __init__(
@@ -106,6 +114,8 @@ class CPUOffloadAdamW(Optimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         autotune: Any = False,
+        plan: ThreadPlan | None = None,
+        numa_binder: NumaBinder | None = None,
     ) -> None:
         if autotune is True:
             autotune = AutotuneConfig()
@@ -113,6 +123,10 @@ class CPUOffloadAdamW(Optimizer):
             raise TypeError(f"autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
         if settings is not None and not isinstance(settings, OffloadSettings):
             raise TypeError(f"settings={settings!r}: expected an OffloadSettings or None")
+        if plan is not None and not isinstance(plan, ThreadPlan):
+            raise TypeError(f"plan={plan!r}: expected an offload.ThreadPlan or None")
+        if plan is not None and settings is not None and settings.threads is not None:
+            raise ValueError(f"settings.threads={settings.threads!r} and plan=...: pass one of them")
         options = {
             "amsgrad": amsgrad,
             "maximize": maximize,
@@ -136,17 +150,25 @@ class CPUOffloadAdamW(Optimizer):
         self._registry = ParamRegistry(self.param_groups)
         self._recheck_masters: set[int] = set()  # slots given a master by load_state_dict
         self._items = ItemCache()
-        self._slabs, self._numa = self._make_slabs(settings, overlap_backward)
+        self._numa: NumaPlacement | None = None
+        shapes = [[local(p).shape for p in g["params"]] for g in self.param_groups]
+        if settings is not None and settings.bind_numa:  # bind first, then allocate untouched
+            self._numa = NumaPlacement.bind(self._registry.device, numa_binder)
+            self._slabs = self._numa.allocate(shapes, self._own_masters(overlap_backward))
+        else:
+            self._slabs = HostSlabs(shapes, self._own_masters(overlap_backward))
 
         settings = settings if settings is not None else OffloadSettings()
-        plan = plan_cpu_threads(threads=settings.threads)
+        if plan is None:
+            plan = plan_cpu_threads(threads=settings.threads)
         self._planned_threads = plan.threads
         self._settings = resolve_kernel(replace(settings, threads=self._planned_threads))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
 
         self._pipeline = self._new_pipeline()
-        if self._numa is not None:  # see _make_slabs
-            self._pipeline.on_worker(self._slabs.first_touch, threads=self._planned_threads)
+        if self._numa is not None:  # the pages land on the node of the CPUs that run the kernels
+            self._pipeline.on_worker(functools.partial(self._numa.first_touch, self._slabs),
+                                     threads=self._planned_threads)
         self._in_step = False
         self._edits = WeightEdits()
         self._stats: StatsBuilder | None = None
@@ -195,18 +217,6 @@ class CPUOffloadAdamW(Optimizer):
         """Backward hooks on every parameter (``calibrated``: their hook counts are learned)."""
         self._overlap = BackwardOverlap(self._registry.records, self._start_early, calibrated=calibrated)
         self._overlap.set_chunks(self._chunks)
-
-    def _make_slabs(self, settings: OffloadSettings | None, overlap_backward: bool) -> tuple[HostSlabs, Any]:
-        """The host slabs; with ``settings.bind_numa`` the process is bound to its NUMA node first
-        and the slabs are left untouched for the worker's first touch (the binding, else None)."""
-        shapes = [[local(p).shape for p in g["params"]] for g in self.param_groups]
-        own = self._own_masters(overlap_backward)
-        if settings is None or not settings.bind_numa:
-            return HostSlabs(shapes, own), None
-        from offload._threads import bind_rank_numa_node
-
-        binding = bind_rank_numa_node(self._registry.device)
-        return HostSlabs(shapes, own, zero=False), binding
 
     def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
         return own_master_flags(self.param_groups, self._registry.records,
@@ -322,14 +332,23 @@ class CPUOffloadAdamW(Optimizer):
         with self._overlap.accumulating():
             yield
 
+    @property
+    def numa_placement(self) -> NumaPlacement | None:
+        """What ``OffloadSettings.bind_numa`` did (None without it): the binding, and the order of
+        bind, allocation and first touch (``offload/_placement.py``)."""
+        return self._numa
+
     def close(self) -> None:
-        """Stop the worker thread and remove the backward hooks (also done on garbage collection)."""
+        """Stop the worker thread and remove the backward hooks (also done on garbage collection);
+        restore the CPU affinity that ``bind_numa`` narrowed."""
         if self._overlap is not None:
             self._overlap.remove_hooks()
         if self._tuning is not None:
             self._tuning.close()
             self._tuning = None
         self._pipeline.close()
+        if self._numa is not None:
+            self._numa.restore()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_idle("zero_grad()")

@@ -250,18 +250,25 @@ def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads(monkeypa
     opt.close()
 
 
-def test_threads_default_comes_from_the_thread_plan(monkeypatch) -> None:
-    import offload._optimizer as optimizer_mod
+def test_threads_default_comes_from_the_thread_plan() -> None:
     from offload._threads import plan_cpu_threads
     from offload._topology import CpuTopology
 
     plan = plan_cpu_threads(threads=5, topology=CpuTopology.from_cores([[c] for c in range(8)]), cpus=range(8))
-    monkeypatch.setattr(optimizer_mod, "plan_cpu_threads", lambda threads=None: plan if threads is None else plan_cpu_threads(threads=threads))
-    opt = CPUOffloadAdamW(_params())
+    opt = CPUOffloadAdamW(_params(), plan=plan)
     assert opt.settings.threads == 5
     opt.apply_settings(OffloadSettings(threads=None, chunk_numel=2048))
     assert opt.settings == OffloadSettings(threads=5, chunk_numel=2048, kernel=opt.settings.kernel)
     opt.close()
+
+
+def test_a_plan_and_explicit_threads_are_refused_together() -> None:
+    from offload import plan_cpu_threads
+
+    with pytest.raises(ValueError, match=r"settings.threads=2 and plan=\.\.\.: pass one of them"):
+        CPUOffloadAdamW(_params(), settings=OffloadSettings(threads=2), plan=plan_cpu_threads(threads=1))
+    with pytest.raises(TypeError, match="plan=3: expected an offload.ThreadPlan"):
+        CPUOffloadAdamW(_params(), plan=3)  # type: ignore[arg-type]
 
 
 def test_worker_exception_reaches_step_and_the_worker_survives(monkeypatch) -> None:
