@@ -71,7 +71,7 @@ __all__ = [
 DEFAULT_EXCHANGE_TIMEOUT_S = 120.0
 
 PlanSource = Literal["argument", "environment", "plan"]
-MasksFrom = Literal["collective", "environment", "single"]
+MasksFrom = Literal["collective", "agreement", "given", "environment", "single"]
 
 
 class ThreadPlanError(ValueError):
@@ -101,7 +101,8 @@ class ThreadPlan:
     local_masks: tuple[frozenset[int], ...] = ()
     """Every local rank's affinity mask, in local-rank order."""
     masks_from: str = "single"
-    """"collective" (exchanged), "environment" (LOCAL_WORLD_SIZE copies of this mask), "single"."""
+    """"collective" (exchanged over gloo), "agreement" (exchanged through the caller's agreement),
+    "given" (handed in with ``masks=``), "environment" (LOCAL_WORLD_SIZE copies of this mask), "single"."""
     smt: bool = False
     """Whether SMT siblings were counted as CPUs."""
     cgroup_cpus: float | None = None
@@ -401,6 +402,68 @@ def _exchange(me: RankCpus, *, group: Any, timeout_s: float) -> tuple[list[RankC
     return [entries[i][1] for i in keep], index, how
 
 
+def _exchange_with(me: RankCpus, agreement: Any) -> tuple[list[RankCpus], int]:
+    """All local ranks' inputs and this rank's index, gathered with ``agreement.all_gather``.
+
+    The agreement spans this node's ranks (its caller built it so); it is not closed here.
+    """
+    rank = agreement.rank
+    try:
+        gathered = agreement.all_gather(_payload(me, rank), step=None, what="thread plan")
+    except RuntimeError as exc:  # autotune.AgreementError and collective failures
+        raise ThreadPlanError(
+            f"exchanging affinity masks through {agreement!r} failed (did every rank call "
+            f"plan_cpu_threads?): {exc}"
+        ) from exc
+    if not isinstance(gathered, list) or len(gathered) != agreement.world_size:
+        raise ThreadPlanError(f"{agreement!r} gathered {gathered!r}: expected one payload per local rank")
+    entries = [_from_payload(item, r) for r, item in enumerate(gathered)]
+    host = socket.gethostname()
+    if any(h != host for h, _ in entries):
+        logger.warning("plan_cpu_threads: the ranks of %r report different host names %s; treating them as "
+                       "one node", agreement, sorted({h for h, _ in entries}))
+    return [e for _, e in entries], rank
+
+
+def _given_masks(masks: Sequence[RankCpus | Iterable[int]], local_rank: int | None,
+                 cpus: Iterable[int] | None) -> tuple[list[RankCpus], int]:
+    """``masks`` as :class:`RankCpus` and this rank's index, checked against ``cpus``."""
+    given = [m if isinstance(m, RankCpus) else RankCpus(cpus=frozenset(m)) for m in masks]
+    if not given:
+        raise ThreadPlanError("plan_cpu_threads: masks=[] : expected the masks of at least one local rank")
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < len(given):
+        raise ThreadPlanError(
+            f"plan_cpu_threads: local_rank={local_rank!r} with {len(given)} masks: expected an int from 0 "
+            f"to {len(given) - 1}"
+        )
+    if cpus is not None and frozenset(cpus) != given[local_rank].cpus:
+        raise ThreadPlanError(
+            f"plan_cpu_threads: cpus={format_cpulist(frozenset(cpus))} is not masks[{local_rank}] = "
+            f"{format_cpulist(given[local_rank].cpus)}: expected this rank's own mask"
+        )
+    return given, local_rank
+
+
+def _local_masks(me: RankCpus, *, group: Any, agreement: Any,
+                 timeout_s: float) -> tuple[list[RankCpus], int, MasksFrom]:
+    """Every local rank's input, this rank's index, and where they came from: ``agreement``, else
+    a gloo exchange when torch.distributed is initialised, else LOCAL_WORLD_SIZE copies of ``me``."""
+    if agreement is not None:
+        return (*_exchange_with(me, agreement), "agreement")
+    exchanged = _exchange(me, group=group, timeout_s=timeout_s)
+    if exchanged is not None:
+        masks, index, _ = exchanged
+        return masks, index, "collective"
+    size = knobs.local_world_size()
+    local = knobs.local_rank() if size is not None else None  # LOCAL_RANK alone: one rank
+    size, local = size or 1, local or 0
+    if local >= size:
+        raise ThreadPlanError(
+            f"LOCAL_RANK={local} with LOCAL_WORLD_SIZE={size}: expected LOCAL_RANK < LOCAL_WORLD_SIZE"
+        )
+    return [me] * size, local, "environment"
+
+
 # --------------------------------------------------------------------------- the plan
 
 _LOGGED: set[tuple[int, str]] = set()
@@ -431,6 +494,8 @@ def _reason(*, alloc: Allocation, index: int, masks: Sequence[RankCpus], masks_f
     mine = masks[index].cpus
     parts = [f"local rank {index} of {n}" + {
         "collective": " (masks exchanged over gloo)",
+        "agreement": " (masks exchanged through the given agreement)",
+        "given": " (masks handed in)",
         "environment": " (no process group: LOCAL_WORLD_SIZE ranks assumed to share this mask)",
         "single": "",
     }[masks_from]]
@@ -486,6 +551,9 @@ def plan_cpu_threads(
     topology: CpuTopology | None = None,
     cpus: Iterable[int] | None = None,
     cpu_count: int | None = None,
+    agreement: Any = None,
+    masks: Sequence[RankCpus | Iterable[int]] | None = None,
+    local_rank: int | None = None,
 ) -> ThreadPlan:
     """Plan this rank's intra-op threads from all local ranks' affinity masks.
 
@@ -502,6 +570,14 @@ def plan_cpu_threads(
         topology: the CPU topology (default: :func:`offload._topology.read_cpu_topology`).
         cpus: this rank's mask (default: ``os.sched_getaffinity(0)``).
         cpu_count: the machine's CPU count for the static rule (default: ``os.cpu_count()``).
+        agreement: an ``autotune`` agreement over this node's ranks (``rank``, ``world_size``,
+            ``all_gather(obj, *, step, what)``): the masks are gathered through it instead of a gloo
+            group made here. The caller owns it (it is not closed). Not with ``group`` or ``masks``.
+        masks: every local rank's mask (:class:`RankCpus`, or CPU ids), in local-rank order, handed
+            in: nothing is exchanged (simulations, tests). Needs ``local_rank``; ``cpus``, when
+            given, must be ``masks[local_rank]``'s CPUs. A :class:`RankCpus` carries its cgroup
+            quota; the topology's is not added. Not with ``group`` or ``agreement``.
+        local_rank: this rank's index in ``masks`` (only with ``masks``).
 
     Raises:
         ThreadPlanError: bad ``threads``, an empty mask, inconsistent launcher variables, or a
@@ -511,29 +587,28 @@ def plan_cpu_threads(
         _check_threads(threads, "threads")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ThreadPlanError(f"Unable to use timeout_s={timeout_s!r}: expected a number of seconds > 0")
+    given = [name for name, value in (("group", group), ("agreement", agreement), ("masks", masks))
+             if value is not None]
+    if len(given) > 1:
+        raise ThreadPlanError(f"plan_cpu_threads: {' and '.join(given)} given: pass at most one of them")
+    if local_rank is not None and masks is None:
+        raise ThreadPlanError(f"plan_cpu_threads: local_rank={local_rank!r} without masks=: expected both")
     env_threads = knobs.threads_override()  # validated before any collective
     topo = topology if topology is not None else read_cpu_topology()
-    mine = frozenset(cpus) if cpus is not None else _affinity()
-    me = RankCpus(cpus=mine, cgroup=topo.cgroup_limit)
-
-    exchanged = _exchange(me, group=group, timeout_s=timeout_s)
-    if exchanged is not None:
-        masks, index, _ = exchanged
-        masks_from: MasksFrom = "collective" if len(masks) > 1 else "single"
+    if masks is not None:
+        local, index = _given_masks(masks, local_rank, cpus)
+        me = local[index]
+        masks_from: MasksFrom = "given"
     else:
-        size = knobs.local_world_size()
-        local = knobs.local_rank() if size is not None else None  # LOCAL_RANK alone: one rank
-        size, local = size or 1, local or 0
-        if local >= size:
-            raise ThreadPlanError(
-                f"LOCAL_RANK={local} with LOCAL_WORLD_SIZE={size}: expected LOCAL_RANK < LOCAL_WORLD_SIZE"
-            )
-        masks, index = [me] * size, local
-        masks_from = "environment" if size > 1 else "single"
+        me = RankCpus(cpus=frozenset(cpus) if cpus is not None else _affinity(), cgroup=topo.cgroup_limit)
+        local, index, masks_from = _local_masks(me, group=group, agreement=agreement, timeout_s=timeout_s)
+    if len(local) == 1:
+        masks_from = "single"
+    mine = me.cpus
 
-    alloc = allocate_threads(masks, topo, smt=smt)
+    alloc = allocate_threads(local, topo, smt=smt)
     ncpu = cpu_count if cpu_count is not None else (os.cpu_count() or len(mine))
-    statics = [static_rule_threads(len(m.cpus), ncpu, len(masks)) for m in masks]
+    statics = [static_rule_threads(len(m.cpus), ncpu, len(local)) for m in local]
     oversubscribed = sum(statics) > alloc.capacity
     planned = alloc.threads[index]
     source: PlanSource
@@ -546,7 +621,7 @@ def plan_cpu_threads(
     else:
         requested = chosen = planned
         source = "plan"
-    reason = _reason(alloc=alloc, index=index, masks=masks, masks_from=masks_from, topology=topo,
+    reason = _reason(alloc=alloc, index=index, masks=local, masks_from=masks_from, topology=topo,
                      smt=smt, static=statics[index], statics=statics, cpu_count=ncpu,
                      oversubscribed=oversubscribed, chosen=chosen, source=source, requested=requested)
     plan = ThreadPlan(
@@ -554,11 +629,11 @@ def plan_cpu_threads(
         reason=reason,
         source=source,
         cpus=mine,
-        local_world_size=len(masks),
+        local_world_size=len(local),
         local_rank=index,
         planned_threads=planned,
         local_threads=alloc.threads,
-        local_masks=tuple(m.cpus for m in masks),
+        local_masks=tuple(m.cpus for m in local),
         masks_from=masks_from,
         smt=smt,
         cgroup_cpus=None if me.cgroup is None else me.cgroup.cpus,

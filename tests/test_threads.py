@@ -360,6 +360,121 @@ def test_local_rank_without_local_world_size_is_one_rank(monkeypatch: pytest.Mon
     assert (plan.local_world_size, plan.local_rank, plan.threads) == (1, 0, 2)
 
 
+class _ThreadAgreement:
+    """The ``all_gather`` of an agreement, for ranks that are threads of this process."""
+
+    def __init__(self, rank: int, world_size: int, slots: list[object], barrier: threading.Barrier) -> None:
+        self.rank, self.world_size, self._slots, self._barrier = rank, world_size, slots, barrier
+        self.calls: list[tuple[int | None, str]] = []
+
+    def all_gather(self, obj: object, *, step: int | None, what: str) -> list[object]:
+        self.calls.append((step, what))
+        self._slots[self.rank] = obj
+        self._barrier.wait(10)
+        out = list(self._slots)
+        self._barrier.wait(10)
+        return out
+
+
+def _plans_over(agreements: list, masks: list[set[int]], **kw: object) -> list[ThreadPlan]:
+    plans: list[ThreadPlan | BaseException | None] = [None] * len(agreements)
+
+    def rank_main(r: int) -> None:
+        try:
+            plans[r] = plan_cpu_threads(agreement=agreements[r], cpus=masks[r], **kw)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            plans[r] = exc
+
+    workers = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(agreements))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    for p in plans:
+        if isinstance(p, BaseException):
+            raise p
+    return plans  # type: ignore[return-value]
+
+
+def test_plan_from_handed_in_masks_exchanges_nothing() -> None:
+    masks = [RankCpus(cpus=frozenset(range(4))), RankCpus(cpus=frozenset(range(2, 6)))]
+    plan = plan_cpu_threads(masks=masks, local_rank=1, topology=FLAT8, cpu_count=8)
+    alloc = allocate_threads(masks, FLAT8)
+    assert (plan.local_rank, plan.local_world_size, plan.masks_from) == (1, 2, "given")
+    assert plan.local_masks == (frozenset(range(4)), frozenset(range(2, 6)))
+    assert plan.local_threads == alloc.threads and plan.threads == plan.planned_threads == alloc.threads[1]
+    assert plan.cpus == frozenset(range(2, 6)) and "(masks handed in)" in plan.reason
+    # CPU ids work as masks; this rank's cpus= may repeat its own mask.
+    same = plan_cpu_threads(masks=[range(4), range(2, 6)], local_rank=1, cpus=range(2, 6), topology=FLAT8,
+                            cpu_count=8)
+    assert same == plan
+    # A rank's RankCpus carries its cgroup quota.
+    quota = CgroupCpuLimit(cpus=1.5, cgroup="v2:/job")
+    capped = plan_cpu_threads(masks=[RankCpus(cpus=frozenset(range(4)), cgroup=quota)], local_rank=0,
+                              topology=FLAT8)
+    assert (capped.threads, capped.cgroup_cpus, capped.masks_from) == (1, 1.5, "single")
+
+
+def test_handed_in_masks_match_the_environment_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    given = plan_cpu_threads(masks=[{0, 1}, {0, 1}], local_rank=1, topology=FLAT8, cpu_count=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    env = plan_cpu_threads(topology=FLAT8, cpus={0, 1}, cpu_count=8)
+    assert given.local_threads == env.local_threads and given.threads == env.threads
+    assert given.static_rule_threads == env.static_rule_threads
+    assert given.oversubscribed_by_static_rule == env.oversubscribed_by_static_rule
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"masks": [{0}, {1}], "local_rank": 2}, "local_rank=2 with 2 masks"),
+    ({"masks": [{0}, {1}]}, "local_rank=None with 2 masks"),
+    ({"masks": [{0}, {1}], "local_rank": True}, "local_rank=True"),
+    ({"masks": []}, "masks=\\[\\]"),
+    ({"masks": [{0}, {1}], "local_rank": 0, "cpus": {1}}, "cpus=1 is not masks\\[0\\] = 0"),
+    ({"local_rank": 0}, "local_rank=0 without masks"),
+    ({"masks": [{0}], "local_rank": 0, "group": object()}, "group and masks given"),
+    ({"masks": [{0}], "local_rank": 0, "agreement": object()}, "agreement and masks given"),
+    ({"agreement": object(), "group": object()}, "group and agreement given"),
+])
+def test_bad_handed_in_masks_raise(kw: dict, match: str) -> None:
+    with pytest.raises(ThreadPlanError, match=match):
+        plan_cpu_threads(topology=FLAT8, **kw)
+
+
+def test_plan_through_an_agreement_exchanges_masks() -> None:
+    masks = [set(range(4)), set(range(2, 6)), {7}]
+    slots: list[object] = [None] * 3
+    barrier = threading.Barrier(3)
+    agreements = [_ThreadAgreement(r, 3, slots, barrier) for r in range(3)]
+    plans = _plans_over(agreements, masks, topology=FLAT8, cpu_count=8)
+    for r, plan in enumerate(plans):
+        assert (plan.local_rank, plan.local_world_size, plan.masks_from) == (r, 3, "agreement")
+        assert plan.local_masks == tuple(frozenset(m) for m in masks)
+        assert "(masks exchanged through the given agreement)" in plan.reason
+        given = plan_cpu_threads(masks=masks, local_rank=r, topology=FLAT8, cpu_count=8)
+        assert (plan.threads, plan.local_threads, plan.static_rule_threads) == (
+            given.threads, given.local_threads, given.static_rule_threads)
+        assert agreements[r].calls == [(None, "thread plan")]
+    assert len({p.local_threads for p in plans}) == 1
+
+
+def test_plan_through_a_one_rank_agreement_is_single() -> None:
+    agreement = _ThreadAgreement(0, 1, [None], threading.Barrier(1))
+    plan = plan_cpu_threads(agreement=agreement, topology=FLAT8, cpus={0, 1})
+    assert (plan.masks_from, plan.local_world_size, plan.threads) == ("single", 1, 2)
+
+
+def test_failed_agreement_exchange_raises_thread_plan_error() -> None:
+    class Broken:
+        rank, world_size = 0, 2
+
+        def all_gather(self, obj: object, *, step: int | None, what: str) -> list[object]:
+            raise RuntimeError(f"{what}: local rank 1 did not answer")
+
+    with pytest.raises(ThreadPlanError, match="did every rank call plan_cpu_threads.*local rank 1 did not answer"):
+        plan_cpu_threads(agreement=Broken(), topology=FLAT8, cpus={0})
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, True, "30"])
 def test_bad_timeout_raises(bad: object) -> None:
     with pytest.raises(ThreadPlanError, match="timeout_s"):
