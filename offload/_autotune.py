@@ -12,8 +12,8 @@ kernel is available on *every* local rank and :func:`offload._fused_mp.bitwise_m
 true (so switching kernels never changes the math). The first two and the last are the same on
 every local rank by construction (one model, one torch build, one CPU model per node); build
 availability could differ in theory (a build that fails on one rank only), so the local ranks
-AND their answers with an all-gather on a gloo group of the node (:func:`agreed_kernels`) before
-anyone builds the space. The baseline keeps the kernel in force (the default "auto" resolved). With the
+AND their answers with an all-gather on the node's agreement (:func:`agreed_kernels`, the same
+agreement as the thread plan and the tuner, ``offload/_group.py``) before anyone builds the space. The baseline keeps the kernel in force (the default "auto" resolved). With the
 kernel knob the chunk ladder is shortened (:data:`MAX_CHUNK_CANDIDATES_WITH_KERNEL`) so the
 space stays near the default 40-step probe budget; beyond it the tuner samples with TPE.
 An fp32 model gets no kernel knob: there both kernels move the same 28 bytes per parameter in
@@ -50,6 +50,7 @@ from autotune import (
     knobs,
     powers_of_two,
 )
+from offload._group import NodeAgreement, node_agreement
 from offload._params import ParamRecord
 from offload._settings import KERNELS, OffloadSettings, StepStats
 from offload._slabs import ParamSlot
@@ -201,7 +202,10 @@ class OffloadTuning:
         largest_slab: int,
         has_lowp: bool = False,
         clock: Callable[[], float] = time.perf_counter,
+        agreement: NodeAgreement | None = None,
     ) -> None:
+        """``agreement``: the node's agreement (``offload/_group.py``) for the kernel vote and the
+        tuner; closed by :meth:`close`. Default: one made here."""
         self._optimizer = optimizer
         self._clock = clock
         if objective not in ("step", "iteration"):
@@ -214,7 +218,10 @@ class OffloadTuning:
         local = tuple(plan.local_threads) if getattr(plan, "local_threads", None) else (plan.threads,)
         top = plan.threads if fixed_threads else max(local)
         baseline: dict[str, Any] = {"threads": top, "chunk_numel": optimizer.settings.chunk_numel}
-        kernels = agreed_kernels(has_lowp=has_lowp, timeout_s=config.timeout_s)
+        if agreement is None:
+            agreement = node_agreement(timeout_s=config.timeout_s, owner="OnlineTuner")
+        self._agreement = agreement
+        kernels = agreed_kernels(has_lowp=has_lowp, timeout_s=config.timeout_s, agreement=agreement)
         if kernels:
             # The kernel the user set (resolved: "torch" where fused-mp cannot run here).
             baseline["kernel"] = optimizer.settings.kernel
@@ -241,6 +248,7 @@ class OffloadTuning:
             workload=workload,
             cache=cache,
             trace=self._trace,
+            group=agreement,
         )
         self._last_return: float | None = None
         self.tuner.start()
@@ -290,6 +298,7 @@ class OffloadTuning:
         if self._trace is not None:
             self._trace.close()
         self.tuner.close()
+        self._agreement.close()
 
 
 def global_rank() -> int:

@@ -31,6 +31,7 @@ from offload._checks import check_hyper, check_options, check_param_group, hyper
 from offload._cuda_transport import CudaTransport
 from offload._dtensor import local
 from offload._edits import WeightEdits
+from offload._group import node_agreement, plan_with
 from offload._items import LOWP_DTYPES, ItemCache, fresh_items, resolve_kernel
 from offload._kernels import new_step_tensor
 from offload._masters import (
@@ -159,8 +160,14 @@ class CPUOffloadAdamW(Optimizer):
             self._slabs = HostSlabs(shapes, self._own_masters(overlap_backward))
 
         settings = settings if settings is not None else OffloadSettings()
+        # A tuned optimizer's node-local collectives (thread plan, kernel vote, tuner) share one
+        # agreement (offload/_group.py); an untuned one only plans its threads.
+        agreement = None
+        if isinstance(autotune, AutotuneConfig):
+            agreement = node_agreement(timeout_s=autotune.timeout_s, owner="CPUOffloadAdamW")
         if plan is None:
-            plan = plan_cpu_threads(threads=settings.threads)
+            plan = (plan_with(agreement, threads=settings.threads) if agreement is not None
+                    else plan_cpu_threads(threads=settings.threads))
         self._planned_threads = plan.threads
         self._settings = resolve_kernel(replace(settings, threads=self._planned_threads))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
@@ -181,7 +188,8 @@ class CPUOffloadAdamW(Optimizer):
         #: The online tuner (``autotune.OnlineTuner``), or None.
         self.tuner: OnlineTuner | None = None
         self._tuning: OffloadTuning | None = None
-        if isinstance(autotune, AutotuneConfig):
+        if agreement is not None:
+            assert isinstance(autotune, AutotuneConfig)
             workload, largest = offload_workload(
                 self._registry.records, self._slabs.slots, groups=len(self.param_groups),
                 device_type=self._registry.device.type, overlap_backward=overlap_backward)
@@ -194,6 +202,7 @@ class CPUOffloadAdamW(Optimizer):
                 workload=workload,
                 largest_slab=largest,
                 has_lowp=any(r.param.dtype in LOWP_DTYPES for r in self._registry),
+                agreement=agreement,
             )
             self.tuner = self._tuning.tuner
         logger.debug(
