@@ -51,6 +51,7 @@ from autotune import (
     powers_of_two,
 )
 from offload._group import NodeAgreement, node_agreement
+from offload._items import LOWP_DTYPES
 from offload._params import ParamRecord
 from offload._settings import KERNELS, OffloadSettings, StepStats
 from offload._slabs import ParamSlot
@@ -253,6 +254,19 @@ class OffloadTuning:
         self._last_return: float | None = None
         self.tuner.start()
         self._last_return = self._clock()
+
+    @classmethod
+    def for_optimizer(cls, optimizer: Tunable, config: AutotuneConfig, *, plan: ThreadPlan,
+                      records: Sequence[ParamRecord], slots: Sequence[ParamSlot], groups: int,
+                      device_type: str, overlap_backward: bool,
+                      agreement: NodeAgreement | None = None) -> OffloadTuning:
+        """The tuning of an optimizer of ``records`` laid out in ``slots`` (the workload and the
+        search space derived here)."""
+        workload, largest = offload_workload(records, slots, groups=groups, device_type=device_type,
+                                             overlap_backward=overlap_backward)
+        return cls(optimizer, config, plan=plan, fixed_threads=plan.source != "plan",
+                   objective=workload["objective"], workload=workload, largest_slab=largest,
+                   has_lowp=any(r.param.dtype in LOWP_DTYPES for r in records), agreement=agreement)
 
     def _apply(self, setting: dict[str, Any]) -> None:
         threads = min(int(setting["threads"]), self._own_threads)

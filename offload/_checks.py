@@ -13,9 +13,13 @@ from typing import Any
 
 from torch import Tensor
 
+from autotune import AutotuneConfig
 from offload._kernels import Hyper
+from offload._settings import OffloadSettings
+from offload._threads import ThreadPlan
 
-__all__ = ["UNSUPPORTED", "check_hyper", "check_options", "check_param_group", "hyper_of", "scalar"]
+__all__ = ["UNSUPPORTED", "adamw_defaults", "check_arguments", "check_hyper", "check_options", "check_param_group",
+           "hyper_of", "scalar"]
 
 #: Options of torch.optim.AdamW this optimizer does not implement, with the only accepted values.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -27,6 +31,33 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "fused": (None, True),
     "decoupled_weight_decay": (True,),
 }
+
+
+def check_arguments(*, autotune: Any, settings: Any, plan: Any) -> AutotuneConfig | None:
+    """The constructor's ``autotune`` as a config (None: not tuned); ``TypeError`` for a wrong
+    type, ``ValueError`` for ``plan`` with ``settings.threads``."""
+    if autotune is True:
+        autotune = AutotuneConfig()
+    if autotune is not False and autotune is not None and not isinstance(autotune, AutotuneConfig):
+        raise TypeError(f"autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
+    if settings is not None and not isinstance(settings, OffloadSettings):
+        raise TypeError(f"settings={settings!r}: expected an OffloadSettings or None")
+    if plan is not None and not isinstance(plan, ThreadPlan):
+        raise TypeError(f"plan={plan!r}: expected an offload.ThreadPlan or None")
+    if plan is not None and settings is not None and settings.threads is not None:
+        raise ValueError(f"settings.threads={settings.threads!r} and plan=...: pass one of them")
+    return autotune or None
+
+
+def adamw_defaults(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
+    """The optimizer's defaults (torch AdamW's keys; betas as floats), checked."""
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        betas = (scalar("betas[0]", betas[0]), scalar("betas[1]", betas[1]))
+    defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    defaults.update({"amsgrad": False, "maximize": False, "foreach": None})
+    defaults.update({"capturable": False, "differentiable": False, "fused": None})
+    check_hyper("", defaults)
+    return defaults
 
 
 def check_options(where: str, options: dict[str, Any]) -> None:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from autotune import AutotuneConfig
 from autotune._agree import Agreement, make_agreement
 from offload._threads import ThreadPlan, plan_cpu_threads
 
-__all__ = ["NodeAgreement", "node_agreement", "plan_with"]
+__all__ = ["NodeAgreement", "node_agreement", "plan_with", "thread_plan"]
 
 
 class NodeAgreement:
@@ -68,3 +69,13 @@ def plan_with(agreement: NodeAgreement, *, threads: int | None) -> ThreadPlan:
     if agreement.world_size > 1:
         return plan_cpu_threads(threads=threads, agreement=agreement)
     return plan_cpu_threads(threads=threads)
+
+
+def thread_plan(config: AutotuneConfig | None, *, threads: int | None, plan: ThreadPlan | None,
+                owner: str) -> tuple[ThreadPlan, NodeAgreement | None]:
+    """The thread plan of an optimizer (``plan`` when given) and, when tuned (``config``), the
+    node agreement it was exchanged through, for the kernel vote and the tuner."""
+    agreement = node_agreement(timeout_s=config.timeout_s, owner=owner) if config is not None else None
+    if plan is None:
+        plan = plan_with(agreement, threads=threads) if agreement is not None else plan_cpu_threads(threads=threads)
+    return plan, agreement

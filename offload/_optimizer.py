@@ -25,14 +25,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from autotune import AutotuneConfig, OnlineTuner
-from offload._autotune import OffloadTuning, offload_workload
-from offload._checks import check_hyper, check_options, check_param_group, hyper_of, scalar
+from autotune import OnlineTuner
+from offload._autotune import OffloadTuning
+from offload._checks import adamw_defaults, check_arguments, check_options, check_param_group, hyper_of
 from offload._cuda_transport import CudaTransport
 from offload._dtensor import local
 from offload._edits import WeightEdits
-from offload._group import node_agreement, plan_with
-from offload._items import LOWP_DTYPES, ItemCache, fresh_items, resolve_kernel
+from offload._group import thread_plan
+from offload._items import ItemCache, fresh_items, resolve_kernel
 from offload._kernels import new_step_tensor
 from offload._masters import (
     cast_seeds,
@@ -52,7 +52,7 @@ from offload._settings import OffloadSettings, StepStats
 from offload._slabs import Chunk, HostSlabs, plan_chunks
 from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups
 from offload._stats import StatsBuilder
-from offload._threads import ThreadPlan, plan_cpu_threads
+from offload._threads import ThreadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -118,31 +118,10 @@ class CPUOffloadAdamW(Optimizer):
         plan: ThreadPlan | None = None,
         numa_binder: NumaBinder | None = None,
     ) -> None:
-        if autotune is True:
-            autotune = AutotuneConfig()
-        if autotune is not False and autotune is not None and not isinstance(autotune, AutotuneConfig):
-            raise TypeError(f"autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
-        if settings is not None and not isinstance(settings, OffloadSettings):
-            raise TypeError(f"settings={settings!r}: expected an OffloadSettings or None")
-        if plan is not None and not isinstance(plan, ThreadPlan):
-            raise TypeError(f"plan={plan!r}: expected an offload.ThreadPlan or None")
-        if plan is not None and settings is not None and settings.threads is not None:
-            raise ValueError(f"settings.threads={settings.threads!r} and plan=...: pass one of them")
-        options = {
-            "amsgrad": amsgrad,
-            "maximize": maximize,
-            "capturable": capturable,
-            "differentiable": differentiable,
-            "foreach": foreach,
-            "fused": fused,
-        }
-        check_options("", options)
-        if isinstance(betas, (tuple, list)) and len(betas) == 2:
-            betas = (scalar("betas[0]", betas[0]), scalar("betas[1]", betas[1]))
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        defaults.update({"amsgrad": False, "maximize": False, "foreach": None})
-        defaults.update({"capturable": False, "differentiable": False, "fused": None})
-        check_hyper("", defaults)
+        config = check_arguments(autotune=autotune, settings=settings, plan=plan)
+        check_options("", {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
+                           "differentiable": differentiable, "foreach": foreach, "fused": fused})
+        defaults = adamw_defaults(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._constructed = False
         super().__init__(params, defaults)
         self._constructed = True
@@ -160,14 +139,8 @@ class CPUOffloadAdamW(Optimizer):
             self._slabs = HostSlabs(shapes, self._own_masters(overlap_backward))
 
         settings = settings if settings is not None else OffloadSettings()
-        # A tuned optimizer's node-local collectives (thread plan, kernel vote, tuner) share one
-        # agreement (offload/_group.py); an untuned one only plans its threads.
-        agreement = None
-        if isinstance(autotune, AutotuneConfig):
-            agreement = node_agreement(timeout_s=autotune.timeout_s, owner="CPUOffloadAdamW")
-        if plan is None:
-            plan = (plan_with(agreement, threads=settings.threads) if agreement is not None
-                    else plan_cpu_threads(threads=settings.threads))
+        # A tuned optimizer's thread plan, kernel vote and tuner share one node agreement.
+        plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
         self._planned_threads = plan.threads
         self._settings = resolve_kernel(replace(settings, threads=self._planned_threads))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
@@ -188,22 +161,11 @@ class CPUOffloadAdamW(Optimizer):
         #: The online tuner (``autotune.OnlineTuner``), or None.
         self.tuner: OnlineTuner | None = None
         self._tuning: OffloadTuning | None = None
-        if agreement is not None:
-            assert isinstance(autotune, AutotuneConfig)
-            workload, largest = offload_workload(
-                self._registry.records, self._slabs.slots, groups=len(self.param_groups),
-                device_type=self._registry.device.type, overlap_backward=overlap_backward)
-            self._tuning = OffloadTuning(
-                self,
-                autotune,
-                plan=plan,
-                fixed_threads=plan.source != "plan",
-                objective=workload["objective"],
-                workload=workload,
-                largest_slab=largest,
-                has_lowp=any(r.param.dtype in LOWP_DTYPES for r in self._registry),
-                agreement=agreement,
-            )
+        if config is not None:
+            self._tuning = OffloadTuning.for_optimizer(
+                self, config, plan=plan, records=self._registry.records, slots=self._slabs.slots,
+                groups=len(self.param_groups), device_type=self._registry.device.type,
+                overlap_backward=overlap_backward, agreement=agreement)
             self.tuner = self._tuning.tuner
         logger.debug(
             "CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",

@@ -77,8 +77,8 @@ import torch
 from autotune import AutotuneConfig, Knob, OnlineTuner, SearchSpace, StepSample, TraceWriter, TuningCache, knobs
 from autotune import geometric_ladder
 from offload._autotune import MAX_THREAD_CANDIDATES, global_rank
-from offload._group import NodeAgreement, node_agreement, plan_with
-from offload._threads import ThreadPlan, plan_cpu_threads, thread_limit
+from offload._group import NodeAgreement, node_agreement, thread_plan
+from offload._threads import ThreadPlan, thread_limit
 
 logger = logging.getLogger(__name__)
 
@@ -415,9 +415,7 @@ def tune_step_threads(
         raise TypeError(f"tune_step_threads: plan={plan!r}: expected an offload.ThreadPlan")
     check_cpu_params(_params(optimizer))
     # The thread plan and the tuner share the node's one agreement (offload/_group.py).
-    agreement = node_agreement(timeout_s=autotune.timeout_s, owner="tune_step_threads") if autotune else None
-    if plan is None:
-        plan = plan_with(agreement, threads=threads) if agreement is not None else plan_cpu_threads(threads=threads)
+    plan, agreement = thread_plan(autotune or None, threads=threads, plan=plan, owner="tune_step_threads")
     wrapper = ThreadTunedOptimizer(optimizer, plan=plan, autotune=autotune or None, clock=clock,
                                    agreement=agreement)
     logger.info(
