@@ -1,17 +1,19 @@
 """Glue between ``CPUOffloadAdamW`` and the generic ``autotune.OnlineTuner``.
 
 This module is the only place that knows both sides: it builds the offload search space (threads
-x chunk size, x kernel on bf16/fp16 models) from the thread plan and the slab sizes, turns each
-step's ``StepStats`` into the tuner's ``StepSample`` and turns the tuner's settings back into
-``OffloadSettings``.
+x chunk size, x kernel on bf16/fp16 models) from the thread plan and the slab sizes, and the
+workload the cache key names (:func:`offload_workload`), turns each step's ``StepStats`` into the
+tuner's ``StepSample`` and turns the tuner's settings back into ``OffloadSettings``. It sees the
+optimizer only through :class:`Tunable` (settings, ``apply_settings``, ``last_stats``) and never
+imports it.
 
 Kernel knob ("torch", "fused-mp"): only when the model has bf16/fp16 parameters, the fused-mp
 kernel is available on *every* local rank and :func:`offload._fused_mp.bitwise_matches_torch` is
 true (so switching kernels never changes the math). The first two and the last are the same on
 every local rank by construction (one model, one torch build, one CPU model per node); build
 availability could differ in theory (a build that fails on one rank only), so the local ranks
-AND their answers with an all-gather on a gloo group of the node (:func:`agreed_kernels`) before
-anyone builds the space. The baseline keeps the kernel in force (the default "auto" resolved). With the
+AND their answers with an all-gather on the node's agreement (:func:`agreed_kernels`, the same
+agreement as the thread plan and the tuner, ``offload/_group.py``) before anyone builds the space. The baseline keeps the kernel in force (the default "auto" resolved). With the
 kernel knob the chunk ladder is shortened (:data:`MAX_CHUNK_CANDIDATES_WITH_KERNEL`) so the
 space stays near the default 40-step probe budget; beyond it the tuner samples with TPE.
 An fp32 model gets no kernel knob: there both kernels move the same 28 bytes per parameter in
@@ -33,7 +35,8 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from collections.abc import Sequence
+from typing import Any, Callable, Literal, Protocol
 
 from autotune import (
     AutotuneConfig,
@@ -47,15 +50,16 @@ from autotune import (
     knobs,
     powers_of_two,
 )
-from offload._settings import KERNELS
+from offload._group import NodeAgreement, node_agreement
+from offload._items import LOWP_DTYPES
+from offload._params import ParamRecord
+from offload._settings import KERNELS, OffloadSettings, StepStats
+from offload._slabs import ParamSlot
 from offload._threads import ThreadPlan
-
-if TYPE_CHECKING:
-    from offload._optimizer import CPUOffloadAdamW
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadTuning", "agreed_kernels", "offload_search_space"]
+__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "global_rank", "offload_search_space", "offload_workload"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -146,12 +150,50 @@ def agreed_kernels(
     return KERNELS
 
 
+def offload_workload(records: Sequence[ParamRecord], slots: Sequence[ParamSlot], *, groups: int,
+                     device_type: str, overlap_backward: bool) -> tuple[dict[str, Any], int]:
+    """The tuner's workload of an optimizer (this rank's shard: its element count), and the
+    largest slab of any local rank (the search space must be the same on every local rank: it is
+    sized by the largest shard any rank holds; uneven shards differ by rank)."""
+    group_numel = [0] * groups
+    group_max = [0] * groups
+    for slot in slots:
+        group_numel[slot.group] += slot.numel
+        layout = records[slot.index].layout
+        group_max[slot.group] += slot.numel if layout is None else layout.max_local_numel
+    sharded = [r.layout for r in records if r.layout is not None]
+    objective = "iteration" if overlap_backward else "step"
+    workload = {
+        "params": sum(group_numel),
+        "groups": groups,
+        "dtypes": sorted({str(r.param.dtype) for r in records}),
+        "device": device_type,
+        "overlap_backward": bool(overlap_backward),
+        "objective": objective,
+        **({"sharded_params": len(sharded), "shard_ranks": sharded[0].mesh.size(),
+            "global_params": sum(r.param.numel() for r in records)} if sharded else {}),
+    }
+    return workload, max(group_max, default=0)
+
+
+class Tunable(Protocol):
+    """What the glue needs of the optimizer it tunes."""
+
+    @property
+    def settings(self) -> OffloadSettings: ...
+
+    @property
+    def last_stats(self) -> StepStats | None: ...
+
+    def apply_settings(self, settings: OffloadSettings) -> None: ...
+
+
 class OffloadTuning:
     """Owns the ``OnlineTuner`` of one ``CPUOffloadAdamW`` and feeds it every step."""
 
     def __init__(
         self,
-        optimizer: CPUOffloadAdamW,
+        optimizer: Tunable,
         config: AutotuneConfig,
         *,
         plan: ThreadPlan,
@@ -161,7 +203,12 @@ class OffloadTuning:
         largest_slab: int,
         has_lowp: bool = False,
         clock: Callable[[], float] = time.perf_counter,
+        agreement: NodeAgreement | None = None,
+        kernels_available: Callable[[], tuple[bool, str]] | None = None,
     ) -> None:
+        """``agreement``: the node's agreement (``offload/_group.py``) for the kernel vote and the
+        tuner; closed by :meth:`close`. Default: one made here. ``kernels_available``: whether the
+        native kernel can run on this rank (the optimizer's ``KernelSet.available``)."""
         self._optimizer = optimizer
         self._clock = clock
         if objective not in ("step", "iteration"):
@@ -174,7 +221,11 @@ class OffloadTuning:
         local = tuple(plan.local_threads) if getattr(plan, "local_threads", None) else (plan.threads,)
         top = plan.threads if fixed_threads else max(local)
         baseline: dict[str, Any] = {"threads": top, "chunk_numel": optimizer.settings.chunk_numel}
-        kernels = agreed_kernels(has_lowp=has_lowp, timeout_s=config.timeout_s)
+        if agreement is None:
+            agreement = node_agreement(timeout_s=config.timeout_s, owner="OnlineTuner")
+        self._agreement = agreement
+        kernels = agreed_kernels(has_lowp=has_lowp, timeout_s=config.timeout_s, agreement=agreement,
+                                 available=kernels_available)
         if kernels:
             # The kernel the user set (resolved: "torch" where fused-mp cannot run here).
             baseline["kernel"] = optimizer.settings.kernel
@@ -192,7 +243,7 @@ class OffloadTuning:
         # The tuner writes its cache and trace on local rank 0 only.
         self._trace: TraceWriter | None = None
         if config.trace_dir and (knobs.local_rank() or 0) == 0:
-            self._trace = TraceWriter(Path(config.trace_dir), rank=_global_rank())
+            self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
         self.tuner = OnlineTuner(
             space,
             baseline=baseline,
@@ -201,10 +252,26 @@ class OffloadTuning:
             workload=workload,
             cache=cache,
             trace=self._trace,
+            group=agreement,
         )
         self._last_return: float | None = None
         self.tuner.start()
         self._last_return = self._clock()
+
+    @classmethod
+    def for_optimizer(cls, optimizer: Tunable, config: AutotuneConfig, *, plan: ThreadPlan,
+                      records: Sequence[ParamRecord], slots: Sequence[ParamSlot], groups: int,
+                      device_type: str, overlap_backward: bool,
+                      agreement: NodeAgreement | None = None,
+                      kernels_available: Callable[[], tuple[bool, str]] | None = None) -> OffloadTuning:
+        """The tuning of an optimizer of ``records`` laid out in ``slots`` (the workload and the
+        search space derived here)."""
+        workload, largest = offload_workload(records, slots, groups=groups, device_type=device_type,
+                                             overlap_backward=overlap_backward)
+        return cls(optimizer, config, plan=plan, fixed_threads=plan.source != "plan",
+                   objective=workload["objective"], workload=workload, largest_slab=largest,
+                   has_lowp=any(r.param.dtype in LOWP_DTYPES for r in records), agreement=agreement,
+                   kernels_available=kernels_available)
 
     def _apply(self, setting: dict[str, Any]) -> None:
         threads = min(int(setting["threads"]), self._own_threads)
@@ -250,9 +317,11 @@ class OffloadTuning:
         if self._trace is not None:
             self._trace.close()
         self.tuner.close()
+        self._agreement.close()
 
 
-def _global_rank() -> int:
+def global_rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -9,7 +9,7 @@ Detection costs two integer reads per parameter per step (check and record toget
 median per step for 1000 parameters, 38 us for 100, on the 2-core VM of the README's Results,
 timing ``reseed`` + ``record`` with no edit 200 times): torch bumps a tensor's version counter
 on every in-place write (``detach()`` and views share it), and replacing ``.data`` changes the
-storage pointer while keeping the counter. We record ``(version, data_ptr)`` (for an FSDP2
+storage pointer while keeping the counter. We record ``(version, data_ptr)`` in the parameter's record (``ParamRecord.stamp``) (for an FSDP2
 parameter, the DTensor's version too: its in-place ops bump only that one) after our own last
 write (our writes bump the counter too) and compare before the next update of that parameter.
 A parameter whose state is new this step has no stamp yet: its master was just seeded from it.
@@ -25,72 +25,79 @@ nothing. The moments (``exp_avg``, ``exp_avg_sq``) and ``step`` are kept, as tor
 A CPU fp32 parameter that is its own master (no master slab place, see offload/_slabs.py) has
 nothing to re-seed; the optimizer re-makes its state entry (``.data`` may be new storage) and,
 if it is no longer fp32, first gives it a master seeded from the fp32 storage it had
-(``CPUOffloadAdamW._sync_edits``).
+(``CPUOffloadAdamW._sync_edits``, ``offload/_masters.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
-from torch import Tensor
 
 from offload._dtensor import local
+from offload._params import ParamRecord
 from offload._slabs import HostSlabs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightEdits"]
+__all__ = ["WeightEdits", "stamp"]
 
 
-def _stamp(p: Tensor) -> tuple[int, int, int]:
+def stamp(rec: ParamRecord) -> tuple[int, int, int]:
+    """The parameter's edit stamp now: (version, shard version, data_ptr)."""
     # A DTensor's in-place op (``p.clamp_()`` on an FSDP2 parameter) bumps the DTensor's version
     # counter, not its local shard's; our own writes go to the shard. Watch both.
+    p = rec.param
     shard = local(p)
     return p._version, shard._version, shard.data_ptr()
 
 
 class WeightEdits:
-    """Per parameter slot: the ``(version, data_ptr)`` the parameter had after our last write."""
+    """Finds the parameters written by someone else since our last write (stamps on the records)."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[int, int]] = {}
         #: Slots of chunks started during backward (``overlap_backward``), stamped at launch.
-        self._launched: dict[int, tuple[int, int]] = {}
+        self._launched: dict[int, tuple[int, int, int]] = {}
 
-    def record(self, params: list[Tensor], slots: Iterable[int]) -> None:
+    @staticmethod
+    def record(records: Sequence[ParamRecord], slots: Iterable[int]) -> None:
         """The parameters of ``slots`` now agree with their masters (just written or seeded)."""
-        seen = self._seen
         for slot in slots:
-            seen[slot] = _stamp(params[slot])
+            rec = records[slot]
+            rec.stamp = stamp(rec)
 
-    def launch(self, params: list[Tensor], slabs: HostSlabs, slots: Iterable[int]) -> None:
+    def launch(self, records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> None:
         """A chunk starts during backward: re-seed its edited masters now, and stamp its
         parameters so that :meth:`end_window` finds an edit made after the launch."""
         slots = list(slots)
-        self.reseed(params, slabs, slots)
+        self.reseed(records, slabs, slots)
         for slot in slots:
-            self._launched.setdefault(slot, _stamp(params[slot]))
+            self._launched.setdefault(slot, stamp(records[slot]))
 
-    def end_window(self, params: list[Tensor]) -> list[int]:
+    def end_window(self, records: Sequence[ParamRecord]) -> list[int]:
         """At ``step()``: the slots of early chunks whose parameter was edited after the launch."""
         launched, self._launched = self._launched, {}
-        return sorted(s for s, stamp in launched.items() if stamp != _stamp(params[s]))
+        return sorted(s for s, st in launched.items() if st != stamp(records[s]))
 
-    def edited(self, params: list[Tensor], slots: Iterable[int]) -> list[int]:
+    @staticmethod
+    def edited(records: Sequence[ParamRecord], slots: Iterable[int]) -> list[int]:
         """The slots whose parameter was written or replaced by someone else since recorded."""
-        seen = self._seen
-        return [s for s in slots if s in seen and seen[s] != _stamp(params[s])]
+        out = []
+        for s in slots:
+            seen = records[s].stamp
+            if seen is not None and seen != stamp(records[s]):
+                out.append(s)
+        return out
 
-    def reseed(self, params: list[Tensor], slabs: HostSlabs, slots: Iterable[int]) -> list[int]:
+    def reseed(self, records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> list[int]:
         """Re-seed the masters of the edited parameters among ``slots`` (see the module doc).
 
         Returns the slots re-seeded; they are recorded as agreeing with their masters.
         """
-        edited = self.edited(params, slots)
+        edited = self.edited(records, slots)
         for slot in edited:
-            p = local(params[slot])
+            p = local(records[slot].param)
             if p.numel() != slabs.slots[slot].numel:
                 raise RuntimeError(
                     f"parameter {slot} now has shape {tuple(p.shape)}: expected "
@@ -108,5 +115,5 @@ class WeightEdits:
                 master.copy_(torch.where(keep, master, value.to(torch.float32)))
             logger.debug("CPUOffloadAdamW: parameter %d was edited since the last step; "
                          "its master follows the parameter", slot)
-        self.record(params, edited)
+        self.record(records, edited)
         return edited

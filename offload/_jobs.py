@@ -63,13 +63,6 @@ class Item:
     kind: ItemKind = KIND_TORCH
     """Which kernel updates the item. Truthy for the native kernel (MP and F32)."""
 
-    @property
-    def fused(self) -> ItemKind:
-        """Transitional alias of :attr:`kind` (issue 15): ``_optimizer.py`` still reads
-        ``it.fused``; removed at merge."""
-        return self.kind
-
-
 @dataclass(slots=True)
 class StageRecord:
     """One stage of one chunk, in ``time.perf_counter`` seconds; GPU parts may be pending."""
@@ -105,9 +98,7 @@ CallSteps = tuple[list[int], list[Tensor]]
 """The slots and step tensors of one call's items, in order."""
 
 
-# TODO(issue 15, at merge): kw_only=True. _optimizer.py still builds jobs positionally
-# (``ChunkJob(chunk.index, items, hyper, threads, True, True, ...)``) until its split lands.
-@dataclass(slots=True)
+@dataclass(kw_only=True, slots=True)
 class ChunkJob:
     """One chunk's work for one step: some of d2h, adam_kernel and materialize."""
 

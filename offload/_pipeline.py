@@ -37,13 +37,11 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import replace
 from typing import Any
 
 from offload._buffers import SlabListCache
-from offload._host_transport import HostTransport
-from offload._jobs import KIND_F32, KIND_MP, KIND_TORCH, ChunkJob, DrainResult, Item, StageRecord
-from offload._kernels import DEFAULT_KERNELS, KernelSet, fused_adamw_
+from offload._jobs import ChunkJob, DrainResult
+from offload._kernels import DEFAULT_KERNELS, KernelSet
 from offload._slabs import HostSlabs
 from offload._transport import Transport
 from offload._worker import STOP, Barrier, OnWorker, Worker, worker_main
@@ -51,19 +49,6 @@ from offload._worker import STOP, Barrier, OnWorker, Worker, worker_main
 logger = logging.getLogger(__name__)
 
 __all__ = ["Pipeline"]
-
-# Transitional (issue 15), removed at merge: _optimizer.py imports these names from here.
-_REEXPORTED_UNTIL_MERGE = (KIND_F32, KIND_MP, KIND_TORCH, HostTransport, Item, StageRecord)
-
-#: Transitional (issue 15), removed at merge: tests/test_optimizer_api.py and
-#: test_overlap_backward.py still patch ``offload._pipeline.fused_adamw_``; until they pass
-#: ``CPUOffloadAdamW(kernels=KernelSet(fused_adamw=...))`` the default set calls the module global
-#: ``fused_adamw_`` (imported above) through here. At merge: default ``kernels=DEFAULT_KERNELS``.
-def _fused_adamw_here(*args: Any, **kwargs: Any) -> None:
-    fused_adamw_(*args, **kwargs)
-
-
-_PATCHABLE_KERNELS = replace(DEFAULT_KERNELS, fused_adamw=_fused_adamw_here)
 
 #: How often a waiting ``drain`` checks that the worker thread is still alive, in seconds.
 _LIVENESS_POLL_S = 1.0
@@ -83,7 +68,7 @@ class Pipeline:
 
     def __init__(
         self, slabs: HostSlabs, transport: Transport, *, name: str,
-        kernels: KernelSet = _PATCHABLE_KERNELS,
+        kernels: KernelSet = DEFAULT_KERNELS,
     ) -> None:
         self._q: queue.Queue[Any] = queue.Queue()
         self._lists = SlabListCache(slabs)

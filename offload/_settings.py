@@ -45,7 +45,8 @@ class OffloadSettings:
     """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
     mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
     the optimizer's worker thread with its intra-op threads, so their pages sit on the node whose
-    cores compute on them (``offload._threads.bind_rank_numa_node``). A no-op on one node."""
+    cores compute on them (``offload/_placement.py``; what it did: ``CPUOffloadAdamW.numa_placement``;
+    ``close()`` restores the affinity). A no-op on one node."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (

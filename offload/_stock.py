@@ -37,9 +37,10 @@ keep theirs. The online tuner (``autotune.OnlineTuner``) sees one sample per ste
 time; the node's time is the max over local ranks, as for ``CPUOffloadAdamW``. The knob is
 ``threads``: a geometric ladder from 1 (the launcher default) to the largest thread budget of any
 local rank (:func:`offload.plan_cpu_threads`), capped per rank at its own plan; the static plan is
-the baseline. Agreement, cache (fingerprint workload: the optimizer's class and implementation
-flags, the parameters' count, element count and dtypes), trace files and ``python -m autotune``
-are the tuner's, unchanged.
+the baseline. The thread plan and the tuner share one node agreement (``offload/_group.py``).
+Cache (fingerprint workload: the optimizer's class and implementation flags, the parameters'
+count, element count and dtypes), trace files and ``python -m autotune`` are the tuner's,
+unchanged.
 
 Numerics. Only the number of threads changes, never the math, *if* torch's CPU kernels give the
 same bits for every thread count. On torch 2.13 (CPU build, this project's CI) they do for every
@@ -75,8 +76,9 @@ import torch
 
 from autotune import AutotuneConfig, Knob, OnlineTuner, SearchSpace, StepSample, TraceWriter, TuningCache, knobs
 from autotune import geometric_ladder
-from offload._autotune import MAX_THREAD_CANDIDATES, _global_rank
-from offload._threads import ThreadPlan, plan_cpu_threads, thread_limit
+from offload._autotune import MAX_THREAD_CANDIDATES, global_rank
+from offload._group import NodeAgreement, node_agreement, thread_plan
+from offload._threads import ThreadPlan, thread_limit
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +249,7 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
     register_load_state_dict_post_hook = _delegate("register_load_state_dict_post_hook")  # type: ignore[assignment]
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, plan: ThreadPlan, autotune: AutotuneConfig | None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, agreement: NodeAgreement | None = None) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: every attribute it would set is
         # the wrapped optimizer's (the descriptors above), and it would hook this class's step,
         # running the step hooks twice (the wrapped step runs them).
@@ -258,10 +260,15 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         self.last_step_s: float | None = None
         self.tuner: OnlineTuner | None = None
         self._trace: TraceWriter | None = None
+        self._agreement: NodeAgreement | None = None
         if autotune is not None:
-            self._start_tuner(optimizer, plan, autotune)
+            if agreement is None:
+                agreement = node_agreement(timeout_s=autotune.timeout_s, owner="tune_step_threads")
+            self._agreement = agreement
+            self._start_tuner(optimizer, plan, autotune, agreement)
 
-    def _start_tuner(self, optimizer: torch.optim.Optimizer, plan: ThreadPlan, config: AutotuneConfig) -> None:
+    def _start_tuner(self, optimizer: torch.optim.Optimizer, plan: ThreadPlan, config: AutotuneConfig,
+                     agreement: NodeAgreement) -> None:
         fixed = plan.source != "plan"
         # As OffloadTuning: the ladder tops at the largest budget of any local rank (the same space
         # on every rank) and each rank caps the knob at its own plan (_apply).
@@ -272,9 +279,10 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         if config.use_cache:
             cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
         if config.trace_dir and (knobs.local_rank() or 0) == 0:
-            self._trace = TraceWriter(Path(config.trace_dir), rank=_global_rank())
+            self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
         self.tuner = OnlineTuner(space, baseline={"threads": top}, apply=self._apply, config=config,
-                                 workload=step_threads_workload(optimizer), cache=cache, trace=self._trace)
+                                 workload=step_threads_workload(optimizer), cache=cache, trace=self._trace,
+                                 group=agreement)
         self.tuner.start()
 
     def _apply(self, setting: dict[str, Any]) -> None:
@@ -324,6 +332,8 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
             self._trace = None
         if self.tuner is not None:
             self.tuner.close()
+        if self._agreement is not None:
+            self._agreement.close()
 
     # ---------------------------------------------------------------- plumbing
 
@@ -404,8 +414,10 @@ def tune_step_threads(
     if plan is not None and not isinstance(plan, ThreadPlan):
         raise TypeError(f"tune_step_threads: plan={plan!r}: expected an offload.ThreadPlan")
     check_cpu_params(_params(optimizer))
-    plan = plan if plan is not None else plan_cpu_threads(threads=threads)
-    wrapper = ThreadTunedOptimizer(optimizer, plan=plan, autotune=autotune or None, clock=clock)
+    # The thread plan and the tuner share the node's one agreement (offload/_group.py).
+    plan, agreement = thread_plan(autotune or None, threads=threads, plan=plan, owner="tune_step_threads")
+    wrapper = ThreadTunedOptimizer(optimizer, plan=plan, autotune=autotune or None, clock=clock,
+                                   agreement=agreement)
     logger.info(
         "tune_step_threads: %s, %d tensors: step with %d thread(s) now (tuner %s; plan %d: %s)",
         type(optimizer).__name__, len(_params(optimizer)), wrapper.threads,

@@ -88,8 +88,8 @@ def test_add_param_group_mid_training_is_bitwise_equal_to_torch(dtype, overlap: 
     )
     if overlap:
         assert opt._early_launches_last_step > 0
-        added = opt._slot_of[id(model.sometimes.weight)]
-        assert opt._overlap._expected[added] > 0  # the new parameters' hooks are registered
+        added = opt._registry.of(model.sometimes.weight).slot
+        assert opt._registry[added].hooks_expected > 0  # the new parameters' hooks are registered
     assert len(opt.param_groups) == 3
     assert opt.state.get(model.sometimes.weight)  # the added group really trained
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "params")

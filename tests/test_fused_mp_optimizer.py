@@ -18,11 +18,10 @@ from conftest import assert_bitwise, batch, make_model, param_groups, uses_somet
 from test_optimizer_numerics import MixedPrecisionReference
 
 from offload import CPUOffloadAdamW, OffloadSettings
-from offload import _fused_mp
 from offload._fused_mp_build import KernelLoader
 from offload._host_transport import HostTransport
 from offload._jobs import KIND_MP, ChunkJob, Item
-from offload._kernels import Hyper, new_step_tensor
+from offload._kernels import Hyper, KernelSet, new_step_tensor
 from offload._pipeline import Pipeline
 from offload._slabs import SLAB_KINDS, HostSlabs, plan_chunks
 from offload._fused_mp import STEP_RTOL, bitwise_matches_torch, fused_mp_available
@@ -88,10 +87,11 @@ def _assert_matches(actual, expected, what: str) -> None:
 
 
 def _run(dtype, kernel: str, *, chunk: int = 1 << 10, threads: int = 1, overlap: bool = False,
-         inspect=None):
+         inspect=None, kernels: KernelSet | None = None):
     model = make_model(dtype)
     opt = CPUOffloadAdamW(
-        param_groups(model), settings=_settings(kernel, chunk, threads), overlap_backward=overlap
+        param_groups(model), settings=_settings(kernel, chunk, threads), overlap_backward=overlap,
+        kernels=kernels,
     )
     kernels = _train(model, opt, _schedule(opt), range(STEPS))
     if overlap:  # the early path (kernel during backward, weights staged until step()) ran
@@ -327,17 +327,15 @@ def test_switching_kernel_mid_run(kernel) -> None:
     opt.close()
 
 
-def test_fallback_when_the_kernel_is_unavailable(monkeypatch, caplog, tmp_path) -> None:
+def test_fallback_when_the_kernel_is_unavailable(caplog, tmp_path) -> None:
     """A build that cannot happen (missing source): one WARNING with the reason, torch path, same
     results as kernel="torch"."""
-    monkeypatch.setattr(
-        _fused_mp, "_LOADER", KernelLoader(source=tmp_path / "missing.cpp", cache_root=tmp_path)
-    )
+    missing = KernelSet(loader=KernelLoader(source=tmp_path / "missing.cpp", cache_root=tmp_path))
     (want_p, want_s), _, _ = _run(torch.bfloat16, "torch")
     with caplog.at_level(logging.WARNING):
-        (got_p, got_s), kernels, settings = _run(torch.bfloat16, "fused-mp")
+        (got_p, got_s), kernels, settings = _run(torch.bfloat16, "fused-mp", kernels=missing)
         model = make_model(torch.bfloat16)
-        opt = CPUOffloadAdamW(param_groups(model), settings=_settings("torch"))
+        opt = CPUOffloadAdamW(param_groups(model), settings=_settings("torch"), kernels=missing)
         opt.apply_settings(_settings("fused-mp"))
         assert opt.settings.kernel == "torch"
         opt.close()
@@ -349,10 +347,17 @@ def test_fallback_when_the_kernel_is_unavailable(monkeypatch, caplog, tmp_path) 
     assert "missing.cpp" in warnings[0].getMessage() and "torch path" in warnings[0].getMessage()
 
 
-def test_fallback_when_fused_mp_available_says_no(monkeypatch) -> None:
-    monkeypatch.setattr(_fused_mp, "fused_mp_available", lambda: (False, "no C++ compiler: test"))
+class _NoCompiler:
+    """An extension loader that cannot build (as without a C++ compiler)."""
+
+    def get(self):
+        return None, "no C++ compiler: test"
+
+
+def test_fallback_when_fused_mp_available_says_no() -> None:
     model = make_model(torch.bfloat16)
-    opt = CPUOffloadAdamW(param_groups(model), settings=_settings("fused-mp"))
+    opt = CPUOffloadAdamW(param_groups(model), settings=_settings("fused-mp"),
+                          kernels=KernelSet(loader=_NoCompiler()))
     assert opt.settings.kernel == "torch"
     assert set(_train(model, opt, _schedule(opt), range(2))) == {"torch"}
     opt.close()

@@ -11,10 +11,8 @@ import pytest
 import torch
 from conftest import assert_bitwise
 
-import offload._threads as threads_mod
 from offload import CPUOffloadAdamW, OffloadSettings
-from offload._slabs import HostSlabs
-from offload._threads import bind_rank_numa_node, numa_node_for
+from offload._numa import bind_rank_numa_node, numa_node_for
 
 TWO_SOCKETS = ((0, frozenset(range(0, 16))), (1, frozenset(range(16, 32))))
 
@@ -65,32 +63,24 @@ def test_single_node_machine_is_a_no_op(tmp_path: Path) -> None:
     assert not binding.bound and binding.node is None and frozenset(os.sched_getaffinity(0)) == mask
 
 
-def test_optimizer_binds_before_allocating_and_first_touches_on_its_worker(monkeypatch) -> None:
-    events: list[tuple[str, object]] = []
-    real_bind = threads_mod.bind_rank_numa_node
-    real_init, real_touch = HostSlabs.__init__, HostSlabs.first_touch
+def test_optimizer_binds_before_allocating_and_first_touches_on_its_worker() -> None:
+    binds: list[str] = []
 
-    def bind(device=None, *, root="/"):
-        events.append(("bind", str(device)))
-        return real_bind(device, root=root)
+    def bind(device):
+        binds.append(str(device))
+        return bind_rank_numa_node(device)
 
-    def init(self, *args, **kwargs):
-        events.append(("alloc", kwargs.get("zero", True)))
-        real_init(self, *args, **kwargs)
-
-    def touch(self):
-        events.append(("touch", (threading.current_thread().name.startswith("offload-adamw-"),
-                                 torch.get_num_threads())))
-        real_touch(self)
-
-    monkeypatch.setattr(threads_mod, "bind_rank_numa_node", bind)
-    monkeypatch.setattr(HostSlabs, "__init__", init)
-    monkeypatch.setattr(HostSlabs, "first_touch", touch)
     torch.manual_seed(0)
     params = [torch.randn(n, requires_grad=True) for n in (1000, 37, 4097)]
     reference = [p.detach().clone().requires_grad_(True) for p in params]
-    opt = CPUOffloadAdamW(params, lr=1e-2, settings=OffloadSettings(threads=2, bind_numa=True))
-    assert events == [("bind", "cpu"), ("alloc", False), ("touch", (True, 2))]
+    opt = CPUOffloadAdamW(params, lr=1e-2, settings=OffloadSettings(threads=2, bind_numa=True),
+                          numa_binder=bind)
+    placement = opt.numa_placement
+    assert binds == ["cpu"] and placement is not None and placement.device == "cpu"
+    assert placement.order == ["bind", "allocate", "first-touch"]
+    assert placement.zeroed_at_allocation is False
+    assert placement.touch_thread.startswith("offload-adamw-") and placement.touch_threads == 2
+    assert placement.touch_thread != threading.main_thread().name
     ref = torch.optim.AdamW(reference, lr=1e-2, fused=True)
     for step in range(3):
         for p, r in zip(params, reference):
@@ -100,6 +90,31 @@ def test_optimizer_binds_before_allocating_and_first_touches_on_its_worker(monke
         ref.step()
     assert_bitwise(params, reference, "params")
     opt.close()
+
+
+def test_without_bind_numa_nothing_is_placed() -> None:
+    opt = CPUOffloadAdamW([torch.randn(10, requires_grad=True)])
+    assert opt.numa_placement is None
+    opt.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs an affinity mask of >= 2 CPUs")
+def test_close_restores_the_affinity_bind_numa_narrowed(tmp_path: Path) -> None:
+    mask = frozenset(os.sched_getaffinity(0))
+    keep = sorted(mask)[1:]  # node 1 holds all but one CPU of the mask
+    _fake_nodes(tmp_path, {0: str(min(mask)), 1: ",".join(map(str, keep))})
+    opt = CPUOffloadAdamW([torch.randn(100, requires_grad=True)],
+                          settings=OffloadSettings(threads=1, bind_numa=True),
+                          numa_binder=lambda device: bind_rank_numa_node(device, root=tmp_path))
+    try:
+        binding = opt.numa_placement.binding
+        assert binding.bound and binding.cpus < mask  # narrowed to one node's CPUs
+        assert frozenset(os.sched_getaffinity(0)) == binding.cpus
+    finally:
+        opt.close()
+    assert frozenset(os.sched_getaffinity(0)) == mask
+    opt.close()  # idempotent
+    assert frozenset(os.sched_getaffinity(0)) == mask
 
 
 def test_bind_numa_must_be_a_bool() -> None:
@@ -113,14 +128,17 @@ def test_trainer_numa_flag_binds_and_keeps_the_math(tmp_path: Path, monkeypatch)
 
     from bench import train
 
+    import offload
+
     seen: list[bool] = []
-    real = CPUOffloadAdamW._make_slabs
 
-    def spy(self, settings, overlap_backward):
-        seen.append(bool(settings is not None and settings.bind_numa))
-        return real(self, settings, overlap_backward)
+    class Spy(CPUOffloadAdamW):  # the trainer's optimizer, with what its NUMA placement did
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            placement = self.numa_placement
+            seen.append(placement is not None and placement.order[0] == "bind")
 
-    monkeypatch.setattr(CPUOffloadAdamW, "_make_slabs", spy)
+    monkeypatch.setattr(offload, "CPUOffloadAdamW", Spy)
     threads = torch.get_num_threads()
     common = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32",
               "--dtype", "fp32", "--steps", "3", "--compute-threads", "1", "--optim-cpu-offload"]

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from conftest import batch, make_model, param_groups
 
-import offload._pipeline as pipeline_mod
 from offload import CPUOffloadAdamW, OffloadSettings, StepStats
+from offload._kernels import KernelSet, fused_adamw_
 from offload._slabs import _ALIGN, plan_chunks
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
@@ -221,18 +221,17 @@ def test_step_stats_are_consistent(dtype) -> None:
 
 
 # ------------------------------------------------------------------------------ threads / worker
-def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads(monkeypatch) -> None:
+def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads() -> None:
     calls: list[tuple[int, bool]] = []
-    real = pipeline_mod.fused_adamw_
 
     def spy(*args, **kwargs):
         calls.append((torch.get_num_threads(), threading.current_thread() is threading.main_thread()))
-        return real(*args, **kwargs)
+        return fused_adamw_(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_mod, "fused_adamw_", spy)
     main_before = torch.get_num_threads()
     model = make_model()
-    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=3, kernel="torch"))
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=3, kernel="torch"),
+                          kernels=KernelSet(fused_adamw=spy))
     for step, threads in enumerate((3, 1, 2)):
         opt.apply_settings(OffloadSettings(threads=threads, kernel="torch"))
         calls.clear()
@@ -250,38 +249,43 @@ def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads(monkeypa
     opt.close()
 
 
-def test_threads_default_comes_from_the_thread_plan(monkeypatch) -> None:
-    import offload._optimizer as optimizer_mod
+def test_threads_default_comes_from_the_thread_plan() -> None:
     from offload._threads import plan_cpu_threads
     from offload._topology import CpuTopology
 
     plan = plan_cpu_threads(threads=5, topology=CpuTopology.from_cores([[c] for c in range(8)]), cpus=range(8))
-    monkeypatch.setattr(optimizer_mod, "plan_cpu_threads", lambda threads=None: plan if threads is None else plan_cpu_threads(threads=threads))
-    opt = CPUOffloadAdamW(_params())
+    opt = CPUOffloadAdamW(_params(), plan=plan)
     assert opt.settings.threads == 5
     opt.apply_settings(OffloadSettings(threads=None, chunk_numel=2048))
     assert opt.settings == OffloadSettings(threads=5, chunk_numel=2048, kernel=opt.settings.kernel)
     opt.close()
 
 
-def test_worker_exception_reaches_step_and_the_worker_survives(monkeypatch) -> None:
-    model = make_model()
-    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024, kernel="torch"))
-    real = pipeline_mod.fused_adamw_
+def test_a_plan_and_explicit_threads_are_refused_together() -> None:
+    from offload import plan_cpu_threads
+
+    with pytest.raises(ValueError, match=r"settings.threads=2 and plan=\.\.\.: pass one of them"):
+        CPUOffloadAdamW(_params(), settings=OffloadSettings(threads=2), plan=plan_cpu_threads(threads=1))
+    with pytest.raises(TypeError, match="plan=3: expected an offload.ThreadPlan"):
+        CPUOffloadAdamW(_params(), plan=3)  # type: ignore[arg-type]
+
+
+def test_worker_exception_reaches_step_and_the_worker_survives() -> None:
     calls = []
 
     def boom(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise MemoryError("injected kernel failure")
-        return real(*args, **kwargs)
+        return fused_adamw_(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_mod, "fused_adamw_", boom)
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024, kernel="torch"),
+                          kernels=KernelSet(fused_adamw=boom))
     model(batch(0)).backward()
     with pytest.raises(MemoryError, match="injected"):
         opt.step()
     assert len(calls) == 3  # the chunks after the failing one were not touched
-    monkeypatch.setattr(pipeline_mod, "fused_adamw_", real)
     opt.step()  # the worker is still alive and serves the next step
     assert opt.last_stats is not None and opt.last_stats.num_chunks > 3
     opt.close()

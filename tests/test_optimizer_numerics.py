@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 
-import offload._slabs as slabs_mod
 from offload import CPUOffloadAdamW, OffloadSettings
+from offload._kernels import Hyper, fused_adamw_, new_step_tensor
+from offload._slabs import ParamSlot, plan_chunks
 
 STEPS = 30
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
@@ -216,13 +217,34 @@ def test_loads_torch_adamw_state_dict_and_continues_bitwise() -> None:
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "params")
 
 
-def test_misaligned_chunks_would_break_bitwise_equality(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Guards the chunking rule: views starting at unaligned offsets inside a parameter take the
-    fused kernel's scalar-tail path for different elements, and the oracle sees it."""
-    monkeypatch.setattr(slabs_mod, "_ALIGN", 1)
-    model, opt = _run(torch.float32, OffloadSettings(threads=1, chunk_numel=1029))
-    with pytest.raises(AssertionError, match="differs"):
-        _check_against_reference(model, opt, torch.float32)
+def _updated_in_views(starts: list[int], n: int = 4099, steps: int = 3) -> list[torch.Tensor]:
+    """A parameter of ``n`` elements and its moments after ``steps`` AdamW updates by torch's fused
+    CPU kernel, each update run over the views ``[starts[i], starts[i + 1])`` (the last ending at
+    ``n``)."""
+    g = torch.Generator().manual_seed(0)
+    p, m, v = (torch.randn(n, generator=g) for _ in range(3))
+    v = v.abs()
+    step = new_step_tensor()
+    bounds = [*starts, n]
+    hyper = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+    for k in range(steps):
+        grad = torch.randn(n, generator=g)
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            fused_adamw_([p[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], [step],
+                         steps_to_increment=[step] if i == 0 else [], hyper=hyper)
+    return [p, m, v]
+
+
+def test_misaligned_chunks_would_break_bitwise_equality() -> None:
+    """Guards the chunking rule of offload/_slabs.py (``plan_chunks`` starts every view of a
+    parameter at a multiple of its ``align``): views starting at unaligned offsets inside a
+    parameter take the fused kernel's scalar-tail path for different elements. Split at aligned
+    offsets the update is bitwise the whole-tensor update; split at 1029 and 2058 it is not."""
+    whole = _updated_in_views([0])
+    assert all(map(torch.equal, _updated_in_views([0, 1024, 2048]), whole))
+    assert not all(map(torch.equal, _updated_in_views([0, 1029, 2058]), whole))
+    chunks = plan_chunks([ParamSlot(index=0, group=0, offset=0, numel=4099, shape=torch.Size([4099]))], 1029, align=1)
+    assert [v.start for c in chunks for v in c.views] == [0, 1029, 2058, 3087]  # align=1: anywhere
 
 
 def test_tensor_lr_bitwise_equal_to_torch_fused_adamw() -> None:

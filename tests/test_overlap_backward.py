@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 
-import offload._pipeline as pipeline_mod
 from offload import CPUOffloadAdamW, OffloadSettings
+from offload._kernels import KernelSet, fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 
@@ -56,8 +56,8 @@ def test_overlap_is_bitwise_equal_to_the_plain_step(dtype, chunk_numel: int, thr
         assert_bitwise(_state(over_model, over, key), _state(plain_model, plain, key), key)
     assert not over.state.get(over_model.unused.weight)  # no grad ever: no state
     # the block run twice per backward fires its hook twice; the count was learned
-    slot = over._slot_of[id(over_model.twice.weight)]
-    assert over._overlap._expected[slot] == 2
+    slot = over._registry.of(over_model.twice.weight).slot
+    assert over._registry[slot].hooks_expected == 2
     spans = over.last_stats.spans
     # (an early chunk's spans start before step() unless the worker was descheduled: not asserted)
     assert all(s.start_s >= 0 for s in spans if s.stage == "materialize")
@@ -65,11 +65,12 @@ def test_overlap_is_bitwise_equal_to_the_plain_step(dtype, chunk_numel: int, thr
     over.close()
 
 
-def _calibrated(threads: int = 1, kernel: str = "auto") -> tuple[torch.nn.Module, CPUOffloadAdamW]:
+def _calibrated(threads: int = 1, kernel: str = "auto",
+                kernels: KernelSet | None = None) -> tuple[torch.nn.Module, CPUOffloadAdamW]:
     model = make_model()
     opt = CPUOffloadAdamW(
         param_groups(model), settings=OffloadSettings(threads=threads, chunk_numel=1024, kernel=kernel),
-        overlap_backward=True,
+        overlap_backward=True, kernels=kernels,
     )
     _train(model, opt, range(2))
     return model, opt
@@ -141,17 +142,21 @@ def test_step_without_backward_and_no_grads_match_the_plain_step() -> None:
         opt.close()
 
 
-def test_failure_of_an_early_chunk_reaches_step(monkeypatch) -> None:
-    model, opt = _calibrated(kernel="torch")
-    real = pipeline_mod.fused_adamw_
-    monkeypatch.setattr(
-        pipeline_mod, "fused_adamw_", lambda *a, **k: (_ for _ in ()).throw(OSError("injected"))
-    )
+def test_failure_of_an_early_chunk_reaches_step() -> None:
+    broken = [False]
+
+    def kernel(*args, **kwargs):
+        if broken[0]:
+            raise OSError("injected")
+        fused_adamw_(*args, **kwargs)
+
+    model, opt = _calibrated(kernel="torch", kernels=KernelSet(fused_adamw=kernel))
+    broken[0] = True
     opt.zero_grad()
     model(batch(5)).backward()
     with pytest.raises(OSError, match="injected"):
         opt.step()
-    monkeypatch.setattr(pipeline_mod, "fused_adamw_", real)
+    broken[0] = False
     opt.zero_grad()
     model(batch(6)).backward()
     opt.step()

@@ -94,7 +94,7 @@ def test_state_dict_right_after_an_edit_saves_the_edited_master(save_overlap: bo
     for m in (ref_model, model):
         edit_fn(m)
     sd = opt.state_dict()
-    slot = opt._slot_of[id(model.fc1.weight)]
+    slot = opt._registry.of(model.fc1.weight).slot
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "optim": sd}, buf)
     opt.close()
@@ -291,7 +291,7 @@ def test_bf16_checkpoint_resumed_in_fp32_keeps_the_fp32_master() -> None:
             resumed.load_state_dict(ck["model"])
             ropt.load_state_dict(ck["optim"])
         saved = [ck["optim"]["state"][i]["master_param"] for i in sorted(ck["optim"]["state"])]
-        params = [ropt._params[i] for i in sorted(ck["optim"]["state"])]  # param_groups order
+        params = [ropt._registry[i].param for i in sorted(ck["optim"]["state"])]  # param_groups order
         assert any(not torch.equal(m, p.detach()) for m, p in zip(saved, params))  # extra bits
         assert_bitwise([ropt.state[p]["master_param"] for p in params], saved,
                        f"master after load (optimizer first: {optimizer_first})")
@@ -340,7 +340,7 @@ def test_optimizer_loaded_before_the_model_is_its_own_master_again_after_a_step(
     ropt.load_state_dict(ck["optim"])
     held = [i for i in sorted(ck["optim"]["state"])]
     assert not any(ropt._slabs.slots[i].own_master for i in held)  # masters kept for now
-    assert_bitwise([ropt.state[ropt._params[i]]["master_param"] for i in held],
+    assert_bitwise([ropt.state[ropt._registry[i].param]["master_param"] for i in held],
                    [ck["optim"]["state"][i]["master_param"] for i in held], "loaded masters")
     resumed.load_state_dict(ck["model"])
     _train(resumed, ropt, range(3, 6))

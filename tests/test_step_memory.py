@@ -61,10 +61,10 @@ def test_items_and_kernel_calls_are_made_once_per_chunk_layout() -> None:
     held = []  # the snapshots' objects stay alive, so their ids cannot be reused
 
     def snapshot():
-        items = dict(opt._item_cache)
+        items = dict(opt._items.entries)
         prepared = dict(opt._pipeline.transport._prepared)
         held.append((items, prepared))
-        return ({i: id(c[3]) for i, c in items.items()}, {i: id(e.calls) for i, e in prepared.items()})
+        return ({i: id(c.items) for i, c in items.items()}, {i: id(e.calls) for i, e in prepared.items()})
 
     for step in range(4):
         if step == 3:

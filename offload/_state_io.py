@@ -1,0 +1,129 @@
+"""``state_dict`` / ``load_state_dict`` of ``CPUOffloadAdamW``: torch AdamW's layout, both ways.
+
+Saved: per parameter ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master_param``, live views of
+the host slabs (as torch's optimizers return their state by reference). For a DTensor (FSDP2)
+parameter the last three are DTensors with its mesh, placements and global shape over this rank's
+slab views, so ``torch.distributed.checkpoint`` saves, loads in place and reshards them like
+torch AdamW's state of the same model (:func:`as_dtensor_state`); ``step`` stays a plain tensor.
+
+Loaded (:func:`load_state`): a state dict of this class or of ``torch.optim.AdamW`` (then
+without ``master_param``: the master is the current parameter), plain or DTensor (this rank's
+shard is taken). Everything is checked before anything is written: group and parameter counts,
+each group's options and hyper-parameters, each tensor's element count. Loaded masters with bits
+their parameter lacks get a master place first (``offload/_masters.py``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from copy import deepcopy
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offload._checks import check_hyper, check_options
+from offload._dtensor import as_dtensor, local
+from offload._kernels import new_step_tensor
+from offload._masters import load_master
+from offload._params import ParamRecord, ParamRegistry
+from offload._slabs import HostSlabs
+
+__all__ = ["LoadedState", "as_dtensor_state", "check_loaded", "load_state", "merged_groups"]
+
+LoadedState = list[tuple[int, dict[str, Any]]]
+"""(slot, loaded state of that parameter with plain local tensors), in the state dict's order."""
+
+
+def as_dtensor_state(sd: dict[str, Any], records: Sequence[ParamRecord]) -> dict[str, Any]:
+    """torch's state dict ``sd`` with the state of DTensor parameters as DTensors (see module doc)."""
+    state = {}
+    for key, entry in sd["state"].items():
+        layout = records[key].layout
+        if layout is not None:
+            entry = {k: as_dtensor(v, layout) if k != "step" and isinstance(v, Tensor) else v
+                     for k, v in entry.items()}
+        state[key] = entry
+    return {**sd, "state": state}
+
+
+def check_loaded(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], defaults: dict[str, Any],
+                 registry: ParamRegistry, slabs: HostSlabs) -> tuple[list[dict[str, Any]], LoadedState]:
+    """The loaded groups (a copy) and every parameter's loaded state; ``ValueError`` naming the
+    first mismatch."""
+    saved_groups = deepcopy(state_dict["param_groups"])
+    if len(groups) != len(saved_groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} parameter groups: expected {len(groups)}"
+        )
+    for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(
+                f"loaded state dict's param group {i} has {len(sg['params'])} parameters: "
+                f"expected {len(g['params'])}"
+            )
+        where = f" in loaded param group {i}"
+        check_options(where, sg)
+        check_hyper(where, {**defaults, **sg})
+    id_map = dict(
+        zip(
+            chain.from_iterable(g["params"] for g in saved_groups),
+            chain.from_iterable(g["params"] for g in groups),
+        )
+    )
+    entries: LoadedState = []
+    for key, value in state_dict["state"].items():
+        if key not in id_map:
+            raise ValueError(f"loaded state dict has state for unknown parameter id {key!r}")
+        slot = registry.of(id_map[key]).slot
+        numel = slabs.slots[slot].numel
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            if name not in value:
+                raise ValueError(f"loaded state of parameter id {key!r} has no {name!r}")
+        # DTensor state (a DCP checkpoint, torch AdamW's of an FSDP2 model): this rank's shard.
+        value = {k: local(v) if isinstance(v, Tensor) else v for k, v in value.items()}
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            if name in value and value[name].numel() != numel:
+                raise ValueError(
+                    f"loaded {name} of parameter id {key!r} has {value[name].numel()} "
+                    f"elements: expected {numel}"
+                )
+        entries.append((slot, value))
+    return saved_groups, entries
+
+
+def load_state(entries: LoadedState, records: Sequence[ParamRecord], slabs: HostSlabs,
+               state_entry: Callable[[int, Tensor], dict[str, Tensor]]) -> defaultdict[Tensor, dict[str, Any]]:
+    """Copy the loaded masters, moments and steps into ``slabs``; the new ``optimizer.state``
+    (``state_entry(slot, step)`` makes each entry)."""
+    new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+    with torch.no_grad():
+        for slot, value in entries:
+            rec = records[slot]
+            load_master(slabs, slot, value.get("master_param", rec.local()))
+            slabs.flat("exp_avg", slot).copy_(value["exp_avg"].detach().reshape(-1))
+            slabs.flat("exp_avg_sq", slot).copy_(value["exp_avg_sq"].detach().reshape(-1))
+            step = value["step"]
+            step = (
+                step.detach().to("cpu", torch.float32).reshape(()).clone()
+                if isinstance(step, Tensor)
+                else new_step_tensor(float(step))
+            )
+            new_state[rec.param] = state_entry(slot, step)
+    return new_state
+
+
+def merged_groups(groups: Sequence[dict[str, Any]], saved_groups: list[dict[str, Any]],
+                  defaults: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The loaded groups holding this optimizer's parameters (and names), defaults filled in."""
+    new_groups = []
+    for g, sg in zip(groups, saved_groups):
+        sg["params"] = g["params"]
+        if "param_names" in g and "param_names" not in sg:
+            sg["param_names"] = g["param_names"]
+        for k, v in defaults.items():
+            sg.setdefault(k, v)
+        new_groups.append(sg)
+    return new_groups
