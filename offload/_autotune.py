@@ -301,14 +301,11 @@ class OffloadTuning:
             "drain_s": stats.drain_s,
         }
         spans = tuple((s.stage, s.chunk, s.start_s, s.end_s) for s in stats.spans)
-        was_locked = self.tuner.state == "locked"
         time_s = iteration_s if self.objective == "iteration" else stats.step_s
-        self.tuner.observe(StepSample(time_s=time_s, stages=stages, spans=spans))
-        if self.tuner.state == "locked" and not was_locked:
-            self.flush()
+        self.tuner.observe(StepSample(time_s=time_s, stages=stages, spans=spans))  # writes the summary at lock-in
 
     def flush(self) -> None:
-        """Write the trace summary (idempotent); called at lock-in and by ``close``."""
+        """Write the trace summary (idempotent); called by ``close``."""
         if self._trace is not None:
             self._trace.write_summary(self.tuner.summary())
 
