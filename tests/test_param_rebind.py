@@ -23,16 +23,22 @@ pytestmark = pytest.mark.usefixtures("single_threaded_main")
 SWAP = ("fc1.weight", "norm.bias")
 
 
+def _replace(model: nn.Module, name: str, *, shape: torch.Size | None = None
+             ) -> tuple[nn.Parameter, nn.Parameter]:
+    """Replace the parameter ``name`` of ``model`` by a new one: (old, new)."""
+    mod_name, attr = name.rsplit(".", 1)
+    mod = model.get_submodule(mod_name)
+    old = getattr(mod, attr)
+    new = nn.Parameter(old.detach().clone() if shape is None else torch.randn(shape, dtype=old.dtype))
+    setattr(mod, attr, new)
+    return old, new
+
+
 def _swap(model: nn.Module, opt: torch.optim.Optimizer, name: str, *, move_state: bool,
           shape: torch.Size | None = None) -> nn.Parameter:
     """Replace the parameter ``name`` in the model and in ``opt.param_groups`` by a new tensor
     (a clone, or fresh values of ``shape``); ``move_state``: torch's way to keep its state."""
-    mod_name, attr = name.rsplit(".", 1)
-    mod = model.get_submodule(mod_name)
-    old = getattr(mod, attr)
-    value = old.detach().clone() if shape is None else torch.randn(shape, dtype=old.dtype)
-    new = nn.Parameter(value)
-    setattr(mod, attr, new)
+    old, new = _replace(model, name, shape=shape)
     for g in opt.param_groups:
         g["params"] = [new if p is old else p for p in g["params"]]
     if move_state and old in opt.state:
@@ -77,6 +83,50 @@ def test_a_swapped_parameter_is_stepped_with_its_state_carried_over(swap_at: int
     if overlap:  # the new parameters are hooked: their chunks start during backward again
         assert opt._early_launches_last_step > 0
         assert opt._registry.of(model.fc1.weight).hooks_expected > 0
+    opt.close()
+
+
+def test_a_bf16_swap_keeps_the_fp32_master() -> None:
+    """bf16 parameters: the migrated master keeps its extra bits (the clone rounds to it), as
+    the mixed-precision reference whose master simply stays with the swapped parameter."""
+    from test_optimizer_numerics import MixedPrecisionReference
+
+    ref_model, model = make_model(torch.bfloat16), make_model(torch.bfloat16)
+    ref = MixedPrecisionReference(ref_model)
+    opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=2, chunk_numel=1024))
+    for step in range(6):
+        if step == 3:
+            for name in SWAP:
+                old, new = _replace(ref_model, name)
+                ref.params = [new if p is old else p for p in ref.params]
+                ref.master[new] = ref.master.pop(old)
+                _swap(model, opt, name, move_state=False)
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            m(batch(step)).backward()
+            o.step()
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "params")
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise([opt.state[p][key] for p in model.parameters() if opt.state.get(p)],
+                       [ref.state(p)[key] for p in ref_model.parameters() if ref.state(p)], key)
+    assert_bitwise([opt.state[p]["master_param"] for p in model.parameters() if opt.state.get(p)],
+                   [ref.master[p] for p in ref_model.parameters() if ref.state(p)], "master")
+    assert int(opt.state[model.fc1.weight]["step"]) == 6
+    opt.close()
+
+
+def test_a_rebind_after_backward_started_chunks_raises() -> None:
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model), overlap_backward=True,
+                          settings=OffloadSettings(threads=1, chunk_numel=1024))
+    for step in range(2):  # the first backward calibrates, the second starts chunks early
+        opt.zero_grad()
+        model(batch(step)).backward()
+        if step == 0:
+            opt.step()
+    _swap(model, opt, "fc1.weight", move_state=False)
+    with pytest.raises(RuntimeError, match="re-bind before backward"):
+        opt.step()
     opt.close()
 
 
