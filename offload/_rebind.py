@@ -45,6 +45,7 @@ from torch import Tensor
 
 from offload._checks import check_param_group
 from offload._dtensor import local
+from offload._kernels import new_step_tensor
 from offload._params import ParamRecord
 from offload._slabs import HostSlabs
 
@@ -179,6 +180,8 @@ def copy_sources(old: HostSlabs, new: HostSlabs, records: Sequence[ParamRecord],
         new.flat("exp_avg_sq", slot).copy_(parts["exp_avg_sq"])
         if not new.slots[slot].own_master:
             new.flat("master", slot).copy_(_followed_master(parts["master_param"], rec.local()))
+        if step.device.type != "cpu" or step.dtype != torch.float32 or step.dim() != 0:
+            step = new_step_tensor(float(step))  # e.g. a capturable torch AdamW's device step
         steps[slot] = step
     return steps
 

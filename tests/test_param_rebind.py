@@ -258,3 +258,20 @@ def test_accelerate_fsdp2_swap_trains_bitwise_like_torch() -> None:
     results = run_workers(_fsdp_worker, world_size=2, timeout_s=600)
     assert all(r.ok for r in results), [r.describe() for r in results]
     assert len(results[0].value) == 4
+
+
+def test_a_moved_entry_with_a_foreign_step_gets_a_host_fp32_step() -> None:
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model))
+    for step in range(2):
+        opt.zero_grad()
+        model(batch(step)).backward()
+        opt.step()
+    new = _swap(model, opt, "fc1.weight", move_state=True)
+    opt.state[new]["step"] = torch.tensor(2.0, dtype=torch.float64)  # not the kernels' layout
+    opt.zero_grad()
+    model(batch(2)).backward()
+    opt.step()
+    step = opt.state[new]["step"]
+    assert step.dtype == torch.float32 and step.device.type == "cpu" and float(step) == 3.0
+    opt.close()
