@@ -47,6 +47,7 @@ from offload._masters import (
 from offload._overlap import BackwardOverlap, Launch, raise_late_edit, verify_launches
 from offload._params import ParamRecord, ParamRegistry, check_params, param_names, raise_bad_grad
 from offload._placement import NumaBinder, NumaPlacement
+from offload._rebind import BoundParams, check_rebound, copy_sources, plan_sources
 from offload._host_transport import HostTransport
 from offload._jobs import ChunkJob
 from offload._pipeline import Pipeline
@@ -70,7 +71,8 @@ class CPUOffloadAdamW(Optimizer):
     or fp16 parameters, whatever the settings. The model's parameters stay where they are (CPU or
     one CUDA device) in their own dtype; ``step()`` updates them in place. Parameters of an FSDP2
     (``fully_shard``) model are DTensors sharded ``Shard(0)`` on a 1-D mesh: the host state holds
-    this rank's shard only (see ``offload/_dtensor.py``).
+    this rank's shard only (see ``offload/_dtensor.py``). Parameters re-bound in ``param_groups``
+    (accelerate's FSDP2 swap) are followed, their state carried over (``offload/_rebind.py``).
 
     Args:
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
@@ -132,6 +134,7 @@ class CPUOffloadAdamW(Optimizer):
 
         # One record per parameter (DTensor (FSDP2) parameters: the slabs hold this rank's shard).
         self._registry = ParamRegistry(self.param_groups)
+        self._bound = BoundParams(self.param_groups)  # what the slabs are laid out for
         self._recheck_masters: set[int] = set()  # slots given a master by load_state_dict
         self._items = ItemCache()
         self._numa: NumaPlacement | None = None
@@ -252,6 +255,39 @@ class CPUOffloadAdamW(Optimizer):
         for slot in copy_state(old, self._slabs, records, self.state, seeds):
             p = records[slot].param
             self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
+        self._new_layout()
+
+    def _follow_groups(self) -> None:
+        """Parameters re-bound in ``param_groups`` since the last layout (accelerate's FSDP2
+        swap, a framework re-wrapping): lay the slabs out for them, their state carried over
+        where ``offload/_rebind.py`` maps them to a parameter that had state."""
+        groups = self.param_groups
+        if not self._bound.changed(groups):
+            return
+        check_rebound(self._bound, groups, self.defaults,
+                      launched=self._overlap is not None and self._overlap.has_launched())
+        old, old_registry = self._slabs, self._registry
+        recheck = {id(old_registry[s]) for s in self._recheck_masters}  # records, by identity
+        self._registry = ParamRegistry(groups, old_registry, by_identity=True)
+        records = self._registry.records
+        sources = plan_sources(self._bound, groups, old_registry.records, records, self.state)
+        self._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in groups],
+                                self._own_masters(self._overlap is not None))
+        steps = copy_sources(old, self._slabs, records, sources, self.state)
+        entries = {records[s].param: {**self.state[records[s].param], **self._state_entry(s, st)}
+                   for s, st in steps.items()}
+        self.state.clear()
+        self.state.update(entries)
+        moved = [s for s in steps if sources[s].old_slot is None]
+        self._edits.record(records, moved)  # their masters were just seeded from them
+        self._recheck_masters = {rec.slot for rec in records if id(rec) in recheck}
+        logger.info("CPUOffloadAdamW: param_groups re-bound: %d params, %d with state (%d migrated)",
+                    len(records), len(steps), len(moved))
+        self._new_layout()
+
+    def _new_layout(self) -> None:
+        """Chunks, worker and hooks for new slabs."""
+        self._bound = BoundParams(self.param_groups)
         self._items.clear()
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
         self._pipeline.close()
@@ -384,6 +420,7 @@ class CPUOffloadAdamW(Optimizer):
                 loss = closure()
         if self._in_step:
             raise RuntimeError("CPUOffloadAdamW.step() is already running")
+        self._follow_groups()
         self._in_step = True
         try:
             with torch.no_grad():
@@ -539,6 +576,7 @@ class CPUOffloadAdamW(Optimizer):
                 f"CPUOffloadAdamW.{what} called after backward() started chunks early "
                 "(overlap_backward=True) and before step(): finish the step first"
             )
+        self._follow_groups()
 
     def _start_early(self, chunk: Chunk, grads: dict[int, Tensor], versions: dict[int, int]) -> ChunkJob | None:
         """From a backward hook (``offload/_overlap.py``): submit the chunk's d2h + kernel."""

@@ -57,10 +57,13 @@ before relying on bitwise reproducibility.
 What it refuses (:class:`StepThreadsError`, ``TypeError`` for a wrong type): parameters that are
 not on the CPU (their step runs on the accelerator, where CPU threads do not matter), parameters
 on mixed devices, an object that is not a ``torch.optim.Optimizer``, ``CPUOffloadAdamW`` (it tunes
-its own threads), a second wrapping, and ``step(closure)``: a closure runs forward and backward
-inside ``step()``, so its time is not the optimizer's and the scoped thread count would apply to
-forward/backward too. Call the closure yourself, then ``step()``. ``LBFGS``, whose step needs a
-closure, is refused when wrapped.
+its own threads), a second wrapping, and ``LBFGS``, whose step evaluates its closure many times.
+``step(closure)`` (Lightning's automatic optimization always passes one) works where ``step`` is
+torch's own (AdamW, Adam, SGD, ...: they evaluate the closure once, first, under
+``torch.enable_grad()``): the wrapper evaluates it the same way under the caller's thread count
+(it runs forward and backward, whose time is not the optimizer's), then runs the step under the
+tuned count with ``closure=None``, and returns the closure's value. Another class's ``step``
+might evaluate its closure later or twice (SAM): ``step(closure)`` raises there.
 """
 
 from __future__ import annotations
@@ -118,6 +121,13 @@ _CLOSURE_HINT = (
     "the step's thread count would also apply to forward/backward; call the closure yourself "
     "(loss = closure()), then opt.step()"
 )
+
+
+def evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer.step(closure)`` is torch's own (not LBFGS's): it evaluates the closure once,
+    before updating, so evaluating it first and then calling ``step()`` is the same."""
+    module = getattr(type(optimizer).step, "__module__", "") or ""
+    return module.startswith("torch.optim.") and not isinstance(optimizer, torch.optim.LBFGS)
 
 
 class StepThreadsError(ValueError):
@@ -302,9 +312,16 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """The wrapped optimizer's ``step()`` with ``threads`` intra-op threads; the thread count
-        of the caller is restored afterwards. A closure is refused (see the module doc)."""
+        of the caller is restored afterwards. A ``closure`` is evaluated first, under the caller's
+        threads and ``torch.enable_grad()``, and its value returned (torch's optimizers only;
+        see the module doc)."""
+        loss = None
         if closure is not None:
-            raise StepThreadsError(f"{type(self._stock_inner).__name__}.step(closure) cannot be tuned: {_CLOSURE_HINT}")
+            if not evaluates_closure_first(self._stock_inner):
+                raise StepThreadsError(f"{type(self._stock_inner).__name__}.step(closure) cannot be "
+                                       f"tuned (its step is not torch's): {_CLOSURE_HINT}")
+            with torch.enable_grad():
+                loss = closure()
         with thread_limit(self._threads):
             began = self._clock()
             out = self._stock_inner.step(**kwargs)
@@ -315,7 +332,7 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
             self.tuner.observe(StepSample(time_s=step_s, stages={"step_s": step_s}))
             if self._trace is not None and self.tuner.state == "locked" and not was_locked:
                 self._trace.write_summary(self.tuner.summary())
-        return out
+        return loss if closure is not None else out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """The wrapped optimizer's ``add_param_group``, after checking the new parameters are on the CPU."""

@@ -331,8 +331,14 @@ def test_refuses_what_it_cannot_tune(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="autotune="):
         tune_step_threads(torch.optim.SGD(cpu, lr=0.1), autotune="yes")  # type: ignore[arg-type]
     cpu[0].grad = torch.ones(4)
+
+    class OwnStep(torch.optim.SGD):  # a step that is not torch's may use its closure otherwise
+        def step(self, closure=None):  # type: ignore[override]
+            return super().step(closure)
+
+    own = tune_step_threads(OwnStep(cpu, lr=0.1), autotune=False, plan=plan())
     with pytest.raises(StepThreadsError, match=r"call the closure yourself \(loss = closure\(\)\), then opt.step\(\)"):
-        opt.step(lambda: 0.0)
+        own.step(lambda: 0.0)
     opt.step(closure=None)  # what torch.distributed.checkpoint calls: fine
     assert torch.equal(cpu[0].detach(), torch.full((4,), -0.1))
 
