@@ -328,10 +328,7 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
             step_s = self._clock() - began
         self.last_step_s = step_s
         if self.tuner is not None:
-            was_locked = self.tuner.state == "locked"
-            self.tuner.observe(StepSample(time_s=step_s, stages={"step_s": step_s}))
-            if self._trace is not None and self.tuner.state == "locked" and not was_locked:
-                self._trace.write_summary(self.tuner.summary())
+            self.tuner.observe(StepSample(time_s=step_s, stages={"step_s": step_s}))  # writes the summary at lock-in
         return loss if closure is not None else out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
