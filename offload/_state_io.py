@@ -12,8 +12,9 @@ weight is its own master (equal after every step), a bf16/fp16 one lacks the mas
 For a DTensor (FSDP2) parameter the tensors are DTensors with its mesh, placements and global
 shape (:func:`as_dtensor_state`; ``step`` stays a plain tensor) over standalone aliases of the
 slab views (:func:`standalone`): a DTensor over a view with a storage offset cannot be pickled
-(``torch.save``, ``copy.deepcopy``: "invalid python storage"); a clone would cost 8-12 bytes
-per parameter of host memory at each checkpoint, the alias nothing.
+(``torch.save``, ``copy.deepcopy``: "invalid python storage"). Clones would cost the state's
+size at each ``state_dict()``: measured on a 25.2M-parameter fp32 FSDP2 model (1 gloo rank, the
+2-core VM), clones +7.99 B/param RSS and 207 ms, aliases +0.01 B/param and 3 ms.
 
 Loaded (:func:`load_state`): a state dict of this class or of ``torch.optim.AdamW`` (then
 without ``master_param``: the master is the current parameter), plain or DTensor (this rank's

@@ -1,5 +1,5 @@
 """FSDP2 (2 gloo ranks): ``torch.save``, ``torch.load`` and ``copy.deepcopy`` of ``state_dict()``
-work (its DTensors do not sit on offset views of the host slabs), and DCP checkpoints cross
+work (its DTensors sit on standalone aliases of the host slabs, not offset views, nor copies), and DCP checkpoints cross
 between ``torch.optim.AdamW(fused=True)`` and ``CPUOffloadAdamW`` both ways with the default
 planner, continuing bitwise like torch AdamW's uninterrupted run."""
 
@@ -59,6 +59,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         model, opt = _make(kind)
         _train(model, opt, rank, range(2))
         sd = opt.state_dict()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for i, entry in sd["state"].items():  # aliases of the live state, not copies
+            live = opt.state[params[i]]
+            assert all(entry[k].to_local().data_ptr() == live[k].data_ptr()
+                       for k in entry if k != "step" and live[k].numel()), (kind, i)
         buf = io.BytesIO()
         torch.save(sd, buf)
         buf.seek(0)
