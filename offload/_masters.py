@@ -13,9 +13,10 @@ A parameter that was its own master gets a master place, seeded from its fp32 va
 * it stopped being fp32 (``model.to(torch.bfloat16)``): seeded from the fp32 storage it had
   (:func:`cast_seeds`, from ``_sync_edits``);
 * ``load_state_dict`` brought a ``master_param`` with bits the parameter lacks (a bf16 run
-  resumed in fp32, or the model not loaded yet: :func:`loaded_seeds`). Such slots are re-checked
-  at the next ``step()``: where the parameter now equals the master (the model was loaded after
-  the optimizer), the parameter is its master again (:func:`drop_equal_masters`).
+  resumed in fp32, or the model not loaded yet: :func:`loaded_seeds`). Every loaded master is
+  re-checked at the next ``step()`` (:func:`drop_equal_masters`): one that no longer rounds to
+  its parameter is stale and the parameter wins (one warning); where an fp32 parameter now equals
+  the master (the model was loaded after the optimizer), the parameter is its master again.
 
 Every change of places lays the slabs out again (the optimizer's ``_relayout``, which calls
 :func:`copy_state` to carry moments and masters into the new slabs).
@@ -149,17 +150,44 @@ def load_master(slabs: HostSlabs, slot: int, master: Tensor) -> None:
         slabs.flat("master", slot).copy_(master.detach().reshape(-1))
 
 
+def _agrees(master: Tensor, param: Tensor) -> bool:
+    """The fp32 ``master`` rounds to ``param`` in its dtype, or ``param`` is fp32 and equals the
+    master rounded to bf16 or fp16 (a bf16/fp16 run's checkpoint resumed in fp32)."""
+    if torch.equal(master.to(param.dtype), param):
+        return True
+    return param.dtype == torch.float32 and any(
+        torch.equal(master.to(low).to(torch.float32), param) for low in (torch.bfloat16, torch.float16))
+
+
 def drop_equal_masters(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int],
                        relayout: Relayout) -> None:
-    """Slots given a master by ``load_state_dict`` whose parameter now equals it (the model was
-    loaded after the optimizer): the parameter is their master again, as before the load."""
-    same = [
-        s for s in slots
-        if records[s].real_master
-        and records[s].local().dtype == torch.float32
-        and torch.equal(slabs.flat("master", s), records[s].local().detach().reshape(-1))
-    ]
-    if same:
-        for s in same:
+    """At the first step after ``load_state_dict``, the slots it loaded a ``master_param`` into
+    (the model may have been loaded after the optimizer, so not earlier):
+
+    * a master that no longer agrees with its parameter (:func:`_agrees`; the weights were
+      trained or edited since the checkpoint, e.g. by torch's AdamW, which carries a foreign
+      ``master_param`` along unchanged) is stale: the parameter wins (the master is re-seeded
+      from it), with one warning naming how many;
+    * an fp32 parameter that now equals its master (or won over it) is its own master again,
+      as before the load (the slabs are laid out again).
+    """
+    stale, own = 0, []
+    for s in slots:
+        rec = records[s]
+        if slabs.slots[s].own_master:
+            continue  # own masters keep the parameter's value (load_master)
+        param = rec.local().detach().reshape(-1).to("cpu")
+        master = slabs.flat("master", s)
+        if not _agrees(master, param):
+            stale += 1
+            master.copy_(param)
+        if rec.real_master and param.dtype == torch.float32 and torch.equal(master, param):
+            own.append(s)
+    if stale:
+        logger.warning("CPUOffloadAdamW: the loaded master_param of %d parameter(s) no longer rounds to "
+                       "the parameter (trained or edited since that checkpoint, e.g. by another "
+                       "optimizer): the parameter wins", stale)
+    if own:
+        for s in own:
             records[s].real_master = False
         relayout({})

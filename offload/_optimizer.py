@@ -54,7 +54,7 @@ from offload._pipeline import Pipeline
 from offload._transport import Transport
 from offload._settings import OffloadSettings, StepStats
 from offload._slabs import Chunk, HostSlabs, plan_chunks
-from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups
+from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
 from offload._stats import StatsBuilder
 from offload._threads import ThreadPlan
 
@@ -368,11 +368,15 @@ class CPUOffloadAdamW(Optimizer):
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's layout; per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``, ``master_param``.
+        """``torch.optim.AdamW(fused=True)``'s keys: per parameter ``step``, ``exp_avg``,
+        ``exp_avg_sq``, and the fp32 ``master_param`` only for a parameter that is not fp32 (a
+        bf16/fp16 weight lacks the master's bits); per group torch's flags, ``fused=True`` and
+        ``decoupled_weight_decay=True`` (a torch AdamW loading it runs fused, as this step does).
 
-        For a DTensor (FSDP2) parameter the last three are DTensors with its mesh, placements and
-        global shape over this rank's slab views (``torch.distributed.checkpoint`` saves, loads
-        in place and reshards them); ``step`` is a plain tensor, as in torch's AdamW.
+        For a DTensor (FSDP2) parameter the state tensors are DTensors with its mesh, placements
+        and global shape over this rank's slab memory (``torch.distributed.checkpoint`` saves,
+        loads in place and reshards them; ``torch.save`` and ``copy.deepcopy`` work); ``step`` is
+        a plain tensor, as in torch's AdamW.
 
         Tensors are live views of the host slabs (like torch's optimizers, which return their
         state tensors by reference): copy or save them before the next ``step()``. Weights edited
@@ -381,7 +385,7 @@ class CPUOffloadAdamW(Optimizer):
         """
         self._check_idle("state_dict()")
         self._sync_edits([r.slot for r in self._registry if self.state.get(r.param)])
-        sd = super().state_dict()
+        sd = torch_shaped(super().state_dict(), self._registry.records)
         if not self._registry.sharded:
             return sd
         return as_dtensor_state(sd, self._registry.records)
@@ -389,7 +393,11 @@ class CPUOffloadAdamW(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a state dict (from this class, or ``torch.optim.AdamW``) into the host slabs.
 
-        Without ``master_param`` (a torch AdamW state), the master is the current parameter.
+        Without ``master_param`` (a torch AdamW state), the master is the current parameter. A
+        loaded ``master_param`` is kept only while it agrees with its parameter: at the next
+        ``step()`` (the model may be loaded after the optimizer) one that no longer rounds to
+        the parameter (trained or edited since, e.g. by torch's AdamW after our checkpoint) is
+        dropped and the parameter wins, with one warning naming how many.
         """
         self._check_idle("load_state_dict()")
         state_dict = state_dict.copy()
@@ -405,7 +413,7 @@ class CPUOffloadAdamW(Optimizer):
         seeds = loaded_seeds(self._registry.records, self._slabs, entries)
         if seeds:
             give_masters(self._registry.records, seeds, self._relayout)
-            self._recheck_masters.update(seeds)
+        self._recheck_masters.update(slot for slot, value in entries if "master_param" in value)
         self.state = load_state(entries, self._registry.records, self._slabs, self._state_entry)
         self.param_groups = merged_groups(groups, saved_groups, self.defaults)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -1,10 +1,20 @@
 """``state_dict`` / ``load_state_dict`` of ``CPUOffloadAdamW``: torch AdamW's layout, both ways.
 
-Saved: per parameter ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master_param``, live views of
-the host slabs (as torch's optimizers return their state by reference). For a DTensor (FSDP2)
-parameter the last three are DTensors with its mesh, placements and global shape over this rank's
-slab views, so ``torch.distributed.checkpoint`` saves, loads in place and reshards them like
-torch AdamW's state of the same model (:func:`as_dtensor_state`); ``step`` stays a plain tensor.
+Saved (:func:`torch_shaped`): the keys of ``torch.optim.AdamW(fused=True).state_dict()``, so
+either optimizer loads the other's checkpoint, also through ``dcp.load`` with the default planner
+(which needs every key of the destination in the checkpoint): per parameter ``step``,
+``exp_avg``, ``exp_avg_sq``, live views of the host slabs (as torch's optimizers return their
+state by reference); per group torch's flags, with ``fused=True`` and
+``decoupled_weight_decay=True`` (the step is torch's fused AdamW kernel or its bitwise twin, so a
+torch AdamW that loads the state keeps running fused: torch's ``load_state_dict`` takes the
+loaded group's flags). ``master_param`` (fp32) only for a parameter that is not fp32: an fp32
+weight is its own master (equal after every step), a bf16/fp16 one lacks the master's bits.
+For a DTensor (FSDP2) parameter the tensors are DTensors with its mesh, placements and global
+shape (:func:`as_dtensor_state`; ``step`` stays a plain tensor) over standalone aliases of the
+slab views (:func:`standalone`): a DTensor over a view with a storage offset cannot be pickled
+(``torch.save``, ``copy.deepcopy``: "invalid python storage"). Clones would cost the state's
+size at each ``state_dict()``: measured on a 25.2M-parameter fp32 FSDP2 model (1 gloo rank, the
+2-core VM), clones +7.99 B/param RSS and 207 ms, aliases +0.01 B/param and 3 ms.
 
 Loaded (:func:`load_state`): a state dict of this class or of ``torch.optim.AdamW`` (then
 without ``master_param``: the master is the current parameter), plain or DTensor (this rank's
@@ -31,19 +41,44 @@ from offload._masters import load_master
 from offload._params import ParamRecord, ParamRegistry
 from offload._slabs import HostSlabs
 
-__all__ = ["LoadedState", "as_dtensor_state", "check_loaded", "load_state", "merged_groups"]
+__all__ = ["LoadedState", "as_dtensor_state", "check_loaded", "load_state", "merged_groups", "standalone",
+           "torch_shaped"]
+
+#: Group flags of ``torch.optim.AdamW(fused=True).state_dict()`` that differ from our groups' own.
+TORCH_FLAGS = {"fused": True, "decoupled_weight_decay": True}
 
 LoadedState = list[tuple[int, dict[str, Any]]]
 """(slot, loaded state of that parameter with plain local tensors), in the state dict's order."""
 
 
+def torch_shaped(sd: dict[str, Any], records: Sequence[ParamRecord]) -> dict[str, Any]:
+    """``Optimizer.state_dict()``'s ``sd`` with torch AdamW(fused=True)'s keys (see module doc)."""
+    state = {}
+    for key, entry in sd["state"].items():
+        if records[key].local().dtype == torch.float32:
+            entry = {k: v for k, v in entry.items() if k != "master_param"}
+        state[key] = entry
+    groups = [{**g, **TORCH_FLAGS} for g in sd["param_groups"]]
+    return {**sd, "state": state, "param_groups": groups}
+
+
+def standalone(t: Tensor) -> Tensor:
+    """A tensor over ``t``'s memory with a storage of its own at offset 0 (so a DTensor over it
+    pickles); a CPU tensor numpy can alias shares the memory, anything else is cloned."""
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64, torch.float16) and t.is_contiguous():
+        return torch.from_numpy(t.detach().numpy())  # keeps ``t``'s memory alive through numpy
+    return t.detach().clone()
+
+
 def as_dtensor_state(sd: dict[str, Any], records: Sequence[ParamRecord]) -> dict[str, Any]:
-    """torch's state dict ``sd`` with the state of DTensor parameters as DTensors (see module doc)."""
+    """The state dict ``sd`` with the state of DTensor parameters as DTensors (see module doc)."""
     state = {}
     for key, entry in sd["state"].items():
         layout = records[key].layout
         if layout is not None:
-            entry = {k: as_dtensor(v, layout) if k != "step" and isinstance(v, Tensor) else v
+            entry = {k: as_dtensor(standalone(v), layout) if k != "step" and isinstance(v, Tensor) else v
                      for k, v in entry.items()}
         state[key] = entry
     return {**sd, "state": state}

@@ -79,7 +79,8 @@ def _save_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         _train(model, opt, rank, range(SAVED_STEPS))
         if kind != "torch":
             entry = next(iter(opt.state_dict()["state"].values()))
-            names = ("exp_avg", "exp_avg_sq", "master_param")
+            names = ("exp_avg", "exp_avg_sq") + (("master_param",) if kind == "ours-bf16" else ())
+            assert ("master_param" in entry) == (kind == "ours-bf16"), sorted(entry)
             assert all(isinstance(entry[n], DTensor) for n in names), {n: type(entry[n]) for n in names}
         _save(model, opt, Path(root) / kind)
         saved.append(kind)
