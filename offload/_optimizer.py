@@ -176,14 +176,9 @@ class CPUOffloadAdamW(Optimizer):
                 overlap_backward=overlap_backward, agreement=agreement,
                 kernels_available=self._kernels.available)
             self.tuner = self._tuning.tuner
-        logger.debug(
-            "CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",
-            len(self._registry),
-            len(self._chunks),
-            self._slabs.nbytes / 2**20,
-            self._registry.device,
-            self._settings,
-        )
+        logger.debug("CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",
+                     len(self._registry), len(self._chunks), self._slabs.nbytes / 2**20,
+                     self._registry.device, self._settings)
 
     def _new_pipeline(self) -> Pipeline:
         transport: Transport
