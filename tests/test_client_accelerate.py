@@ -19,8 +19,10 @@ import torch
 
 from _dist_util import run_workers
 
-pytest.importorskip("accelerate")
-pytest.importorskip("transformers")
+from _client_util import require
+
+require("accelerate")
+require("transformers")
 
 STEPS = 4
 

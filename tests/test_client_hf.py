@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from _client_util import require  # noqa: E402
+
+transformers = require("transformers")
 
 from offload import CPUOffloadAdamW  # noqa: E402
 

@@ -17,7 +17,9 @@ import torch
 
 from _dist_util import run_workers
 
-L = pytest.importorskip("lightning")
+from _client_util import require
+
+L = require("lightning")
 
 STEPS = 5
 

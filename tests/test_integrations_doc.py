@@ -3,7 +3,6 @@ prints "ok" last (``py`` blocks are recipes for frameworks CI does not install, 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _client_util import require
 
 REPO = Path(__file__).absolute().parents[1]
 DOC = (REPO / "docs" / "integrations.md").read_text(encoding="utf-8")
@@ -22,8 +22,8 @@ CLIENTS = ("transformers", "accelerate", "lightning")
 def test_python_example_runs(index: int, tmp_path: Path) -> None:
     code = BLOCKS[index]
     for name in CLIENTS:
-        if re.search(rf"^(import|from) {name}\b", code, flags=re.M) and not importlib.util.find_spec(name):
-            pytest.skip(f"{name} is not installed (pip install -c constraints.txt -e '.[clients]')")
+        if re.search(rf"^(import|from) {name}\b", code, flags=re.M):
+            require(name)
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(tmp_path / "xdg"),
            "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     if "TORCH_EXTENSIONS_DIR" in os.environ:
