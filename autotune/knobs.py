@@ -23,6 +23,7 @@ __all__ = [
     "cache_path",
     "local_world_size",
     "local_rank",
+    "node_local_rank",
     "omp_num_threads",
     "TORCH_EXTENSIONS_VAR",
     "torch_extensions_dir",
@@ -132,6 +133,19 @@ def local_world_size() -> int | None:
 def local_rank() -> int | None:
     """``LOCAL_RANK`` as set by torchrun, or None outside a launcher."""
     return _int("LOCAL_RANK", minimum=0)
+
+
+def node_local_rank() -> int:
+    """``LOCAL_RANK`` (0 when unset), checked to be below ``LOCAL_WORLD_SIZE`` when that is set:
+    a :class:`KnobError` naming both, where a launcher would otherwise get torch's traceback."""
+    rank = local_rank()
+    size = local_world_size()
+    if rank is not None and size is not None and rank >= size:
+        raise KnobError(
+            f"Unable to use LOCAL_RANK={rank} with LOCAL_WORLD_SIZE={size}: expected LOCAL_RANK "
+            f"from 0 to {size - 1}"
+        )
+    return rank or 0
 
 
 def omp_num_threads() -> int | None:
