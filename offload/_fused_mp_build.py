@@ -5,8 +5,8 @@ The C++ source is compiled on first use with torch's extension tooling
 ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set (torch's own convention for extension builds),
 else ``$XDG_CACHE_HOME/offload-autotune/ext/<name>`` (``autotune.knobs.extensions_dir``; never
 beside the tuning cache, whose path may be ``/dev/null`` or a bare ``c.json``), and ``<name>``
-hashes the source, the torch and Python versions, the compiler's ``--version`` and the flags, so a cached build is reused only where
-it was made for exactly this combination. The flags are those torch compiles its own kernels with
+hashes the source, the torch and Python versions, the compiler's ``--version`` and the flags, so
+a cached build is reused only where it was made for exactly this combination. The flags are those torch compiles its own kernels with
 for the CPU capability torch dispatches to at runtime (``torch.backends.cpu.get_cpu_capability()``:
 AVX512, AVX2 or DEFAULT), never ``-march=native``: that would tie a cache shared over NFS to one CPU
 model, and change the vector width and FMA use, and with them the rounding, away from torch's. An
