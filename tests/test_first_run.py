@@ -49,7 +49,7 @@ def test_two_runs_keep_both_traces_and_the_cli_finds_the_newest(tmp_path: Path, 
     assert resolve_run_dir(trace) == trace / "run-2"
     assert resolve_run_dir(trace / "run-1") == trace / "run-1"
     out = io.StringIO()
-    assert _cli.main(["show", "--run", str(trace)], stdout=out) == 0
+    assert _cli.main(["show", "--run", str(trace), "--json"], stdout=out) == 0
     assert json.loads(out.getvalue())["steps"] == 2
     out = io.StringIO()
     assert _cli.main(["export", "--run", str(trace), "--format", "csv"], stdout=out) == 0
