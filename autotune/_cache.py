@@ -50,7 +50,7 @@ from autotune._cachefile import atomic_write_bytes, bad_path, exclusive_lock, ki
 if TYPE_CHECKING:
     from autotune._space import SearchSpace
 
-__all__ = ["CacheEntry", "TuningCache", "CacheEntryError", "SCHEMA_VERSION", "validate_entry"]
+__all__ = ["CacheEntry", "TuningCache", "CacheEntryError", "CacheWriteError", "SCHEMA_VERSION", "validate_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +270,10 @@ def _parse(raw: bytes) -> _Snapshot:
     return snap
 
 
+class CacheWriteError(OSError):
+    """A change asked for with ``strict=True`` was not persisted; the message says why."""
+
+
 class TuningCache:
     """A JSON file of tuning results keyed by fingerprint, safe across processes.
 
@@ -292,6 +296,8 @@ class TuningCache:
         if "\0" in str(self.path):
             raise ValueError(f"TuningCache path={str(self.path)!r}: a path cannot contain a NUL byte")
         self.lock_timeout_s = float(lock_timeout_s)
+        self._failure: str | None = None  # why the latest _mutate did not persist
+        self._quiet = False  # strict callers get the failure raised, not logged
 
     def __repr__(self) -> str:
         return f"TuningCache({str(self.path)!r})"
@@ -328,9 +334,13 @@ class TuningCache:
         entry = snap.entries.get(key)
         return copy.deepcopy(entry) if entry is not None else None
 
-    def entries(self) -> dict[str, dict[str, Any]]:
-        """All valid entries, keyed by fingerprint key (deep copies)."""
-        return copy.deepcopy(self._read_checked().entries)
+    def entries(self, *, repair: bool = True) -> dict[str, dict[str, Any]]:
+        """All valid entries, keyed by fingerprint key (deep copies).
+
+        ``repair=False`` (inspection, ``python -m autotune show``) only reads and warns: a corrupt
+        file or bad entries are not set aside, no file is changed.
+        """
+        return copy.deepcopy(self._read_checked(repair=repair).entries)
 
     def put(self, key: str, entry: Mapping[str, Any] | CacheEntry) -> bool:
         """Store ``entry`` under ``key``, merging with entries other processes wrote meanwhile.
@@ -349,8 +359,12 @@ class TuningCache:
 
         return self._mutate(store, f"store entry {key[:16]!r}")
 
-    def delete(self, key: str) -> bool:
-        """Remove ``key``; True when it was present and the file was rewritten."""
+    def delete(self, key: str, *, strict: bool = False) -> bool:
+        """Remove ``key``; True when it was present and the file was rewritten.
+
+        ``strict=True``: raise :class:`CacheWriteError` (instead of warning) when the file could
+        not be rewritten.
+        """
         _check_key(key)
         found: list[bool] = []
 
@@ -358,10 +372,14 @@ class TuningCache:
             found.append(entries.pop(key, None) is not None)
             return found[-1]
 
-        return self._mutate(drop, f"delete entry {key[:16]!r}") and found == [True]
+        return self._strictly(strict, drop, f"delete entry {key[:16]!r}") and found == [True]
 
-    def clear(self) -> int:
-        """Remove every entry; returns how many were removed (0 also when nothing could be written)."""
+    def clear(self, *, strict: bool = False) -> int:
+        """Remove every entry; returns how many were removed (0 also when nothing could be written).
+
+        ``strict=True``: raise :class:`CacheWriteError` (instead of warning and returning 0) when
+        nothing could be written, e.g. a read-only cache.
+        """
         removed: list[int] = []
 
         def wipe(entries: dict[str, dict[str, Any]]) -> bool:
@@ -369,9 +387,27 @@ class TuningCache:
             entries.clear()
             return True
 
-        if not self._mutate(wipe, "clear the cache"):
+        if not self._strictly(strict, wipe, "clear the cache"):
             return 0
         return removed[0] if removed else 0
+
+    def _strictly(self, strict: bool, change: Callable[[dict[str, dict[str, Any]]], bool], action: str) -> bool:
+        """:meth:`_mutate`, raising CacheWriteError with the reason instead of warning when ``strict``."""
+        self._quiet = strict
+        try:
+            done = self._mutate(change, action)
+        finally:
+            self._quiet = False
+        if strict and not done:
+            reason = (self._failure or f"Cannot {action}: {self.path} was not written")
+            raise CacheWriteError(reason.removesuffix("; continuing without persisting"))
+        return done
+
+    def _cannot(self, message: str, *args: Any) -> None:
+        """Record (and, unless a strict caller raises it, log) why a change was not persisted."""
+        self._failure = message % args
+        if not self._quiet:
+            logger.warning("%s", self._failure)
 
     def bad_files(self) -> list[Path]:
         """Files kept aside because they were corrupt, oldest first."""
@@ -389,8 +425,8 @@ class TuningCache:
         state: _State = "corrupt" if raw.state == "too_large" else raw.state
         return _Snapshot(state, problems=[raw.problem] if raw.problem is not None else [])
 
-    def _read_checked(self) -> _Snapshot:
-        """Read, warn about bad input and set bad files aside (best effort, under the lock)."""
+    def _read_checked(self, *, repair: bool = True) -> _Snapshot:
+        """Read, warn about bad input and (``repair``) set bad files aside (best effort, under the lock)."""
         snap = self._read()
         if snap.state == "newer":
             logger.warning(
@@ -404,7 +440,8 @@ class TuningCache:
             self._warn_special(snap.problems[0])
         elif snap.state in ("corrupt", "partial"):
             self._warn_bad(snap)
-            self._mutate(None, "set the bad cache file aside")
+            if repair:
+                self._mutate(None, "set the bad cache file aside")
         return snap
 
     def _warn_special(self, problem: str) -> None:
@@ -429,16 +466,19 @@ class TuningCache:
         ``change`` edits the entries in place and returns whether it changed anything;
         ``change=None`` only repairs (sets bad input aside and rewrites the valid entries).
         """
+        self._failure = None
         problem = self.file_problem()
         if problem is not None and problem.endswith("not a regular file"):
-            self._warn_special(f"it {problem}")  # no lock file beside it either
+            self._failure = f"cannot {action}: {self.path} {problem}"
+            if not self._quiet:
+                self._warn_special(f"it {problem}")  # no lock file beside it either
             return False
         target = self.target
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            logger.warning("Cannot %s: cache directory %s is unusable (%s); continuing without persisting",
-                           action, target.parent, exc)
+            self._cannot("Cannot %s: cache directory %s is unusable (%s); continuing without persisting",
+                         action, target.parent, exc)
             return False
         with self._locked(action) as locked:
             if not locked:
@@ -446,14 +486,16 @@ class TuningCache:
             self._remove_stale_temp_files()
             snap = self._read()
             if snap.state == "special":  # became one since the check above
-                self._warn_special(snap.problems[0])
+                self._failure = f"cannot {action}: {self.path}: {snap.problems[0]}"
+                if not self._quiet:
+                    self._warn_special(snap.problems[0])
                 return False
             if snap.state == "newer":
-                logger.warning("Cannot %s: %s has schema %s, newer than %s; leaving it untouched",
+                self._cannot("Cannot %s: %s has schema %s, newer than %s; leaving it untouched",
                                action, self.path, snap.schema, SCHEMA_VERSION)
                 return False
             if snap.state == "unreadable":
-                logger.warning("Cannot %s: %s is unreadable (%s)", action, self.path, snap.problems[0])
+                self._cannot("Cannot %s: %s is unreadable (%s)", action, self.path, snap.problems[0])
                 return False
             rewrite = False
             if snap.state == "corrupt":
@@ -473,7 +515,7 @@ class TuningCache:
     def _locked(self, action: str) -> Iterator[bool]:
         with exclusive_lock(self.lock_path, timeout_s=self.lock_timeout_s) as problem:
             if problem is not None:
-                logger.warning("Cannot %s: %s; continuing without persisting", action, problem)
+                self._cannot("Cannot %s: %s; continuing without persisting", action, problem)
             yield problem is None
 
     def _temp_prefix(self) -> str:
@@ -501,8 +543,8 @@ class TuningCache:
                     raw = src.read(MAX_FILE_BYTES + 1)
                 atomic_write_bytes(target, raw, temp_prefix=self._temp_prefix())
         except OSError as exc:
-            logger.warning("Could not keep the bad cache file %s aside as %s (%s); leaving it in place",
-                           self.path, target, exc)
+            self._cannot("Could not keep the bad cache file %s aside as %s (%s); leaving it in place",
+                         self.path, target, exc)
             return False
         logger.warning("Kept the bad cache file aside as %s", target)
         return True
@@ -513,7 +555,7 @@ class TuningCache:
         try:
             atomic_write_bytes(self.target, data, temp_prefix=self._temp_prefix())
         except OSError as exc:
-            logger.warning("Cannot %s: writing %s failed (%s); continuing without persisting", action, self.path, exc)
+            self._cannot("Cannot %s: writing %s failed (%s); continuing without persisting", action, self.path, exc)
             return False
         return True
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autotune import knobs
-from autotune._cache import SCHEMA_VERSION, TuningCache
+from autotune._cache import SCHEMA_VERSION, CacheWriteError, TuningCache
 from autotune._runs import resolve_run_dir
 from autotune._trace import (
     SUMMARY_JSON,
@@ -75,8 +75,16 @@ def _machine(entry: Mapping[str, Any]) -> str:
     parts = [str(hw.get("cpu_model", "?")), f"{hw.get('affinity_cpus', '?')} cpus"]
     if acc and acc.get("name") not in (None, "cpu"):
         parts.append(f"{acc.get('count')}x {acc.get('name')}")
-    parts.append(f"{fp.get('local_world_size', '?')} local ranks")
+    parts.append(_count(fp.get("local_world_size", "?"), "local rank"))
     return ", ".join(parts)
+
+
+def _count(n: Any, noun: str) -> str:
+    """``"1 entry"``, ``"2 entries"``, ``"1 local rank"``: ``n`` and ``noun`` in the right number."""
+    if n == 1:
+        return f"1 {noun}"
+    plural = noun[:-1] + "ies" if noun.endswith("y") else noun + "s"
+    return f"{n} {plural}"
 
 
 def _select(entries: Mapping[str, Any], prefixes: Sequence[str]) -> dict[str, Any]:
@@ -129,14 +137,17 @@ def _show(args: argparse.Namespace, out: TextIO) -> int:
         summary = read_summary(run)
         if summary is None:
             raise CliError(f"{run / SUMMARY_JSON} does not exist or is not a JSON object")
-        out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        if args.json:
+            out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        else:
+            _run_summary(run, summary, out)
         return 0
     cache = _cache(args)
-    entries = _select(cache.entries(), args.keys)
+    entries = _select(cache.entries(repair=False), args.keys)  # inspection: never changes a file
     if args.json or args.keys:
         out.write(json.dumps(entries, indent=2, sort_keys=True) + "\n")
         return 0
-    out.write(f"cache: {cache.path} ({len(entries)} entries)\n")
+    out.write(f"cache: {cache.path} ({_count(len(entries), 'entry')})\n")
     bad = cache.bad_files()
     if bad:
         out.write(f"bad files kept aside: {', '.join(p.name for p in bad)}\n")
@@ -156,6 +167,29 @@ def _show(args: argparse.Namespace, out: TextIO) -> int:
         ])
     _table(rows, out)
     return 0
+
+
+def _seconds(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value * 1e3:.2f} ms"
+    return "-"
+
+
+def _run_summary(run: Path, summary: Mapping[str, Any], out: TextIO) -> None:
+    """A few readable lines of a run's summary.json (the raw form: ``show --run DIR --json``)."""
+    speedup = summary.get("speedup")
+    ratio = f"{speedup:.2f}x" if isinstance(speedup, (int, float)) and math.isfinite(speedup) else "-"
+    out.write(f"run: {run}\n")
+    out.write(f"state: {summary.get('state', '-')}, cache: {summary.get('cache_status', '-')}, "
+              f"steps: {summary.get('steps', '-')} (probe {summary.get('probe_steps', '-')}, "
+              f"check {summary.get('check_steps', '-')})\n")
+    out.write(f"static plan: {_knobs_text(summary.get('baseline'))} "
+              f"({_seconds(summary.get('baseline_median_s'))})\n")
+    out.write(f"winner: {_knobs_text(summary.get('winner'))} ({_seconds(summary.get('winner_median_s'))}, "
+              f"{ratio} vs the static plan)\n")
+    if summary.get("reason"):
+        out.write(f"reason: {summary['reason']}\n")
+    out.write(f"(all fields: python -m autotune show --run {run} --json)\n")
 
 
 def _entry_row(key: str, entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -209,22 +243,28 @@ def _plot(args: argparse.Namespace, out: TextIO) -> int:
     try:
         plot_trace(rows, read_summary(run), target)
     except ImportError:
-        raise CliError("plotting needs matplotlib: pip install 'offload-autotune[plot]'") from None
+        raise CliError("plotting needs matplotlib: pip install matplotlib") from None
     out.write(f"wrote {target}\n")
     return 0
 
 
 def _clear(args: argparse.Namespace, out: TextIO) -> int:
     cache = _cache(args, must_exist=False)
-    if cache.file_problem() is not None:
-        if args.keys:
-            raise CliError(f"cache file {cache.path} does not exist: no entry to remove")
-        out.write(f"nothing to remove: cache file {cache.path} does not exist\n")
-    elif args.keys:
-        removed = sum(cache.delete(key) for key in _select(cache.entries(), args.keys))
-        out.write(f"removed {removed} entries from {cache.path}\n")
-    else:
-        out.write(f"removed {cache.clear()} entries from {cache.path}\n")
+    problem = cache.file_problem()
+    try:
+        if problem is not None and problem not in ("does not exist", "is a dangling symlink"):
+            raise CliError(f"cache file {cache.path} {problem}")
+        if problem is not None:
+            if args.keys:
+                raise CliError(f"cache file {cache.path} {problem}: no entry to remove")
+            out.write(f"nothing to remove: cache file {cache.path} {problem}\n")
+        elif args.keys:
+            removed = sum(cache.delete(key, strict=True) for key in _select(cache.entries(), args.keys))
+            out.write(f"removed {_count(removed, 'entry')} from {cache.path}\n")
+        else:
+            out.write(f"removed {_count(cache.clear(strict=True), 'entry')} from {cache.path}\n")
+    except CacheWriteError as exc:
+        raise CliError(f"cannot clear {cache.path}: {exc}") from None
     if args.bad:
         for path in cache.bad_files():
             path.unlink(missing_ok=True)
@@ -250,10 +290,11 @@ def _parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", parents=[common], help="list cache entries, or one run's summary",
                           description="List the cache entries (or print the ones named by key prefix as JSON), "
-                                      "or print a run directory's summary.json with --run.")
+                                      "or summarise a run directory's summary.json with --run (all of it with --json).")
     show.add_argument("keys", nargs="*", metavar="KEY", help="key prefixes to print in full")
-    show.add_argument("--json", action="store_true", help="print the entries as JSON")
-    show.add_argument("--run", metavar="DIR", help="print DIR/summary.json instead of the cache "
+    show.add_argument("--json", action="store_true", help="print the entries (or, with --run, the "
+                      "whole summary.json) as JSON")
+    show.add_argument("--run", metavar="DIR", help="summarise DIR/summary.json instead of the cache "
                       "(DIR: a run directory, or a trainer's --trace-dir: its newest run-N)")
     show.set_defaults(func=_show)
 

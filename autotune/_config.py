@@ -8,6 +8,7 @@ Kept apart from the tuner so the schedule modules (:mod:`autotune._probe`,
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -72,10 +73,12 @@ class AutotuneConfig:
     """Most drift-triggered re-probes per run; each spends at most ``probe_steps`` steps."""
     use_cache: bool = True
     """Read and write the tuning cache (clients build a ``TuningCache`` from the two fields below)."""
-    cache_path: str | None = None
-    """Cache file; None: ``$OFFLOAD_AUTOTUNE_CACHE`` or the user cache directory (``autotune.knobs``)."""
-    trace_dir: str | None = None
-    """Directory for the trace files (trace.jsonl, trace.csv, trace.chrome.json, summary.json, tuning.png); None: no trace."""
+    cache_path: str | os.PathLike[str] | None = None
+    """Cache file (a ``Path`` is accepted and stored as ``str``); None: ``$OFFLOAD_AUTOTUNE_CACHE``
+    or the user cache directory (``autotune.knobs``)."""
+    trace_dir: str | os.PathLike[str] | None = None
+    """Directory for the trace files (trace.jsonl, trace.csv, trace.chrome.json, summary.json,
+    tuning.png; a ``Path`` is stored as ``str``); None: no trace."""
 
     def __post_init__(self) -> None:
         _check_int("probe_steps", self.probe_steps, 1)
@@ -99,8 +102,11 @@ class AutotuneConfig:
         _check_int("max_reprobes", self.max_reprobes, 0)
         for name in ("cache_path", "trace_dir"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"AutotuneConfig.{name}={value!r}: expected None or a non-empty str path")
+            text = os.fspath(value) if isinstance(value, os.PathLike) else value
+            if value is not None and (not isinstance(text, str) or not text):
+                raise ValueError(f"AutotuneConfig.{name}={value!r}: expected None or a non-empty str or "
+                                 "os.PathLike path")
+            object.__setattr__(self, name, text)  # stored as str: equal configs compare equal
         for name in ("force_retune", "drift_reprobe", "use_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AutotuneConfig.{name}={getattr(self, name)!r}: expected a bool")

@@ -192,6 +192,8 @@ def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, 
         + f" ({decision.sampler}): "
         + decision.reason
     )
+    if not decision.measurements:  # "only one candidate", a cache hit: no table, no empty header
+        return head
     rows = [head, f"  {'candidate':<44} {'median ms':>10} {'w/o spikes':>10} {'IQR ms':>10} {'n':>5}"]
     for m in sorted(decision.measurements, key=lambda m: m["median_s"]):
         t = trimmed[space.key(m["candidate"])]

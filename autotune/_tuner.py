@@ -252,10 +252,14 @@ class OnlineTuner:
         session = schedule.session if schedule is not None else None
         planned = session.plan.steps if session is not None else self.config.probe_steps
         done = session.steps if session is not None else self._probe_steps
+        # The session began after the steps before it (a cache re-check's, a locked stretch's):
+        # the advice counts them, or a re-tune after a stale re-check could never finish in time.
+        needed = max(self._steps - done, 0) + planned
+        before = f", after {self._steps - done} step(s) before this session" if needed > planned else ""
         return (
             f"{OWNER}: closed after {self._steps} step(s) while still probing ({done} of the "
-            f"{planned} probe steps it planned, at most {self.config.probe_steps}): nothing was "
-            f"locked in or cached, the next run probes again; train for at least {planned} steps "
+            f"{planned} probe steps it planned, at most {self.config.probe_steps}{before}): nothing "
+            f"was locked in or cached, the next run probes again; train for at least {needed} steps "
             "(more if the first steps are slow to settle) to tune"
         )
 

@@ -23,9 +23,11 @@ __all__ = [
     "cache_path",
     "local_world_size",
     "local_rank",
+    "node_local_rank",
     "omp_num_threads",
     "TORCH_EXTENSIONS_VAR",
     "torch_extensions_dir",
+    "extensions_dir",
 ]
 
 #: Forces the intra-op thread count of every rank; wins over the ThreadPlan and the tuner's
@@ -81,25 +83,46 @@ def threads_override() -> int | None:
     return _int(THREADS_VAR, minimum=1, maximum=MAX_THREADS)
 
 
+def _cache_home() -> Path:
+    """``$XDG_CACHE_HOME`` (or ``~/.cache``)/offload-autotune: the default home of our files."""
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base).expanduser() / "offload-autotune"
+    except RuntimeError as exc:  # "~user/..." of an unknown user, or no home directory at all
+        value = os.environ.get("XDG_CACHE_HOME", "")
+        raise KnobError(f"Unable to use XDG_CACHE_HOME={value!r}: {exc} (expected a path)") from None
+
+
 def cache_path() -> Path:
     """``OFFLOAD_AUTOTUNE_CACHE``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)/offload-autotune/cache.json."""
     raw = os.environ.get(CACHE_VAR)
-    name = CACHE_VAR
+    if not raw:
+        return _cache_home() / "cache.json"
     try:
-        if raw:
-            return Path(raw).expanduser()
-        name = "XDG_CACHE_HOME"
-        base = os.environ.get(name) or str(Path.home() / ".cache")
-        return Path(base).expanduser() / "offload-autotune" / "cache.json"
+        return Path(raw).expanduser()
     except RuntimeError as exc:  # "~user/..." of an unknown user, or no home directory at all
-        value = os.environ.get(name, "")
-        raise KnobError(f"Unable to use {name}={value!r}: {exc} (expected a path)") from None
+        raise KnobError(f"Unable to use {CACHE_VAR}={raw!r}: {exc} (expected a path)") from None
 
 
 def torch_extensions_dir() -> Path | None:
     """``TORCH_EXTENSIONS_DIR`` (torch's convention for C++ extension builds), or None if unset."""
     raw = os.environ.get(TORCH_EXTENSIONS_VAR)
-    return Path(raw).expanduser() if raw else None
+    if not raw:
+        return None
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError as exc:
+        raise KnobError(f"Unable to use {TORCH_EXTENSIONS_VAR}={raw!r}: {exc} (expected a path)") from None
+
+
+def extensions_dir() -> Path:
+    """Where native kernels are built: ``TORCH_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME`` (or
+    ``~/.cache``)/offload-autotune/ext.
+
+    Independent of ``OFFLOAD_AUTOTUNE_CACHE`` on purpose: a cache path of ``/dev/null`` or
+    ``c.json`` once put the build in ``/dev/ext/`` or a silent rebuild in ``./ext/``.
+    """
+    return torch_extensions_dir() or _cache_home() / "ext"
 
 
 def local_world_size() -> int | None:
@@ -110,6 +133,19 @@ def local_world_size() -> int | None:
 def local_rank() -> int | None:
     """``LOCAL_RANK`` as set by torchrun, or None outside a launcher."""
     return _int("LOCAL_RANK", minimum=0)
+
+
+def node_local_rank() -> int:
+    """``LOCAL_RANK`` (0 when unset), checked to be below ``LOCAL_WORLD_SIZE`` when that is set:
+    a :class:`KnobError` naming both, where a launcher would otherwise get torch's traceback."""
+    rank = local_rank()
+    size = local_world_size()
+    if rank is not None and size is not None and rank >= size:
+        raise KnobError(
+            f"Unable to use LOCAL_RANK={rank} with LOCAL_WORLD_SIZE={size}: expected LOCAL_RANK "
+            f"from 0 to {size - 1}"
+        )
+    return rank or 0
 
 
 def omp_num_threads() -> int | None:

@@ -86,7 +86,7 @@ def setup(device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S, group: 
                                     rank=0, world_size=1, timeout=_dt.timedelta(seconds=timeout_s))
         return DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1,
                         backend=dist.get_backend(), timeout_s=timeout_s)
-    local_rank = knobs.local_rank() or 0
+    local_rank = knobs.node_local_rank()  # LOCAL_RANK=5 with LOCAL_WORLD_SIZE=2: one line, not torch's traceback
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)

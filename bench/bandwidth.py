@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
-from bench._args import int_list, thread_list
+from bench._args import OUT_DIR_HELP, int_list, resolve_out_dir, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "verified bitwise and built, else torch)")
     p.add_argument("--quick", action="store_true", help="tiny model, small chunks, 2 rounds: a smoke run")
     p.add_argument("--allow-small", action="store_true", help="accept models under 50M parameters")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="result file stem (default bandwidth or bandwidth-quick)")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -438,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = _resolve(parser, parser.parse_args(argv))
+    resolve_out_dir(args, args.name)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     run(args, argv)

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from bench._args import OUT_DIR_HELP, resolve_out_dir
 from bench._stats import atomic_write_json, atomic_write_text, machine_info
 
 __all__ = ["main", "measure_rank"]
@@ -155,12 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fsdp_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-size", default="small")
     p.add_argument("--world-sizes", default="1,2,4", help="comma-separated")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="fsdp_memory")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker_out is not None:
         return _worker(args)
+    resolve_out_dir(args, args.name)
     worlds = []
     for w in (int(x) for x in args.world_sizes.split(",")):
         ranks = _run_world(w, args.model_size)

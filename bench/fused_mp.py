@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from bench._args import int_list, thread_list
+from bench._args import OUT_DIR_HELP, int_list, resolve_out_dir, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="discarded rounds before measuring")
     p.add_argument("--allow-small", action="store_true",
                    help=f"accept models under {_MIN_PARAMS:,} parameters")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="fused_mp", help="result file stem")
     p.add_argument("--note", default="", help="free text stored with the result")
     return p
@@ -319,6 +319,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    resolve_out_dir(args, args.name)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result = run(args, argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench._args import int_list, thread_list
+from bench._args import OUT_DIR_HELP, int_list, resolve_out_dir, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import ProbeBuffers, c_kernel_status
 from bench.fused_mp import BYTES_PER_PARAM, TARGET_PROBE_RATIO, TARGET_SPEEDUP
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds before measuring")
     p.add_argument("--steps", type=int, default=2, help="measured steps per optimizer visit")
     p.add_argument("--allow-small", action="store_true", help=f"accept models under {_MIN_PARAMS:,} params")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="fused_mp_optimizer", help="result file stem")
     p.add_argument("--note", default="", help="free text stored with the result")
     p.add_argument("--quick", action="store_true",
@@ -248,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         build_parser().error(f"--rounds {args.rounds} / --steps {args.steps} / --warmup {args.warmup}: "
                              "expected >= 1 / >= 1 / >= 0")
+    resolve_out_dir(args, args.name)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     started = time.time()
     result = run(args, argv)

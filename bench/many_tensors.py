@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from bench._args import thread_list
+from bench._args import OUT_DIR_HELP, resolve_out_dir, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 
 logger = logging.getLogger("bench.many_tensors")
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per optimizer, thread count and round")
     p.add_argument("--quick", action="store_true", help="the quick preset, 2 rounds")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="result file stem (default many_tensors[-quick])")
     p.add_argument("--note", default="")
     return p
@@ -223,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.preset = args.preset or ("quick" if args.quick else "moe")
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
     args.name = args.name or ("many_tensors-quick" if args.quick else "many_tensors")
+    resolve_out_dir(args, args.name)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     run(args, argv)

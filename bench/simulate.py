@@ -47,6 +47,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
+from bench._args import resolve_out_dir
 from bench._simulate_nodes import NODES, REQUIRED_NODES, build_node
 from bench._simulate_report import model_text, render_markdown, summary_line
 from bench._stepmodel import Node, NoiseModel
@@ -72,7 +73,6 @@ TARGET_MEDIAN_REGRET = 0.02
 TARGET_P95_REGRET = 0.05
 #: Seconds a simulated collective waits for the other simulated ranks before it fails.
 BARRIER_TIMEOUT_S = 60.0
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 #: The chunk size ``CPUOffloadAdamW`` uses unless told otherwise (the static plan's chunk).
 DEFAULT_CHUNK_NUMEL = OffloadSettings().chunk_numel
 
@@ -475,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="4 seeds of the issue's three nodes, no files unless --out-dir")
     p.add_argument("--nodes", default=None, help=f"comma-separated subset of {','.join(NODES)}")
     p.add_argument("--out-dir", type=Path, default=None, help="where to write simulated_nodes.{json,md} "
-                   "(default bench/results for a full run; nothing for --quick)")
+                   "(default: a new runs/bench/<name>-N for a full run, nothing for --quick; the committed "
+                   "results are replaced only with --out-dir bench/results)")
     p.add_argument("--what-if-seeds", type=int, default=None,
                    help="seeds per node of each what-if variant (default 20; 0 with --quick)")
     p.add_argument("--gloo-check-seeds", type=int, default=None,
@@ -508,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.gloo_check_seeds = 0 if args.quick else 5
     args.nodes = names
     result = run(args, argv)
-    out_dir = args.out_dir if args.out_dir is not None else (None if args.quick else DEFAULT_OUT_DIR)
+    out_dir = args.out_dir if args.quick else resolve_out_dir(args, args.name)
     text = render_markdown(result)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

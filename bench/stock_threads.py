@@ -38,6 +38,7 @@ import torch
 
 from autotune import AutotuneConfig
 from bench import simulate
+from bench._args import OUT_DIR_HELP, resolve_out_dir
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median, quantile
 from bench._stepmodel import Workload
 from offload import thread_limit, tune_step_threads
@@ -225,13 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=30, help="tuner sessions per simulated node")
     p.add_argument("--skip-here", action="store_true", help="only the simulated nodes")
     p.add_argument("--quick", action="store_true", help="smoke run: 1M elements, 3 rounds, 3 seeds")
-    p.add_argument("--out-dir", type=Path, default=simulate.DEFAULT_OUT_DIR, help="where the .json/.md go")
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="stock_threads", help="file stem of the results")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    resolve_out_dir(args, args.name)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.quick:
         args.params, args.rounds, args.seeds = 1_000_000, 3, 3

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench import _scenarios as sc
+from bench._args import OUT_DIR_HELP, resolve_out_dir
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._suite_report import plot_roofline, plot_scenarios, render_roofline_md, render_suite_md
 
@@ -56,7 +57,6 @@ logger = logging.getLogger("bench.suite")
 __all__ = ["SECTIONS", "build_parser", "main", "run"]
 
 SECTIONS = ("scenarios", "roofline", "fused_mp", "tuner_quality", "simulate")
-RESULTS = Path(__file__).resolve().parent / "results"
 _DTYPES = ("bf16", "fp32")
 
 
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2; 1 with --quick)")
     p.add_argument("--roofline-size", default=None, help="bandwidth model preset (default 50m; tiny with --quick)")
     p.add_argument("--roofline-repeats", type=int, default=None, help="bandwidth rounds (default 3; 1 with --quick)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the result files go (default bench/results)")
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="scenario result stem (default suite or suite-quick)")
     p.add_argument("--keep-runs", type=Path, default=None, help="keep every run's summary, trace and output here")
     p.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
@@ -505,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = _resolve(parser, parser.parse_args(argv))
+    resolve_out_dir(args, args.name)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     result = run(args, argv)

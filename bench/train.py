@@ -546,10 +546,14 @@ def _print_summary(s: dict[str, Any]) -> None:
         print("optimizer stage medians: " + " ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in med.items()),
               flush=True)
     t = s["tuner"]
-    print(f"tuner: state {t['state']} cache_hit {t['cache_hit']} probe_steps {t['probe_steps']} "
-          f"baseline {t['baseline']} winner {t['winner']}", flush=True)
+    if t["state"] == "off":
+        print("tuner: off", flush=True)
+    else:
+        print(f"tuner: state {t['state']} cache_hit {t['cache_hit']} probe_steps {t['probe_steps']} "
+              f"baseline {t['baseline']} winner {t['winner']}", flush=True)
     for r in s["ranks"]:
-        print(f"rank {r['rank']}: threads {r['threads']} chunk {r['chunk_numel']} compute_threads "
+        chunk = r["chunk_numel"] if r["chunk_numel"] is not None else "n/a (stock optimizer)"
+        print(f"rank {r['rank']}: threads {r['threads']} chunk {chunk} compute_threads "
               f"{r['compute_threads']} params sha256 {r['param_sha256'][:16]}", flush=True)
 
 

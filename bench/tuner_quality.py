@@ -73,6 +73,7 @@ from typing import Any, Sequence
 import torch
 
 from bench import train
+from bench._args import OUT_DIR_HELP, resolve_out_dir
 from bench._stats import atomic_write_json, atomic_write_text, machine_info, median
 from bench._tuner_quality_analysis import (
     DEFINITIONS,
@@ -338,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-dir", type=Path, default=None, help="tuner trace of repetition 0")
     p.add_argument("--quick", action="store_true", help="small model, synthetic gradients, few rounds: a smoke run")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="result file stem (default tuner_quality or tuner_quality-quick)")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -472,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = _resolve(parser, parser.parse_args(argv))
+    resolve_out_dir(args, args.name)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     run(args, argv)

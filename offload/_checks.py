@@ -69,7 +69,8 @@ def check_options(where: str, options: dict[str, Any]) -> None:
         if value not in accepted:
             raise ValueError(
                 f"CPUOffloadAdamW does not support {name}={value!r}{where}: expected one of "
-                f"{accepted} (the step always runs torch's fused CPU AdamW kernel)"
+                f"{accepted} (neither of the step's kernels, the native fused-mp one and torch's fused CPU "
+                "AdamW, implements anything else)"
             )
 
 

@@ -3,10 +3,10 @@
 The C++ source is compiled on first use with torch's extension tooling
 (``torch.utils.cpp_extension.load``, which needs a C++ compiler and ``ninja``) into
 ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set (torch's own convention for extension builds),
-else ``<cache dir>/ext/<name>`` where ``<cache dir>`` is the folder of the tuning cache
-(``$XDG_CACHE_HOME/offload-autotune`` by default), and ``<name>`` hashes the source, the torch and
-Python versions, the compiler's ``--version`` and the flags, so a cached build is reused only where
-it was made for exactly this combination. The flags are those torch compiles its own kernels with
+else ``$XDG_CACHE_HOME/offload-autotune/ext/<name>`` (``autotune.knobs.extensions_dir``; never
+beside the tuning cache, whose path may be ``/dev/null`` or a bare ``c.json``), and ``<name>``
+hashes the source, the torch and Python versions, the compiler's ``--version`` and the flags, so
+a cached build is reused only where it was made for exactly this combination. The flags are those torch compiles its own kernels with
 for the CPU capability torch dispatches to at runtime (``torch.backends.cpu.get_cpu_capability()``:
 AVX512, AVX2 or DEFAULT), never ``-march=native``: that would tie a cache shared over NFS to one CPU
 model, and change the vector width and FMA use, and with them the rounding, away from torch's. An
@@ -49,6 +49,7 @@ __all__ = [
     "KernelLoader",
     "build_spec",
     "load_extension",
+    "needs_build",
     "pip_ninja_on_path",
 ]
 
@@ -135,8 +136,7 @@ def build_spec(source: Path = SOURCE, cache_root: Path | None = None) -> BuildSp
     if cache_root is not None:
         build_dir = cache_root / "ext" / name
     else:
-        extensions = knobs.torch_extensions_dir()
-        build_dir = extensions / name if extensions is not None else knobs.cache_path().parent / "ext" / name
+        build_dir = knobs.extensions_dir() / name
     return BuildSpec(
         name=name,
         source=source,
@@ -242,6 +242,9 @@ def _build_and_import(spec: BuildSpec) -> ModuleType:
     start = time.perf_counter()
     try:
         with _build_lock(spec.build_dir, _BUILD_WAIT_S):
+            if needs_build(spec):  # otherwise the first run is silent for the ~30 s compile
+                logger.info("building the native AdamW kernel (first run, ~30 s) in %s ...",
+                            spec.build_dir)
             module = cpp_extension.load(
                 name=spec.name,
                 sources=[str(spec.source)],
@@ -270,6 +273,11 @@ def _build_and_import(spec: BuildSpec) -> ModuleType:
         time.perf_counter() - start, spec.build_dir,
     )
     return module
+
+
+def needs_build(spec: BuildSpec) -> bool:
+    """Whether loading ``spec`` compiles: no built library in its (keyed) directory yet."""
+    return not (spec.build_dir / f"{spec.name}.so").is_file()
 
 
 def _check_thread_pool(module: ModuleType) -> None:

@@ -135,7 +135,7 @@ def test_clear_one_key_and_bad_files(cache_path: Path) -> None:
     rc, out, _ = call("show", "--cache", str(cache_path))
     assert rc == 0 and bad.name in out
     rc, out, _ = call("clear", "aaaa", "--bad", "--cache", str(cache_path))
-    assert rc == 0 and "removed 1 entries" in out
+    assert rc == 0 and "removed 1 entry from" in out
     assert set(TuningCache(cache_path).entries()) == {KEY_B}
     assert not bad.exists()
 
@@ -165,7 +165,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def test_run_directory_show_export_plot(run_dir: Path, tmp_path: Path) -> None:
-    rc, out, _ = call("show", "--run", str(run_dir))
+    rc, out, _ = call("show", "--run", str(run_dir), "--json")
     assert rc == 0 and json.loads(out)["speedup"] == pytest.approx(2.0)
     rc, out, _ = call("export", "--run", str(run_dir), "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(out)))
@@ -223,3 +223,72 @@ def test_run_path_that_is_a_regular_file_is_one_line(tmp_path: Path) -> None:
 def test_bad_environment_value_is_one_line(tmp_path: Path) -> None:
     line = _one_line_error(run_cli("show", cache=Path("~no-such-user-here/cache.json")))
     assert f"{knobs.CACHE_VAR}='~no-such-user-here/cache.json'" in line, line
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 17: clear says when it cannot, show changes nothing and reads like the console
+
+
+def test_clear_that_cannot_write_is_exit_1_with_one_line(cache_path: Path) -> None:
+    lock = cache_path.with_name(cache_path.name + ".lock")
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # the lock cannot be opened, even by root
+    before = cache_path.read_bytes()
+    for args in (("clear",), ("clear", "aaaa")):
+        line = _one_line_error(run_cli(*args, "--cache", str(cache_path)))
+        assert f"cannot clear {cache_path}" in line and "unusable" in line, line
+    assert cache_path.read_bytes() == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only permissions")
+def test_clear_of_a_read_only_cache_is_exit_1(cache_path: Path) -> None:
+    cache_path.chmod(0o444)
+    cache_path.parent.chmod(0o555)
+    try:
+        line = _one_line_error(run_cli("clear", "--cache", str(cache_path)))
+    finally:
+        cache_path.parent.chmod(0o755)
+    assert "cannot clear" in line and len(TuningCache(cache_path).entries()) == 2
+
+
+def test_clear_below_a_regular_file_is_exit_1(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    rc, out, err = call("clear", "--cache", str(afile / "cache.json"))
+    assert rc == 1 and out == "" and "cannot be examined" in err and len(err.splitlines()) == 1
+
+
+def test_show_never_changes_a_corrupt_cache(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_bytes(b"{not json")
+    for args in (("show",), ("show", "--json")):
+        rc, out, _ = call(*args, "--cache", str(path))
+        assert rc == 0
+    assert path.read_bytes() == b"{not json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+def test_counts_are_singular_for_one(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    one = entry(4, 0.5)
+    one["fingerprint"]["local_world_size"] = 1
+    assert TuningCache(path).put(KEY_A, one)
+    rc, out, _ = call("show", "--cache", str(path))
+    assert rc == 0 and "(1 entry)" in out and "1 local rank" in out and "1 local ranks" not in out
+    rc, out, _ = call("clear", "--cache", str(path))
+    assert rc == 0 and "removed 1 entry from" in out
+
+
+def test_show_run_is_a_short_readable_summary(run_dir: Path) -> None:
+    rc, out, _ = call("show", "--run", str(run_dir))
+    lines = out.splitlines()
+    assert rc == 0 and 3 <= len(lines) <= 8, out
+    assert "static plan: threads=1 (100.00 ms)" in out
+    assert "winner: threads=2 (50.00 ms, 2.00x vs the static plan)" in out
+    assert "--json" in lines[-1] and "{" not in out
+
+
+def test_plot_without_matplotlib_suggests_pip_install_matplotlib(run_dir: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    rc, _, err = call("plot", str(run_dir))
+    assert rc == 1 and err.strip().endswith("plotting needs matplotlib: pip install matplotlib"), err

@@ -49,7 +49,7 @@ def test_two_runs_keep_both_traces_and_the_cli_finds_the_newest(tmp_path: Path, 
     assert resolve_run_dir(trace) == trace / "run-2"
     assert resolve_run_dir(trace / "run-1") == trace / "run-1"
     out = io.StringIO()
-    assert _cli.main(["show", "--run", str(trace)], stdout=out) == 0
+    assert _cli.main(["show", "--run", str(trace), "--json"], stdout=out) == 0
     assert json.loads(out.getvalue())["steps"] == 2
     out = io.StringIO()
     assert _cli.main(["export", "--run", str(trace), "--format", "csv"], stdout=out) == 0
@@ -132,5 +132,7 @@ def test_fused_mp_builds_under_torch_extensions_dir(tmp_path: Path, monkeypatch)
     spec = build_spec()
     assert spec.build_dir.parent == tmp_path / "ext"
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("OFFLOAD_AUTOTUNE_CACHE", str(tmp_path / "cache" / "c.json"))
-    assert build_spec().build_dir.parent == tmp_path / "cache" / "ext"
+    # not beside the cache any more (issue 17): /dev/null or c.json moved the build
+    assert build_spec().build_dir.parent == tmp_path / "xdg" / "offload-autotune" / "ext"

@@ -275,3 +275,30 @@ def test_a_writer_nobody_closes_is_closed_at_exit(tmp_path: Path) -> None:
         assert [r["node_time_s"] for r in csv.DictReader(f)] == ["0.5"]
     doc = strict_json((tmp_path / "trace.chrome.json").read_text())
     assert [e["name"] for e in doc["traceEvents"] if e.get("cat") == "stage"] == ["d2h"]
+
+
+def test_plot_words_match_the_console_and_the_objective() -> None:
+    """tuning.png reads on its own (issue 17): steps from 1, what the y axis measures, "static plan"."""
+    from autotune._trace import plot_text
+
+    rows = [{"step": 0, "phase": "probe", "node_time_s": 0.02,
+             "ranks": {"0": {"time_s": 0.02, "iteration_s": 0.02, "step_s": 0.01}}}]
+    summary = {"cache_hit": False, "speedup": 1.5, "winner_median_s": 0.02, "baseline_median_s": 0.03}
+    text = plot_text(rows, summary)
+    assert "from 1" in text["xlabel"] and text["ylabel"].startswith("training iteration time")
+    assert "static plan" in text["title"] and "baseline" not in str(text)
+    assert [name for _, _, name in text["medians"]] == ["winner median", "static plan median"]
+    rows[0]["ranks"]["0"]["time_s"] = 0.01  # the objective was the optimizer step
+    assert plot_text(rows, summary)["ylabel"].startswith("optimizer step time")
+    hit = plot_text(rows, {**summary, "cache_hit": True})
+    assert "re-check" in hit["title"] and all("recorded" in name for _, _, name in hit["medians"])
+
+
+def test_a_cache_hit_plot_draws_its_check_steps(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="tuning.png needs matplotlib (the [plot] extra)")
+    from autotune._trace import plot_trace
+
+    rows = [{"step": i, "phase": "check_warmup" if i == 0 else "check", "candidate": WINNER,
+             "node_time_s": 0.02 + 0.001 * i} for i in range(4)]
+    png = plot_trace(rows, {"cache_hit": True, "winner": WINNER, "winner_median_s": 0.021}, tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

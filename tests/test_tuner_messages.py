@@ -83,3 +83,21 @@ def test_closing_after_lock_in_is_silent(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="autotune"):
         tuner.close()
     assert not caplog.records
+
+
+def test_closing_a_retune_after_a_stale_recheck_counts_the_check_steps(caplog) -> None:
+    """The advice must count the re-check's steps: a re-tune after a cache hit starts late."""
+    from test_tuner_logic import cache_for, cached_entry
+
+    client = Client(lambda setting: 2.5)  # the cached static plan: recorded 1.0 s, now 2.5 s
+    cache = cache_for(cached_entry(BASELINE, winner_median_s=1.0, baseline_median_s=1.0))
+    tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=40))
+    client.run(tuner, 10)
+    s = tuner.summary()
+    assert s["cache_status"] == "stale" and s["check_steps"] == 4 and tuner.state == "probing"
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        tuner.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "closed after" in r.getMessage()]
+    needed = int(re.search(r"train for at least (\d+) steps", warning).group(1))
+    planned = int(re.search(r"of the (\d+) probe steps it planned", warning).group(1))
+    assert needed == s["check_steps"] + planned and "4 step(s) before this session" in warning, warning

@@ -1,0 +1,54 @@
+"""Where the native kernel is built and what the first build says (issue 17, items 1 and 2)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from autotune import knobs
+from offload._fused_mp_build import KernelLoader, build_spec, needs_build
+
+
+@pytest.mark.parametrize("cache", ["/dev/null", "c.json", "/somewhere/else/cache.json"])
+def test_the_build_directory_ignores_the_cache_path(tmp_path: Path, monkeypatch, cache: str) -> None:
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("OFFLOAD_AUTOTUNE_CACHE", cache)
+    assert knobs.extensions_dir() == tmp_path / "xdg" / "offload-autotune" / "ext"
+    assert build_spec().build_dir.parent == tmp_path / "xdg" / "offload-autotune" / "ext"
+
+
+def test_torch_extensions_dir_wins(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("OFFLOAD_AUTOTUNE_CACHE", "/dev/null")
+    assert knobs.extensions_dir() == tmp_path / "ext"
+
+
+def test_a_bad_xdg_cache_home_names_the_variable(monkeypatch) -> None:
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "~no-such-user-xyz/cache")
+    with pytest.raises(knobs.KnobError, match="XDG_CACHE_HOME='~no-such-user-xyz/cache'"):
+        knobs.extensions_dir()
+
+
+def test_needs_build_until_the_library_is_there(tmp_path: Path) -> None:
+    source = tmp_path / "k.cpp"
+    source.write_text("// k\n")
+    spec = build_spec(source, tmp_path)
+    assert needs_build(spec)
+    spec.build_dir.mkdir(parents=True)
+    (spec.build_dir / f"{spec.name}.so").write_bytes(b"")
+    assert not needs_build(spec)
+
+
+def test_a_build_says_so_before_compiling(tmp_path: Path, caplog) -> None:
+    broken = tmp_path / "fused_mp_adamw.cpp"
+    broken.write_text('#error "deliberately broken kernel source"\n')
+    with caplog.at_level(logging.INFO, logger="offload._fused_mp_build"):
+        module, _ = KernelLoader(broken, tmp_path / "cache").get()
+    assert module is None
+    lines = [r.getMessage() for r in caplog.records if "building the native AdamW kernel" in r.getMessage()]
+    assert len(lines) == 1 and "(first run, ~30 s)" in lines[0]
+    assert str(tmp_path / "cache" / "ext") in lines[0]
