@@ -42,7 +42,7 @@ import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from autotune import knobs
 from autotune._cachefile import atomic_write_bytes, bad_path, exclusive_lock, kind, read_regular
@@ -189,8 +189,8 @@ class CacheEntry:
         """The entry of a JSON value; raises :class:`CacheEntryError` naming the first bad field
         (types only: whether it suits a search space is :meth:`why_unusable`). Unknown keys are
         allowed (a later version may add some) and dropped."""
-        _check_entry(value)
-        assert isinstance(value, dict)
+        _check_entry(value)  # raises CacheEntryError unless value is a dict with the entry's fields
+        value = cast(dict, value)
         return cls(
             winner=dict(value["winner"]),
             baseline=dict(value["baseline"]),

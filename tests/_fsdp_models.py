@@ -52,6 +52,24 @@ def groups(model: nn.Module) -> list[dict[str, Any]]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 2e-3}]
 
 
+def make_pair(kind: str) -> tuple[Net, Any]:
+    """A sharded model and its optimizer: "torch" (AdamW(fused=True)), "ours" or "ours-bf16"."""
+    from offload import CPUOffloadAdamW, OffloadSettings
+
+    model = sharded(torch.bfloat16 if kind == "ours-bf16" else torch.float32)
+    if kind == "torch":
+        return model, torch.optim.AdamW(groups(model), lr=1e-3, fused=True)
+    return model, CPUOffloadAdamW(groups(model), lr=1e-3, settings=OffloadSettings(threads=1, chunk_numel=1024))
+
+
+def train_plain(model: nn.Module, opt: Any, rank: int, steps: range) -> None:
+    """``steps`` of backward, step, zero_grad on this rank's batches (no scheduler)."""
+    for step in steps:
+        model(*batch(rank, step)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
 

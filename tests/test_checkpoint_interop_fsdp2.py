@@ -14,27 +14,9 @@ import pytest
 import torch
 
 from _dist_util import run_workers
+from _fsdp_models import make_pair, train_plain
 
 pytestmark = pytest.mark.slow
-
-
-def _make(kind: str) -> tuple[Any, Any]:
-    from _fsdp_models import groups, sharded
-    from offload import CPUOffloadAdamW, OffloadSettings
-
-    model = sharded(torch.bfloat16 if kind == "ours-bf16" else torch.float32)
-    if kind == "torch":
-        return model, torch.optim.AdamW(groups(model), lr=1e-3, fused=True)
-    return model, CPUOffloadAdamW(groups(model), lr=1e-3, settings=OffloadSettings(threads=1, chunk_numel=1024))
-
-
-def _train(model: Any, opt: Any, rank: int, steps: range) -> None:
-    from _fsdp_models import batch
-
-    for step in steps:
-        model(*batch(rank, step)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
 
 def _state(model: Any, opt: Any) -> list[torch.Tensor]:
@@ -56,8 +38,8 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     # torch.save / torch.load / deepcopy of state_dict(): equal to the live state.
     for kind in ("ours", "ours-bf16"):
-        model, opt = _make(kind)
-        _train(model, opt, rank, range(2))
+        model, opt = make_pair(kind)
+        train_plain(model, opt, rank, range(2))
         sd = opt.state_dict()
         params = [p for g in opt.param_groups for p in g["params"]]
         for i, entry in sd["state"].items():  # aliases of the live state, not copies
@@ -81,18 +63,18 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         opt.load_state_dict(loaded)  # and it loads back
         opt.close()
     # DCP both ways, default planner: torch -> ours -> torch, bitwise torch's uninterrupted run.
-    ref, ref_opt = _make("torch")
-    _train(ref, ref_opt, rank, range(9))
+    ref, ref_opt = make_pair("torch")
+    train_plain(ref, ref_opt, rank, range(9))
     chain = ("torch", "ours", "torch")
-    model, opt = _make(chain[0])
+    model, opt = make_pair(chain[0])
     for i, kind in enumerate(chain):
         if i:
-            model, opt = _make(kind)
+            model, opt = make_pair(kind)
             sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
             dcp.load(sd, checkpoint_id=str(Path(root) / str(i - 1)))
             set_model_state_dict(model, sd["model"])
             set_optimizer_state_dict(model, opt, sd["optim"])
-        _train(model, opt, rank, range(3 * i, 3 * i + 3))
+        train_plain(model, opt, rank, range(3 * i, 3 * i + 3))
         if i < len(chain) - 1:
             dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                      checkpoint_id=str(Path(root) / str(i)))

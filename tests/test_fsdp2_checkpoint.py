@@ -14,30 +14,12 @@ import pytest
 import torch
 
 from _dist_util import run_workers
+from _fsdp_models import make_pair, train_plain
 
 pytestmark = pytest.mark.slow
 
 SAVED_STEPS = 4
 MORE_STEPS = 3
-
-
-def _make(kind: str) -> tuple[Any, Any]:
-    from _fsdp_models import groups, sharded
-    from offload import CPUOffloadAdamW, OffloadSettings
-
-    model = sharded(torch.bfloat16 if kind == "ours-bf16" else torch.float32)
-    if kind == "torch":
-        return model, torch.optim.AdamW(groups(model), lr=1e-3, fused=True)
-    return model, CPUOffloadAdamW(groups(model), lr=1e-3, settings=OffloadSettings(threads=1, chunk_numel=1024))
-
-
-def _train(model: Any, opt: Any, rank: int, steps: range) -> None:
-    from _fsdp_models import batch
-
-    for step in steps:
-        model(*batch(rank, step)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
 
 def _save(model: Any, opt: Any, path: Path) -> None:
@@ -75,8 +57,8 @@ def _save_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     saved = []
     for kind in ("torch", "ours", "ours-bf16"):
-        model, opt = _make(kind)
-        _train(model, opt, rank, range(SAVED_STEPS))
+        model, opt = make_pair(kind)
+        train_plain(model, opt, rank, range(SAVED_STEPS))
         if kind != "torch":
             entry = next(iter(opt.state_dict()["state"].values()))
             names = ("exp_avg", "exp_avg_sq") + (("master_param",) if kind == "ours-bf16" else ())
@@ -87,10 +69,10 @@ def _save_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         if kind == "torch":
             continue
         # Resume on the same world size: bitwise the uninterrupted run.
-        _train(model, opt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
-        resumed, ropt = _make(kind)
+        train_plain(model, opt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        resumed, ropt = make_pair(kind)
         _load(resumed, ropt, Path(root) / kind)
-        _train(resumed, ropt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        train_plain(resumed, ropt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
         assert_same(_state(resumed, ropt), _state(model, opt), f"{kind} resumed")
         if kind == "ours-bf16":
             assert_same([ropt.state[p]["master_param"] for p in resumed.parameters()],
@@ -104,8 +86,8 @@ def _load_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from _fsdp_models import assert_same
 
     torch.set_num_threads(1)
-    ours, opt = _make("ours")
-    ref, ref_opt = _make("torch")
+    ours, opt = make_pair("ours")
+    ref, ref_opt = make_pair("torch")
     _load(ours, opt, Path(root) / "ours")
     _load(ref, ref_opt, Path(root) / "torch")
     assert_same(_state(ours, opt), _state(ref, ref_opt), f"loaded on {world_size}")
@@ -114,8 +96,8 @@ def _load_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
         assert float(opt.state[p]["step"]) == SAVED_STEPS, float(opt.state[p]["step"])
     assert all(bool(opt.state[p]["exp_avg_sq"].ne(0).any())
                for p in ours.parameters() if p.to_local().numel()), "loaded moments are zero"
-    _train(ours, opt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
-    _train(ref, ref_opt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+    train_plain(ours, opt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+    train_plain(ref, ref_opt, rank, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
     assert_same(_state(ours, opt), _state(ref, ref_opt), f"continued on {world_size}")
     opt.close()
     return {"numel": sum(p.to_local().numel() for p in ours.parameters())}
