@@ -120,7 +120,8 @@ def _dcp_cross_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from pathlib import Path
 
     from _fsdp_models import assert_same, groups, sharded
-    from test_fsdp2_checkpoint import _load, _save, _state, _train
+    from _fsdp_models import train_plain as _train
+    from test_fsdp2_checkpoint import _load, _save, _state
     from offload import CPUOffloadAdamW, OffloadSettings
 
     torch.set_num_threads(1)
