@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ShardLayout", "as_dtensor", "is_dtensor", "layout_of", "local"]
+__all__ = ["ShardLayout", "as_dtensor", "is_dtensor", "layout_of", "local", "reduce_norm_terms"]
 
 
 #: Tensor classes that are never DTensors: the step's per-parameter checks answer these without
@@ -112,3 +112,34 @@ def as_dtensor(t: Tensor, layout: ShardLayout) -> Tensor:
 
     return DTensor.from_local(t, layout.mesh, layout.placements, run_check=False,
                               shape=layout.shape, stride=layout.stride)
+
+
+def reduce_norm_terms(params: list[Tensor], terms: Tensor, norm_type: float) -> Tensor:
+    """The global norm term over ``params`` from each one's local term (``terms[i]``: the sum of
+    ``|g|**norm_type`` over this rank's shard of ``params[i]``'s gradient, float64; for
+    ``norm_type=inf`` its max ``|g|``): summed (max for inf) over all parameters and over every
+    rank holding a different shard; a replicated mesh dimension counts once. Returns a float64
+    0-d tensor on the CPU (``**(1/norm_type)`` is the caller's).
+
+    1-D ``Shard(0)`` meshes only for now: one all-reduce per distinct mesh.
+    """
+    inf = math.isinf(norm_type)
+    plain = [i for i, p in enumerate(params) if not is_dtensor(p)]
+    total = terms.new_zeros(())
+    if plain:
+        sel = terms[plain]
+        total = sel.max() if inf else sel.sum()
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            by_mesh.setdefault(id(p.device_mesh), (p.device_mesh, []))[1].append(i)
+    import torch.distributed as dist
+
+    for mesh, idx in by_mesh.values():
+        part = terms[idx]
+        part = part.max() if inf else part.sum()
+        part = part.reshape(1).to(mesh.device_type)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group())
+        part = part.cpu()[0]
+        total = torch.maximum(total, part) if inf else total + part
+    return total

@@ -62,6 +62,16 @@ class Hyper:
     beta2: float
     weight_decay: float
     eps: float
+    grad_coef: Tensor | None = None
+    """A 0-d fp32 CPU tensor multiplied into every gradient before the update, as
+    ``torch._foreach_mul_(grads, coef)`` does it (the product rounded to the gradient's dtype):
+    the gradient-clipping coefficient of ``CPUOffloadAdamW.clip_grad_norm_``. The gradients
+    themselves are never written. None: 1."""
+    grad_scale: Tensor | None = None
+    """As ``torch._fused_adamw_``'s ``grad_scale`` (``GradScaler.step``): gradients divided by it."""
+    found_inf: Tensor | None = None
+    """As ``torch._fused_adamw_``'s ``found_inf``: nonzero skips the update (the optimizer skips
+    the whole step before any kernel runs, so kernels see it only as 0)."""
 
 
 def new_step_tensor(value: float = 0.0) -> Tensor:

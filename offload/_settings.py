@@ -108,4 +108,10 @@ class StepStats:
     """Elements updated this step."""
     kernel: Kernel = "torch"
     """The kernel that really ran: "fused-mp" if it updated any element this step, else "torch"."""
+    speculated_chunks: int = 0
+    """Chunks started during backward (``overlap_backward``) for this step."""
+    committed_chunks: int = 0
+    """Of those, the chunks whose speculative update was committed as it was (the rest were
+    rolled back and recomputed in ``step()``: a gradient, hyper-parameter, clip coefficient or
+    grad scale changed after they started)."""
     spans: tuple[StageSpan, ...] = field(default=(), repr=False)
