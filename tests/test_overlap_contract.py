@@ -106,7 +106,9 @@ def _our_clip_iteration(max_norm: float, *, checks: list[str]):
         ctx.opt.zero_grad(set_to_none=True)
         loss = _backward(ctx, step)
         if ctx.kind == "torch":
-            return loss, our_clip(ctx, step, max_norm)
+            total = our_clip(ctx, step, max_norm)
+            ctx.opt.step()
+            return loss, total
         before = [g.clone() for g in grads_of(ctx.model)]
         total = our_clip(ctx, step, max_norm)
         # The coefficient is applied inside the kernel: p.grad is never written (not by the clip
@@ -198,6 +200,29 @@ def test_our_clip_grad_norm_error_if_nonfinite() -> None:
         return loss
 
     contract(iteration, torch_reference=False)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, float("inf")])
+def test_our_clip_grad_norm_other_norm_types(norm_type: float) -> None:
+    """Another ``norm_type``: torch's total norm (within 1e-6), or a clear refusal naming it."""
+    model = Net()
+    opt = CPUOffloadAdamW(groups(model), settings=SMALL, overlap_backward=True)
+    ctx = Ctx(model=model, opt=opt, kind="on")
+    try:
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            _backward(ctx, step)
+            try:
+                total = opt.clip_grad_norm_(1e-2, norm_type=norm_type)
+            except ValueError as exc:
+                assert "norm_type" in str(exc) and len(str(exc).splitlines()) == 1, str(exc)
+                opt.step()  # a refused clip leaves the step usable
+                continue
+            want = torch.nn.utils.get_total_norm(grads_of(model), norm_type)
+            assert _rel(total, want) <= 1e-6, (float(total), float(want))
+            opt.step()
+    finally:
+        opt.close()
 
 
 # --------------------------------------------------------------------------- GradScaler
@@ -314,6 +339,34 @@ def test_gradient_accumulation(micros: str, inside: bool) -> None:
                 losses.append(_backward(ctx, step, micro=micro, div=n))
         ctx.opt.step()
         return losses
+
+    contract(iteration)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hook_count_changes_between_steps(dtype: torch.dtype) -> None:
+    """``mid`` runs 1, 2 or 3 times per step (its gradient hooks fire as often): more often than in
+    the last backward, its chunks start at the first firing and the gradient arrives again."""
+    reps = [1, 2, 1, 3, 3, 1, 2]
+
+    def iteration(ctx: Ctx, step: int):
+        ctx.opt.zero_grad(set_to_none=True)
+        loss = _backward(ctx, step, reps=reps[step])
+        ctx.opt.step()
+        return loss
+
+    contract(iteration, dtype=dtype, steps=len(reps))
+
+
+def test_step_with_a_closure() -> None:
+    """``opt.step(closure)``: the backward runs inside ``step()``; the returned loss is compared."""
+
+    def iteration(ctx: Ctx, step: int):
+        def closure() -> torch.Tensor:
+            ctx.opt.zero_grad(set_to_none=True)
+            return _backward(ctx, step)
+
+        return ctx.opt.step(closure)
 
     contract(iteration)
 
