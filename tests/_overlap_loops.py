@@ -18,7 +18,6 @@ The model (:class:`Net`) has several parameters of distinct sizes in two param g
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,14 +234,17 @@ def contract(iteration: Iteration, *, torch_reference: bool = True, **kw: Any) -
     bitwise with overlap off. Returns (off, on, torch)."""
     shared: dict[str, Any] = {}
     off = train("off", iteration, shared=shared, **kw)
-    on = train("on", iteration, shared=shared, **kw)
-    ref = train("torch", iteration, shared=shared, **kw) if torch_reference else None
     try:
+        on = train("on", iteration, shared=shared, **kw)
+    finally:
+        close(off)
+    try:
+        ref = train("torch", iteration, shared=shared, **kw) if torch_reference else None
         assert_same(on, off, "overlap on vs off")
         if ref is not None:
             assert_same(off, ref, "overlap off vs torch AdamW(fused=True)")
     finally:
-        close(off, on)
+        close(on)
     return off, on, ref
 
 
@@ -275,9 +277,3 @@ def our_clip(ctx: Ctx, step: int, max_norm: float) -> torch.Tensor:
         ctx.shared.setdefault("totals", {})[step] = total.detach().clone()
     return total
 
-
-def no_sync(model: nn.Module, on: bool) -> contextlib.AbstractContextManager:
-    """DDP's ``no_sync`` where ``on`` and the model is DDP; else nothing."""
-    if on and hasattr(model, "no_sync"):
-        return model.no_sync()
-    return contextlib.nullcontext()

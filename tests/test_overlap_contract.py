@@ -93,11 +93,10 @@ def test_torch_clip_grad_norm(mode: str, dtype: torch.dtype) -> None:
     assert active == {"always": [True] * 6, "sometimes": [s % 2 == 1 for s in range(6)],
                       "inf": [False] * 6}[mode], totals  # the loop clips where it says
     spec = _speculated(on.stats[1:])  # the first backward only calibrates
-    assert all(s > 0 for s, _ in spec), spec  # chunks really started during backward
     if mode == "inf":  # multiplied by 1.0: the gradients' content is unchanged, so all commit
-        assert all(c == s for s, c in spec), spec
+        assert all(0 < c == s for s, c in spec), spec
     if mode == "always":  # every gradient changed after its chunk started: nothing commits as is
-        assert all(c < s for s, c in spec), spec
+        assert all(c == 0 for s, c in spec), spec
 
 
 # --------------------------------------------------------------------------- ours: opt.clip_grad_norm_
