@@ -89,11 +89,12 @@ class MixedPrecisionReference:
     tests/test_optimizer_numerics.py). ``param_groups`` are the inner optimizer's (hyper-parameter
     edits reach it)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module,
+                 param_groups: Callable[[nn.Module], list] | None = None) -> None:
         self.params = list(model.parameters())
         self.master = {p: local(p).detach().float().clone().requires_grad_(True) for p in self.params}
         self.opt = torch.optim.AdamW([{**g, "params": [self.master[p] for p in g["params"]]}
-                                      for g in groups(model)], fused=True)
+                                      for g in (param_groups or groups)(model)], fused=True)
         self.param_groups = self.opt.param_groups
         self.state = _MasterState(self)
 
@@ -148,7 +149,7 @@ def make_optimizer(kind: str, model: nn.Module, *, settings: OffloadSettings = S
         dtype = next(model.parameters()).dtype
         if dtype == torch.float32:
             return torch.optim.AdamW(param_groups(model), fused=True)
-        return MixedPrecisionReference(model)
+        return MixedPrecisionReference(model, param_groups)
     assert kind in ("off", "on"), kind
     return CPUOffloadAdamW(param_groups(model), settings=settings, overlap_backward=kind == "on",
                            kernels=kernels)
@@ -160,10 +161,11 @@ Iteration = Callable[[Ctx, int], Any]
 def train(kind: str, iteration: Iteration, *, steps: int = STEPS, dtype: torch.dtype = torch.float32,
           settings: OffloadSettings = SMALL, kernels: KernelSet | None = None,
           model_fn: Callable[[torch.dtype], nn.Module] = Net, scaler: Callable[[], Any] | None = None,
-          shared: dict[str, Any] | None = None) -> Run:
+          shared: dict[str, Any] | None = None,
+          param_groups: Callable[[nn.Module], list] = groups) -> Run:
     """``steps`` iterations of ``iteration`` on a fresh model and optimizer of ``kind``."""
     model = model_fn(dtype)
-    opt = make_optimizer(kind, model, settings=settings, kernels=kernels)
+    opt = make_optimizer(kind, model, settings=settings, kernels=kernels, param_groups=param_groups)
     ctx = Ctx(model=model, opt=opt, kind=kind, scaler=None if scaler is None else scaler(),
               shared={} if shared is None else shared)
     returned, stats = [], []

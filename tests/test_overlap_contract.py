@@ -283,6 +283,40 @@ def test_lr_weight_decay_and_betas_set_between_backward_and_step(dtype: torch.dt
     contract(iteration, dtype=dtype)
 
 
+def test_tensor_lr_changed_in_place_between_backward_and_step() -> None:
+    """``lr`` given as a tensor and rewritten in place after backward: the value the step reads,
+    not the tensor object, is what a chunk started during backward must have used."""
+
+    def tensor_lr(model: torch.nn.Module) -> list[dict]:
+        return [{**g, "lr": torch.tensor(g["lr"])} for g in groups(model)]
+
+    def iteration(ctx: Ctx, step: int):
+        ctx.opt.zero_grad(set_to_none=True)
+        loss = _backward(ctx, step)
+        for i, g in enumerate(ctx.opt.param_groups):
+            g["lr"].fill_(2e-3 / (1 + step + i))
+        ctx.opt.step()
+        return loss
+
+    contract(iteration, param_groups=tensor_lr)
+
+
+def test_weights_edited_between_backward_and_step() -> None:
+    """A weight rescaled in place after backward, before ``step()`` (the step updates the edited
+    weight, as torch's AdamW does). Beyond the issue's list, under its "whatever the loop does"."""
+
+    def iteration(ctx: Ctx, step: int):
+        ctx.opt.zero_grad(set_to_none=True)
+        loss = _backward(ctx, step)
+        if step % 2:
+            with torch.no_grad():
+                ctx.model.inp.weight.mul_(0.5)
+        ctx.opt.step()
+        return loss
+
+    contract(iteration)
+
+
 # --------------------------------------------------------------------------- skipped steps
 @pytest.mark.parametrize("how", ["zero_grad", "zero_grad-in-place", "accumulate"])
 def test_skipped_step(how: str) -> None:
