@@ -32,7 +32,11 @@ from torch import Tensor
 from offload._dtensor import local, reduce_norm_terms
 from offload._params import ParamRecord
 
-__all__ = ["ClipRequest", "amp_arguments", "clip_request", "norm_terms_reference"]
+__all__ = ["ClipRequest", "NonFiniteNorm", "amp_arguments", "clip_request", "norm_terms_reference"]
+
+
+class NonFiniteNorm(RuntimeError):
+    """``error_if_nonfinite=True`` and the total norm is inf or nan (torch raises RuntimeError)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,13 +96,13 @@ def clip_request(records: Sequence[ParamRecord], grads: Mapping[int, Tensor], *,
         total64 = total64 ** (1.0 / norm_type)
     total = total64.to(torch.float32)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
+        raise NonFiniteNorm(
             f"The total norm of order {norm_type} for gradients from the optimizer's parameters is "
             "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "
             "the non-finite norm anyway, set `error_if_nonfinite=False`")
     coef = None
-    if slots:
-        coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) / (total + 1e-6), max=1.0)
+    if slots:  # spelled as torch's clip_grads_with_norm_ (``float / tensor`` is reciprocal * float)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return ClipRequest(total_norm=total.to(device), coef=coef)
 
 

@@ -87,7 +87,7 @@ class EarlyWork:
         items = fresh_items(chunk, grads, records, opt.state, kernel=opt._item_kernel(hyper),
                             versions=versions)
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=opt._settings.threads or 1,
-                       update=True, materialize=False, check_versions=True,
+                       update=True, materialize=False,
                        ready_event=opt._ready_event())
         self.speculation.launch(chunk, job, grads, records, opt.state)
         opt._pipeline.submit(job)

@@ -45,7 +45,7 @@ from offload._masters import (
     own_master_flags,
     state_entry,
 )
-from offload._clip import ClipRequest, amp_arguments, clip_request
+from offload._clip import ClipRequest, NonFiniteNorm, amp_arguments, clip_request
 from offload._early import EarlyWork
 from offload._params import ParamRecord, ParamRegistry, check_params, param_names
 from offload._placement import NumaBinder, NumaPlacement
@@ -388,9 +388,13 @@ class CPUOffloadAdamW(Optimizer):
         if self._in_step:
             raise RuntimeError("CPUOffloadAdamW.clip_grad_norm_() called while step() is running")
         grads = {r.slot: r.param.grad for r in self._registry if r.param.grad is not None}
-        self._clip = clip_request(self._registry.records, grads, max_norm=max_norm, norm_type=norm_type,
-                                  error_if_nonfinite=error_if_nonfinite, foreach=foreach,
-                                  device=self._registry.device)
+        try:
+            self._clip = clip_request(self._registry.records, grads, max_norm=max_norm, norm_type=norm_type,
+                                      error_if_nonfinite=error_if_nonfinite, foreach=foreach,
+                                      device=self._registry.device)
+        except NonFiniteNorm:  # the loop skips this step: the early chunks must not show
+            self._abandon_early("clip_grad_norm_() (a non-finite norm)")
+            raise
         return self._clip.total_norm
 
     def state_dict(self) -> dict[str, Any]:
