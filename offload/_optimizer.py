@@ -49,7 +49,7 @@ from offload._clip import ClipRequest, NonFiniteNorm, amp_arguments, clip_reques
 from offload._early import EarlyWork
 from offload._params import ParamRecord, ParamRegistry, check_params, param_names
 from offload._placement import NumaBinder, NumaPlacement
-from offload._rebind import BoundParams, check_rebound, copy_sources, plan_sources
+from offload._rebind import BoundParams, check_rebound, relayout_rebound
 from offload._host_transport import HostTransport
 from offload._pipeline import Pipeline
 from offload._transport import Transport
@@ -273,23 +273,7 @@ class CPUOffloadAdamW(Optimizer):
             return
         self._abandon_early("a param_groups re-bind")  # early chunks of the old layout
         check_rebound(self._bound, groups, self.defaults, launched=False)
-        old, old_registry = self._slabs, self._registry
-        recheck = {id(old_registry[s]) for s in self._recheck_masters}  # records, by identity
-        self._registry = ParamRegistry(groups, old_registry, by_identity=True)
-        records = self._registry.records
-        sources = plan_sources(self._bound, groups, old_registry.records, records, self.state)
-        self._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in groups],
-                                self._own_masters(self._overlap is not None))
-        steps = copy_sources(old, self._slabs, records, sources, self.state)
-        entries = {records[s].param: {**self.state[records[s].param], **self._state_entry(s, st)}
-                   for s, st in steps.items()}
-        self.state.clear()
-        self.state.update(entries)
-        moved = [s for s in steps if sources[s].old_slot is None]
-        self._edits.record(records, moved)  # their masters were just seeded from them
-        self._recheck_masters = {rec.slot for rec in records if id(rec) in recheck}
-        logger.info("CPUOffloadAdamW: param_groups re-bound: %d params, %d with state (%d migrated)",
-                    len(records), len(steps), len(moved))
+        relayout_rebound(self, groups)
         self._new_layout()
 
     def _new_layout(self) -> None:
