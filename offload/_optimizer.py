@@ -46,7 +46,7 @@ from offload._masters import (
     state_entry,
 )
 from offload._clip import ClipRequest, NonFiniteNorm, amp_arguments, clip_request
-from offload._early import EarlyWork
+from offload._early import EarlyWork, ddp_comm_hook
 from offload._params import ParamRecord, ParamRegistry, check_params, param_names
 from offload._placement import NumaBinder, NumaPlacement
 from offload._rebind import BoundParams, check_rebound, relayout_rebound
@@ -175,6 +175,7 @@ class CPUOffloadAdamW(Optimizer):
         self._clip: ClipRequest | None = None  # set by clip_grad_norm_, taken by the next step()
         self._speculation_limit = check_limit(speculation_limit, overlap_backward)
         self._overlap: EarlyWork | None = None
+        self._ddp = False  # attach_ddp: gradients reach the overlap after DDP's all-reduce
         if overlap_backward:
             self._start_overlap(calibrated=False)
 
@@ -203,7 +204,7 @@ class CPUOffloadAdamW(Optimizer):
     def _start_overlap(self, *, calibrated: bool) -> None:
         """Backward hooks on every parameter (``calibrated``: their hook counts are learned)."""
         self._overlap = EarlyWork(self, calibrated=calibrated, checksums=checksums_reference,
-                                  limit_numel=self._speculation_limit)
+                                  limit_numel=self._speculation_limit, external=self._ddp)
 
     def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
         return own_master_flags(self.param_groups, self._registry.records,
@@ -380,6 +381,15 @@ class CPUOffloadAdamW(Optimizer):
             self._abandon_early("clip_grad_norm_() (a non-finite norm)")
             raise
         return self._clip.total_norm
+
+    def attach_ddp(self, model: Any) -> None:
+        """With ``overlap_backward``: start chunks after DDP's all-reduce of their gradients (it
+        registers a comm hook, ``offload/_early.py``; call before the first backward). Without it
+        DDP stays exact, but every chunk started during backward is redone in ``step()``."""
+        if self._overlap is None:
+            raise ValueError("attach_ddp() needs CPUOffloadAdamW(overlap_backward=True)")
+        model.register_comm_hook(None, ddp_comm_hook(self))
+        self._ddp = self._overlap.overlap.external = True
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW(fused=True)``'s keys: per parameter ``step``, ``exp_avg``,
