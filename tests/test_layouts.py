@@ -1,0 +1,238 @@
+"""CPUOffloadAdamW on every DTensor layout (HSDP, TP, TP x FSDP, EP x FSDP): 4 real gloo ranks.
+
+One launch runs every check (a launch of 4 ranks costs 10-20 s on 2 cores; the models of
+tests/_layout_models.py are tiny): per layout, bitwise against ``torch.optim.AdamW(fused=True)``
+on the identical model, with and without torch's ``clip_grad_norm_`` (whose total norm
+``reduce_norm_terms`` must give from local terms); DCP checkpoints saved on one layout and loaded on
+another (HSDP 2x2 -> FSDP 4 -> 1 rank, TP2 x FSDP2 -> FSDP 4) equal to torch AdamW's state after
+the same save and load; refusals (a ``Partial`` parameter at construction, a ``Partial`` gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _dist_util import run_workers
+
+STEPS = 4
+MAX_NORM = 0.5
+LAYOUTS = ("hsdp", "tp4", "tp2-fsdp2", "ep")
+
+
+def _placements(model: torch.nn.Module) -> set[str]:
+    return {repr(tuple(p.placements)) for p in model.parameters()}
+
+
+def _total_norm_reference(params: list[torch.Tensor], norm_type: float) -> float:
+    """The gradient norm over the full (global) gradients, in float64."""
+    full = [p.grad.full_tensor().double() for p in params]
+    if math.isinf(norm_type):
+        return max(float(g.abs().max()) for g in full)
+    return float(sum(g.pow(2).sum() for g in full)) ** 0.5
+
+
+def _ours_norm(params: list[torch.Tensor], norm_type: float) -> float:
+    from offload._dtensor import local, reduce_norm_terms
+
+    grads = [local(p.grad).double() for p in params]
+    if math.isinf(norm_type):
+        terms = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads])
+        return float(reduce_norm_terms(params, terms, norm_type))
+    terms = torch.stack([g.pow(2).sum() for g in grads])
+    return float(reduce_norm_terms(params, terms, norm_type)) ** 0.5
+
+
+def _clip(params: list[torch.Tensor], norms: list[dict[str, float]]) -> None:
+    """torch's clip_grad_norm_ (its total norm checked against ``reduce_norm_terms``); where torch's
+    cannot stack the norms of parameters on several meshes, torch's formula over the full norm."""
+    ours = {t: _ours_norm(params, t) for t in (2.0, math.inf)}
+    ref = {t: _total_norm_reference(params, t) for t in (2.0, math.inf)}
+    meshes = {id(p.device_mesh) for p in params}
+    if len(meshes) == 1:
+        total = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        total = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+    else:
+        total = ref[2.0]
+        coef = min(MAX_NORM / (total + 1e-6), 1.0)
+        for p in params:
+            p.grad.mul_(coef)
+    norms.append({"torch": total, "ours2": ours[2.0], "ref2": ref[2.0], "oursinf": ours[math.inf],
+                  "refinf": ref[math.inf]})
+
+
+def _train(model: torch.nn.Module, opt: Any, data_rank: int, steps: range, clip: bool,
+           norms: list[dict[str, float]]) -> None:
+    from _layout_models import batch
+
+    for step in steps:
+        model(*batch(data_rank, step), step).backward()
+        if clip:
+            _clip(list(model.parameters()), norms)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _ours(model: torch.nn.Module, **kw: Any) -> Any:
+    from _layout_models import groups
+    from offload import CPUOffloadAdamW, OffloadSettings
+
+    return CPUOffloadAdamW(groups(model), lr=1e-3, settings=OffloadSettings(threads=1, chunk_numel=1024), **kw)
+
+
+def _torch(model: torch.nn.Module) -> Any:
+    from _layout_models import groups
+
+    return torch.optim.AdamW(groups(model), lr=1e-3, fused=True)
+
+
+def _state(model: torch.nn.Module, opt: Any) -> list[torch.Tensor]:
+    from offload._dtensor import local
+
+    out = [local(p).detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out += [local(opt.state[p][k]).detach().clone() for k in ("exp_avg", "exp_avg_sq", "step")]
+    return out
+
+
+def _check_numerics(rank: int, checked: list[str], figures: dict[str, Any]) -> None:
+    from _fsdp_models import assert_same
+    from _layout_models import build
+
+    for kind in LAYOUTS:
+        for clip in (False, True):
+            what = f"{kind}{' clip' if clip else ''}"
+            ref, data_rank = build(kind)
+            ref_opt = _torch(ref)
+            ref_norms: list[dict[str, float]] = []
+            _train(ref, ref_opt, data_rank, range(STEPS), clip, ref_norms)
+            model, _ = build(kind)
+            opt = _ours(model)
+            norms: list[dict[str, float]] = []
+            _train(model, opt, data_rank, range(STEPS), clip, norms)
+            assert_same(_state(model, opt), _state(ref, ref_opt), what)
+            assert norms == ref_norms, (what, norms, ref_norms)  # the same gradients, step after step
+            for n in norms:
+                for ours, ref_value in ((n["ours2"], n["torch"]), (n["ours2"], n["ref2"]), (n["oursinf"], n["refinf"])):
+                    assert abs(ours - ref_value) <= 1e-6 * ref_value, (what, n)
+            if clip:
+                assert any(n["torch"] > MAX_NORM for n in norms), (what, norms)  # it really clipped
+                figures[what] = max(abs(n["ours2"] - n["torch"]) / n["torch"] for n in norms)
+            figures.setdefault("placements", {})[kind] = sorted(_placements(model))
+            opt.close()
+            checked.append(what)
+
+
+def _dcp(model: torch.nn.Module, opt: Any, path: Path, load: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    if not load:
+        dcp.save(sd, checkpoint_id=str(path))
+        return
+    dcp.load(sd, checkpoint_id=str(path))
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def _check_checkpoints(rank: int, root: Path, checked: list[str]) -> None:
+    """Save on one layout, load on the next: our state equals torch AdamW's after the same
+    save and load (and both continue equal)."""
+    from torch.distributed.tensor import DTensor
+
+    from _fsdp_models import assert_same
+    from _layout_models import build
+
+    for chain in (("hsdp", "fsdp4", "single"), ("tp2-fsdp2", "fsdp4")):
+        pair = {}
+        for name, make in (("torch", _torch), ("ours", _ours)):
+            model, data_rank = build(chain[0])
+            opt = make(model)
+            _train(model, opt, data_rank, range(STEPS), False, [])
+            if name == "ours":
+                entry = next(iter(opt.state_dict()["state"].values()))
+                assert isinstance(entry["exp_avg"], DTensor), type(entry["exp_avg"])
+                assert entry["exp_avg"].placements == next(model.parameters()).placements
+                assert entry["exp_avg"].shape == next(model.parameters()).shape
+            pair[name] = (model, opt, data_rank)
+        for i, kind in enumerate(chain):
+            for name in pair:
+                _dcp(pair[name][0], pair[name][1], root / f"{'-'.join(chain)}-{i}-{name}", load=False)
+            if i + 1 == len(chain):
+                break
+            for name, make in (("torch", _torch), ("ours", _ours)):
+                if name == "ours":
+                    pair[name][1].close()
+                model, data_rank = build(chain[i + 1])
+                opt = make(model)
+                _dcp(model, opt, root / f"{'-'.join(chain)}-{i}-{name}", load=True)
+                pair[name] = (model, opt, data_rank)
+            what = f"dcp {kind} -> {chain[i + 1]}"
+            (model, opt, data_rank), (ref, ref_opt, _) = pair["ours"], pair["torch"]
+            assert_same(_state(model, opt), _state(ref, ref_opt), what)
+            assert all(float(opt.state[p]["step"]) == STEPS + i for p in model.parameters())
+            assert any(bool(opt.state[p]["exp_avg_sq"].ne(0).any()) for p in model.parameters())
+            _train(model, opt, data_rank, range(STEPS + i, STEPS + i + 1), False, [])
+            _train(ref, ref_opt, data_rank, range(STEPS + i, STEPS + i + 1), False, [])
+            assert_same(_state(model, opt), _state(ref, ref_opt), f"{what} continued")
+            checked.append(what)
+        pair["ours"][1].close()
+
+
+def _check_refusals(rank: int, checked: list[str]) -> None:
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from _layout_models import mesh
+    from offload import CPUOffloadAdamW
+    from offload._params import ParamRegistry, check_grad
+
+    m = mesh("tp4")
+    bad = torch.nn.Parameter(DTensor.from_local(torch.zeros(6), m, [Partial()], run_check=False))
+    try:
+        CPUOffloadAdamW([("good", torch.nn.Parameter(torch.zeros(3))), ("bad.weight", bad)])
+    except ValueError as exc:
+        assert "parameter 1 ('bad.weight')" in str(exc) and "Partial" in str(exc), str(exc)
+    else:
+        raise AssertionError("a Partial parameter: no ValueError at construction")
+    p = torch.nn.Parameter(DTensor.from_local(torch.zeros(6), m, [Replicate()], run_check=False))
+    reg = ParamRegistry([{"params": [p], "param_names": ["w"]}])
+    check_grad(reg[0], DTensor.from_local(torch.ones(6), m, [Replicate()], run_check=False))
+    for grad, needle in ((DTensor.from_local(torch.ones(6), m, [Partial()], run_check=False), "Partial"),
+                         (torch.ones(6), "plain Tensor")):
+        try:
+            check_grad(reg[0], grad)
+        except RuntimeError as exc:
+            assert "parameter 0 ('w')" in str(exc) and needle in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{needle} gradient: no RuntimeError")
+    checked.append("refusals")
+
+
+def _layouts_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    checked: list[str] = []
+    figures: dict[str, Any] = {}
+    _check_refusals(rank, checked)
+    _check_numerics(rank, checked, figures)
+    _check_checkpoints(rank, Path(root), checked)
+    return {"checked": checked, "figures": figures}
+
+
+@pytest.mark.slow
+def test_layouts_bitwise_equal_to_torch_and_reshard_through_dcp(tmp_path: Path) -> None:
+    results = run_workers(_layouts_worker, world_size=4, kwargs={"root": str(tmp_path)}, timeout_s=600)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results)
+    required = {"refusals"} | {f"{k}{c}" for k in LAYOUTS for c in ("", " clip")}
+    required |= {"dcp hsdp -> fsdp4", "dcp fsdp4 -> single", "dcp tp2-fsdp2 -> fsdp4"}
+    for r in results:
+        assert required <= set(r.value["checked"]), (required - set(r.value["checked"]))
+    placements = results[0].value["figures"]["placements"]
+    assert "(Replicate(), Shard(dim=0))" in placements["hsdp"], placements
+    assert {"(Shard(dim=1),)", "(Replicate(),)"} <= set(placements["tp4"]), placements
+    assert any("_StridedShard" in p for p in placements["tp2-fsdp2"]), placements
