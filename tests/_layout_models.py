@@ -97,6 +97,7 @@ class MoENet(nn.Module):
         self.experts = Experts()
         self.head = nn.Linear(D, C)
         self.ep: tuple[Any, int, int] = (None, 0, 1)  # (group, rank, size)
+        self.idle: list[int] = []  # per forward: how many experts got no token
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, step: int = 0) -> torch.Tensor:
         from torch.distributed.nn.functional import all_reduce
@@ -113,6 +114,7 @@ class MoENet(nn.Module):
             eid = torch.where(eid == E - 1, 0, eid)
         if step % 3 == 2:
             eid = eid % (E // ep_size)
+        self.idle.append(E - len(set(eid.tolist())))
         w1, w2 = self.experts.w1.to_local(), self.experts.w2.to_local()
         out = torch.zeros_like(allz)
         for j in range(w1.shape[0]):
