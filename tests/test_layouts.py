@@ -214,6 +214,21 @@ def _check_refusals(rank: int, checked: list[str]) -> None:
             assert "parameter 0 ('w')" in str(exc) and needle in str(exc), str(exc)
         else:
             raise AssertionError(f"{needle} gradient: no RuntimeError")
+    # A DTensor state of another layout with the same local size: refused, not loaded silently.
+    from torch.distributed.tensor import Shard
+
+    opt = CPUOffloadAdamW([p])
+    p.grad = DTensor.from_local(torch.ones(6), m, [Replicate()], run_check=False)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = DTensor.from_local(torch.zeros(6), m, [Shard(0)], run_check=False)
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        assert "placements (Shard(dim=0),)" in str(exc) and "expected the parameter's (Replicate(),)" in str(exc), str(exc)
+    else:
+        raise AssertionError("a DTensor state of another layout: no ValueError")
+    opt.close()
     checked.append("refusals")
 
 
