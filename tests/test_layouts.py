@@ -106,6 +106,7 @@ def _state(model: torch.nn.Module, opt: Any) -> list[torch.Tensor]:
 def _check_numerics(rank: int, checked: list[str], figures: dict[str, Any]) -> None:
     from _fsdp_models import assert_same
     from _layout_models import build
+    from offload._dtensor import layout_of, local_part_of
 
     for kind in LAYOUTS:
         ref, data_rank = build(kind)
@@ -124,6 +125,9 @@ def _check_numerics(rank: int, checked: list[str], figures: dict[str, Any]) -> N
         assert len(norms) == STEPS // 2 and all(n["torch"] > MAX_NORM for n in norms), (kind, norms)  # clipped
         figures[f"{kind} norm rel diff"] = max(abs(n["ours2"] - n["torch"]) / n["torch"] for n in norms)
         figures.setdefault("placements", {})[kind] = sorted(_placements(model))
+        for i, p in enumerate(model.parameters()):  # the local part of a whole tensor, by layout
+            part = local_part_of(p.full_tensor(), layout_of(p, f"parameter {i}"))
+            assert torch.equal(part, p.to_local()), (kind, i, p.placements)
         if kind == "ep":
             assert 0 in model.idle and max(model.idle) >= 2, model.idle  # experts without tokens on some steps
         opt.close()
