@@ -119,13 +119,15 @@ def check_grad_layout(name: str, param: Tensor, grad: Tensor) -> None:
     """``RuntimeError`` unless the gradient of the DTensor parameter ``param`` is a DTensor of its
     mesh and placements (a ``Partial`` gradient was never reduced: its local tensor is one rank's
     share of the sum, and the step would silently apply it)."""
-    if not is_dtensor(grad):
+    if type(grad) is not type(param) and not is_dtensor(grad):  # both DTensor: the hot path
         raise RuntimeError(
             f"{name} is a DTensor with placements {tuple(param.placements)!r} but its gradient is a "
             f"plain {type(grad).__name__}: expected a DTensor gradient of the same placements"
         )
-    gs, ps = grad._spec, param._spec  # the DTensorSpecs: one attribute read each (the hot path)
-    if gs.placements == ps.placements and gs.mesh == ps.mesh:
+    # The DTensorSpecs: FSDP gives a gradient its parameter's (0.04 us); comparing placements
+    # costs ~2 us a parameter (measured on the loaded 2-core VM), so only where they differ.
+    gs, ps = grad._spec, param._spec
+    if gs is ps or (gs.placements == ps.placements and (gs.mesh is ps.mesh or gs.mesh == ps.mesh)):
         return
     partial = any(pl.is_partial() for pl in gs.placements)
     raise RuntimeError(
