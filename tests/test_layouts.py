@@ -47,37 +47,53 @@ def _ours_norm(params: list[torch.Tensor], norm_type: float) -> float:
     return float(reduce_norm_terms(params, terms, norm_type)) ** 0.5
 
 
-def _clip(params: list[torch.Tensor], norms: list[dict[str, float]]) -> None:
-    """torch's clip_grad_norm_ (its total norm checked against ``reduce_norm_terms``); parameters on
-    several meshes (which torch's cannot stack): torch's total norm per mesh, combined."""
+def _torch_total(by_mesh: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+    """torch's total norm (float32); over several meshes (which torch's clip_grad_norm_ cannot
+    stack) torchtitan's way: torch's total per mesh, combined."""
+    per_mesh = [torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True) for ps in by_mesh.values()]
+    per_mesh = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in per_mesh]
+    return per_mesh[0] if len(per_mesh) == 1 else torch.linalg.vector_norm(torch.stack(per_mesh))
+
+
+def _clip(params: list[torch.Tensor], norms: list[dict[str, float]], opt: Any, how: str,
+          given: list[torch.Tensor]) -> None:
+    """Clip the gradients ``how``: "torch" (torch's clip_grad_norm_, or its total norm and
+    scaling per mesh where the parameters span meshes), "ours" (``opt.clip_grad_norm_``, whose
+    total norm is appended to ``given``), "given" (torch's scaling by the next total of ``given``).
+    Each time ``reduce_norm_terms``' norms are checked against torch's and the full gradients'."""
     ours = {t: _ours_norm(params, t) for t in (2.0, math.inf)}
     ref = {t: _total_norm_reference(params, t) for t in (2.0, math.inf)}
     by_mesh: dict[int, list[torch.Tensor]] = {}
     for p in params:
         by_mesh.setdefault(id(p.device_mesh), []).append(p)
-    if len(by_mesh) == 1:
-        total = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        total = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-    else:  # torchtitan's way: torch's total norm per mesh, combined, then torch's scaling
-        per_mesh = [torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True).full_tensor()
-                    for ps in by_mesh.values()]
-        norm = torch.linalg.vector_norm(torch.stack(per_mesh))
+    total = _torch_total(by_mesh)
+    entry = {"torch": float(total), "ours2": ours[2.0], "ref2": ref[2.0], "oursinf": ours[math.inf],
+             "refinf": ref[math.inf]}
+    if how == "ours":
+        given.append(opt.clip_grad_norm_(MAX_NORM))
+        entry["opt"] = float(given[-1])
+    elif how == "torch" and len(by_mesh) == 1:
+        clipped = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        assert float(clipped.full_tensor() if hasattr(clipped, "full_tensor") else clipped) == float(total)
+    else:
+        norm = total if how == "torch" else given[len(norms)]
         for ps in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(ps, MAX_NORM, norm, foreach=True)
-        total = float(norm)
-    norms.append({"torch": total, "ours2": ours[2.0], "ref2": ref[2.0], "oursinf": ours[math.inf],
-                  "refinf": ref[math.inf]})
+    norms.append(entry)
 
 
-def _train(model: torch.nn.Module, opt: Any, data_rank: int, steps: range, clip: bool,
-           norms: list[dict[str, float]]) -> None:
+def _train(model: torch.nn.Module, opt: Any, data_rank: int, steps: range, clip: str | None,
+           norms: list[dict[str, float]], given: list[torch.Tensor] | None = None) -> None:
     from _layout_models import batch
 
     for step in steps:
         model(*batch(data_rank, step), step).backward()
         if clip and step % 2:  # clipped and unclipped steps in one run
-            _clip(list(model.parameters()), norms)
+            _clip(list(model.parameters()), norms, opt, clip, given if given is not None else [])
         opt.step()
+        if getattr(opt, "last_stats", None) is not None:
+            norms_stats = getattr(opt, "test_stats", [])
+            opt.test_stats = [*norms_stats, (opt.last_stats.speculated_chunks, opt.last_stats.committed_chunks)]
         opt.zero_grad(set_to_none=True)
 
 
@@ -109,21 +125,38 @@ def _check_numerics(rank: int, checked: list[str], figures: dict[str, Any]) -> N
     from offload._dtensor import layout_of, local_part_of
 
     for kind in LAYOUTS:
+        # overlap off, torch's clip_grad_norm_ on odd steps: bitwise torch's AdamW
         ref, data_rank = build(kind)
         ref_opt = _torch(ref)
         ref_norms: list[dict[str, float]] = []
-        _train(ref, ref_opt, data_rank, range(STEPS), True, ref_norms)
+        _train(ref, ref_opt, data_rank, range(STEPS), "torch", ref_norms)
         model, _ = build(kind)
         opt = _ours(model)
         norms: list[dict[str, float]] = []
-        _train(model, opt, data_rank, range(STEPS), True, norms)
+        _train(model, opt, data_rank, range(STEPS), "torch", norms)
         assert_same(_state(model, opt), _state(ref, ref_opt), kind)
         assert norms == ref_norms, (kind, norms, ref_norms)  # the same gradients, step after step
+        opt.close()
+        # overlap on, our clip_grad_norm_: bitwise torch's AdamW after torch's scaling by our norm
+        model, _ = build(kind)
+        opt = _ours(model, overlap_backward=True)
+        given: list[torch.Tensor] = []
+        _train(model, opt, data_rank, range(STEPS), "ours", norms, given)
+        # chunks really started during backward; committed on the unclipped steps, redone on the clipped
+        spec = opt.test_stats
+        assert all(sp > 0 for sp, _ in spec[1:]) and any(c > 0 for _, c in spec), (kind, spec)
+        figures[f"{kind} overlap (speculated, committed) per step"] = spec
+        ref, _ = build(kind)
+        ref_opt = _torch(ref)
+        _train(ref, ref_opt, data_rank, range(STEPS), "given", [], given)
+        assert_same(_state(model, opt), _state(ref, ref_opt), f"{kind} overlap")
         for n in norms:
-            for ours, ref_value in ((n["ours2"], n["torch"]), (n["ours2"], n["ref2"]), (n["oursinf"], n["refinf"])):
+            for ours, ref_value in ((n["ours2"], n["torch"]), (n["ours2"], n["ref2"]), (n["oursinf"], n["refinf"]),
+                                   (n.get("opt", n["torch"]), n["torch"])):
                 assert abs(ours - ref_value) <= 1e-6 * ref_value, (kind, n)
-        assert len(norms) == STEPS // 2 and all(n["torch"] > MAX_NORM for n in norms), (kind, norms)  # clipped
-        figures[f"{kind} norm rel diff"] = max(abs(n["ours2"] - n["torch"]) / n["torch"] for n in norms)
+        assert len(norms) == STEPS and all(n["torch"] > MAX_NORM for n in norms), (kind, norms)  # clipped
+        figures[f"{kind} norm rel diff"] = max(max(abs(n["ours2"] - n["torch"]), abs(n.get("opt", n["torch"]) - n["torch"]))
+                                               / n["torch"] for n in norms)
         figures.setdefault("placements", {})[kind] = sorted(_placements(model))
         for i, p in enumerate(model.parameters()):  # the local part of a whole tensor, by layout
             part = local_part_of(p.full_tensor(), layout_of(p, f"parameter {i}"))
@@ -131,7 +164,7 @@ def _check_numerics(rank: int, checked: list[str], figures: dict[str, Any]) -> N
         if kind == "ep":
             assert 0 in model.idle and max(model.idle) >= 2, model.idle  # experts without tokens on some steps
         opt.close()
-        checked.append(kind)
+        checked += [kind, f"{kind} overlap"]
 
 
 def _dcp(model: torch.nn.Module, opt: Any, path: Path, load: bool) -> None:
@@ -161,7 +194,7 @@ def _check_checkpoints(rank: int, root: Path, checked: list[str]) -> None:
         for name, make in (("torch", _torch), ("ours", _ours)):
             model, data_rank = build(chain[0])
             opt = make(model)
-            _train(model, opt, data_rank, range(STEPS), False, [])
+            _train(model, opt, data_rank, range(STEPS), None, [])
             if name == "ours":
                 entry = next(iter(opt.state_dict()["state"].values()))
                 assert isinstance(entry["exp_avg"], DTensor), type(entry["exp_avg"])
@@ -185,8 +218,8 @@ def _check_checkpoints(rank: int, root: Path, checked: list[str]) -> None:
             assert_same(_state(model, opt), _state(ref, ref_opt), what)
             assert all(float(opt.state[p]["step"]) == STEPS + i for p in model.parameters())
             assert any(bool(opt.state[p]["exp_avg_sq"].ne(0).any()) for p in model.parameters())
-            _train(model, opt, data_rank, range(STEPS + i, STEPS + i + 1), False, [])
-            _train(ref, ref_opt, data_rank, range(STEPS + i, STEPS + i + 1), False, [])
+            _train(model, opt, data_rank, range(STEPS + i, STEPS + i + 1), None, [])
+            _train(ref, ref_opt, data_rank, range(STEPS + i, STEPS + i + 1), None, [])
             assert_same(_state(model, opt), _state(ref, ref_opt), f"{what} continued")
             checked.append(what)
         pair["ours"][1].close()
@@ -256,7 +289,7 @@ def _layouts_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def test_layouts_bitwise_equal_to_torch_and_reshard_through_dcp(tmp_path: Path) -> None:
     results = run_workers(_layouts_worker, world_size=4, kwargs={"root": str(tmp_path)}, timeout_s=600)
     assert all(r.ok for r in results), "\n".join(r.describe() for r in results)
-    required = {"refusals"} | set(LAYOUTS)
+    required = {"refusals"} | set(LAYOUTS) | {f"{k} overlap" for k in LAYOUTS}
     required |= {"dcp hsdp -> fsdp4", "dcp fsdp4 -> single", "dcp tp2-fsdp2 -> fsdp4"}
     for r in results:
         assert required <= set(r.value["checked"]), (required - set(r.value["checked"]))
