@@ -72,9 +72,9 @@ class CPUOffloadAdamW(Optimizer):
     Bitwise equal to ``torch.optim.AdamW(fused=True)`` on fp32 parameters, and to a mixed-precision
     reference (fp32 master updated by that optimizer from the upcast gradient, cast back) on bf16
     or fp16 parameters, whatever the settings. The model's parameters stay where they are (CPU or
-    one CUDA device) in their own dtype; ``step()`` updates them in place. Parameters of an FSDP2
-    (``fully_shard``) model are DTensors sharded ``Shard(0)`` on a 1-D mesh: the host state holds
-    this rank's shard only (see ``offload/_dtensor.py``). Parameters re-bound in ``param_groups``
+    one CUDA device) in their own dtype; ``step()`` updates them in place. DTensor parameters (FSDP2,
+    HSDP, tensor and expert parallel: ``Shard``, ``_StridedShard``, ``Replicate`` on any mesh):
+    the host state holds this rank's local tensor only (see ``offload/_dtensor.py``). Parameters re-bound in ``param_groups``
     (accelerate's FSDP2 swap) are followed, their state carried over (``offload/_rebind.py``).
 
     Args:
@@ -397,7 +397,7 @@ class CPUOffloadAdamW(Optimizer):
         bf16/fp16 weight lacks the master's bits); per group torch's flags, ``fused=True`` and
         ``decoupled_weight_decay=True`` (a torch AdamW loading it runs fused, as this step does).
 
-        For a DTensor (FSDP2) parameter the state tensors are DTensors with its mesh, placements
+        For a DTensor parameter the state tensors are DTensors with its mesh, placements
         and global shape over this rank's slab memory (``torch.distributed.checkpoint`` saves,
         loads in place and reshards them; ``torch.save`` and ``copy.deepcopy`` work); ``step`` is
         a plain tensor, as in torch's AdamW.

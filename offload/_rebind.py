@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from offload._checks import check_param_group
-from offload._dtensor import local
+from offload._dtensor import local, local_part_of
 from offload._kernels import new_step_tensor
 from offload._params import ParamRecord, ParamRegistry
 from offload._slabs import HostSlabs
@@ -132,7 +132,7 @@ def plan_sources(bound: BoundParams, param_groups: Sequence[dict[str, Any]],
 
 def local_part(t: Tensor, rec: ParamRecord, what: str) -> Tensor | None:
     """``t`` (a state tensor) as the flat local part of ``rec``'s parameter: itself where it has
-    the local size, this rank's rows where it is the whole tensor of a ``Shard(0)`` DTensor
+    the local size, this rank's local part where it is the whole tensor of a DTensor
     parameter; None where it is neither (a shard of another layout)."""
     t = local(t).detach().reshape(-1)
     shard = rec.local()
@@ -141,12 +141,10 @@ def local_part(t: Tensor, rec: ParamRecord, what: str) -> Tensor | None:
     layout = rec.layout
     if layout is None or t.numel() != math.prod(layout.shape):
         return None
-    rows = math.ceil(layout.shape[0] / layout.mesh.size())
-    start = min(layout.mesh.get_local_rank() * rows, layout.shape[0])
-    part = t.reshape(layout.shape)[start:start + shard.shape[0]].reshape(-1)
+    part = local_part_of(t, layout).reshape(-1)  # any placements, any mesh (offload/_dtensor.py)
     if part.numel() != shard.numel():
-        raise RuntimeError(f"{what}: this rank's rows {start}:{start + shard.shape[0]} of "
-                           f"{tuple(layout.shape)} are not its shard {tuple(shard.shape)}")
+        raise RuntimeError(f"{what}: this rank's part ({part.numel()} elements) of {tuple(layout.shape)} "
+                           f"is not its local tensor {tuple(shard.shape)}")
     return part
 
 

@@ -17,7 +17,7 @@ from offload._items import ItemCache
 from offload._jobs import ChunkJob
 from offload._kernels import Hyper, KernelSet
 from offload._dtensor import local
-from offload._params import ParamRecord, raise_bad_grad
+from offload._params import ParamRecord, check_grad, raise_bad_grad
 from offload._pipeline import Pipeline
 from offload._slabs import Chunk
 from offload._speculation import SpeculativeChunk
@@ -78,6 +78,8 @@ def collect_grads(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[st
         if param.grad is None:
             continue
         slot = rec.slot
+        if rec.layout is not None:  # a DTensor: its gradient must have its placements (not Partial)
+            check_grad(rec, param.grad)
         p, g = rec.local(), local(param.grad)
         # .data may have been replaced since construction (contiguity was checked there)
         if g.is_sparse or not p.is_contiguous() or g.device != p.device or g.shape != p.shape:

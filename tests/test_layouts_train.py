@@ -65,8 +65,6 @@ def test_layout_arguments_are_checked(capsys: pytest.CaptureFixture[str]) -> Non
         layout_mesh(4, tp=3, hsdp=1, device_type="cpu")
 
 
-@pytest.mark.xfail(strict=True, reason="until offload._stepjobs.collect_grads calls offload._params.check_grad "
-                                       "(the integrator's one-line change; then drop this mark)")
 def test_step_refuses_a_partial_gradient() -> None:
     """An unreduced (Partial) gradient of a replicated parameter: step() raises naming it."""
     import torch.distributed as dist
