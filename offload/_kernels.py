@@ -59,11 +59,13 @@ from offload._fused_mp import (
     fused_mp_available,
 )
 from offload._fused_mp_build import ExtensionLoader
+from offload._grad_stats import grad_stats_
 
 __all__ = [
     "DEFAULT_KERNELS",
     "Hyper",
     "KernelSet",
+    "StatsKernel",
     "check_grad_transform",
     "fused_adamw_",
     "mixed_precision_adamw_",
@@ -403,6 +405,10 @@ Kernel = Callable[..., None]
 """A kernel of the calling convention above: positional tensor lists, then ``steps_to_increment``
 and ``hyper`` (and ``outs`` for the fp32 native kernel) by keyword."""
 
+StatsKernel = Callable[..., tuple[Tensor, Tensor]]
+"""``offload._grad_stats.grad_stats_``'s signature: ``(tensors, *, norm_type=2.0)`` ->
+``(terms float64, checksums int64)``."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KernelSet:
@@ -421,16 +427,21 @@ class KernelSet:
     """Items of kind MP: the single-pass bf16/fp16 kernel (fused-mp)."""
     native_adamw_f32: Kernel = native_adamw_f32_
     """Items of kind F32: fused-mp's fp32 entry point (also takes ``outs=``)."""
+    grad_stats: StatsKernel = grad_stats_
+    """Per-tensor norm terms and content checksums of gradients (clipping, speculation checks):
+    the native pass where the extension is built, else the torch reference."""
     loader: ExtensionLoader | None = None
     """Builds and loads the native extension: :meth:`available` asks it, and the two native kernels
-    left at their defaults run on what it loads. None: the process's loader (built once per
-    process, ``offload._fused_mp.process_loader``)."""
+    and ``grad_stats`` left at their defaults run on what it loads. None: the process's loader
+    (built once per process, ``offload._fused_mp.process_loader``)."""
 
     def __post_init__(self) -> None:
         if self.loader is None:
             return
-        for name, default in (("mixed_precision_adamw", mixed_precision_adamw_),
-                              ("native_adamw_f32", native_adamw_f32_)):
+        defaults: tuple[tuple[str, Callable[..., object]], ...] = (
+            ("mixed_precision_adamw", mixed_precision_adamw_),
+            ("native_adamw_f32", native_adamw_f32_), ("grad_stats", grad_stats_))
+        for name, default in defaults:
             if getattr(self, name) is default:  # the default kernel, on this set's extension
                 object.__setattr__(self, name, functools.partial(default, loader=self.loader))
 

@@ -389,6 +389,14 @@ std::string dtype_name(at::ScalarType t) {
     case at::kBFloat16: return "torch.bfloat16";
     case at::kHalf: return "torch.float16";
     case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
     default: return std::string("torch.") + c10::toString(t);
   }
 }
@@ -987,8 +995,15 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_(const std::vector<at::Tensor>& te
                 ": expected torch.float32, torch.bfloat16 or torch.float16");
     }
     if (!t.is_non_overlapping_and_dense()) {
+      const auto tuple = [](c10::IntArrayRef v) {  // as Python prints a tuple
+        std::ostringstream out;
+        out << "(";
+        for (size_t k = 0; k < v.size(); ++k) out << (k ? ", " : "") << v[k];
+        out << (v.size() == 1 ? ",)" : ")");
+        return out.str();
+      };
       std::ostringstream msg;
-      msg << where() << " (shape " << t.sizes() << ", strides " << t.strides()
+      msg << where() << " (shape " << tuple(t.sizes()) << ", strides " << tuple(t.strides())
           << ") does not cover one dense block of memory: expected a contiguous tensor or a "
              "permutation of one";
       fail_value(msg.str());
