@@ -135,7 +135,6 @@ def grad_stats_reference(tensors: Sequence[Tensor], *, norm_type: float = 2.0
     return terms, sums
 
 
-@torch.no_grad()
 def grad_stats_(tensors: Sequence[Tensor], *, norm_type: float = 2.0,
                 loader: ExtensionLoader | None = None) -> tuple[Tensor, Tensor]:
     """Per tensor: its norm term (float64) and its word checksum (int64); see the module doc.
@@ -146,7 +145,7 @@ def grad_stats_(tensors: Sequence[Tensor], *, norm_type: float = 2.0,
     through :func:`grad_stats_reference`, tensor by tensor, so a tensor's result never depends on
     the other tensors of the call. Results are on the CPU unless every tensor is on one device.
     """
-    p = _norm_type(norm_type)
+    p = norm_type if norm_type in _NATIVE_KIND and type(norm_type) is float else _norm_type(norm_type)
     tensors = list(tensors)
     kind = _NATIVE_KIND.get(p)
     module = None
@@ -154,13 +153,16 @@ def grad_stats_(tensors: Sequence[Tensor], *, norm_type: float = 2.0,
         module, _ = (process_loader() if loader is None else loader).get()
     if module is None:
         return grad_stats_reference(tensors, norm_type=p)
-    if all(t.device.type == "cpu" for t in tensors):
-        for i, t in enumerate(tensors):  # the C++ side checks layouts; type errors read better here
-            if not isinstance(t, Tensor):
-                raise TypeError(f"grad_stats: tensors[{i}] is a {type(t).__name__}: expected a Tensor")
+    try:
+        all_cpu = all(t.is_cpu for t in tensors)  # the C++ side checks everything else
+    except AttributeError:
+        i, t = next((i, t) for i, t in enumerate(tensors) if not isinstance(t, Tensor))
+        raise TypeError(
+            f"grad_stats: tensors[{i}] is a {type(t).__name__}: expected a Tensor") from None
+    if all_cpu:
         return module.grad_stats_(tensors, norm=kind)
-    on_cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
-    others = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    on_cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
+    others = [i for i, t in enumerate(tensors) if not t.is_cpu]
     terms = torch.zeros(len(tensors), dtype=torch.float64)
     sums = torch.zeros(len(tensors), dtype=torch.int64)
     if on_cpu:

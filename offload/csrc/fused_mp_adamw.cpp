@@ -778,10 +778,14 @@ constexpr int64_t kStatsBlock = int64_t(1) << 14;
 // Independent accumulators per block (four AVX-512 double vectors: hides the add latency).
 constexpr int kStatsLanes = 32;
 static_assert(kStatsLanes % fVec::size() == 0, "lanes must hold whole float vectors");
-// 16-bit words are summed in 32-bit lanes: at most kStatsBlock / kStatsLanes words of 0xFFFF each.
+// 16-bit words (and the low halves of 32-bit ones) are summed in 32-bit lanes: at most
+// kStatsBlock / kStatsLanes (+1 from the tail) of 0xFFFF each; high halves likewise, signed.
 static_assert((kStatsBlock / kStatsLanes) * 0xFFFFull < (1ull << 32), "32-bit lane overflow");
 // Blocks a thread takes from the shared counter at a time (256 KB of fp32).
 constexpr int64_t kStatsTake = 4;
+// Elements per worker below which more threads cost more than they bring (a parallel region
+// costs microseconds to start, and a thread of a loaded machine may be scheduled late).
+constexpr int64_t kStatsGrain = int64_t(1) << 17;
 
 enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2 };
 
@@ -819,17 +823,19 @@ inline void lane_update(double& acc, float& mx, uint32_t& bad, float f) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // 32 elements into the 32 lanes: acc[k] holds lanes 8k..8k+7 (element e of the group is lane e),
-// words into s64 (fp32) or s32 (16-bit) the same way. Exactly the scalar lane_update's operations.
+// exactly the scalar lane_update's operations. Words: a 16-bit word into its 32-bit lane of s32;
+// a 32-bit word w as w & 0xFFFF into s32 and w >> 16 (arithmetic) into hi32, so that the sum of
+// the words is sum(s32) + 65536 * sum(hi32) (no lane can overflow within one block), without the
+// cross-lane widening that would compete with the double conversions for the shuffle port.
 template <typename T, int64_t K>
-inline void stats_vec32(const T* x, __m512d (&acc)[4], __m512i (&s64)[4], __m512i (&s32)[2]) {
+inline void stats_vec32(const T* x, __m512d (&acc)[4], __m512i (&s32)[2], __m512i (&hi32)[2]) {
   for (int h = 0; h < 2; ++h) {
     __m512 f;
     if constexpr (std::is_same_v<T, float>) {
       f = _mm512_loadu_ps(x + 16 * h);
       const __m512i w = _mm512_castps_si512(f);
-      s64[2 * h] = _mm512_add_epi64(s64[2 * h], _mm512_cvtepi32_epi64(_mm512_castsi512_si256(w)));
-      s64[2 * h + 1] =
-          _mm512_add_epi64(s64[2 * h + 1], _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(w, 1)));
+      s32[h] = _mm512_add_epi32(s32[h], _mm512_and_si512(w, _mm512_set1_epi32(0xFFFF)));
+      hi32[h] = _mm512_add_epi32(hi32[h], _mm512_srai_epi32(w, 16));
     } else {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * h));
       const __m512i w32 = _mm512_cvtepu16_epi32(w);
@@ -856,16 +862,15 @@ inline void stats_vec32(const T* x, __m512d (&acc)[4], __m512i (&s64)[4], __m512
 #elif defined(CPU_CAPABILITY_AVX2)
 // As above with 256-bit vectors: acc[k] holds lanes 4k..4k+3.
 template <typename T, int64_t K>
-inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s64)[8], __m256i (&s32)[4]) {
+inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s32)[4], __m256i (&hi32)[4]) {
   const __m256d sign = _mm256_set1_pd(-0.0);
   for (int h = 0; h < 4; ++h) {
     __m256 f;
     if constexpr (std::is_same_v<T, float>) {
       f = _mm256_loadu_ps(x + 8 * h);
       const __m256i w = _mm256_castps_si256(f);
-      s64[2 * h] = _mm256_add_epi64(s64[2 * h], _mm256_cvtepi32_epi64(_mm256_castsi256_si128(w)));
-      s64[2 * h + 1] =
-          _mm256_add_epi64(s64[2 * h + 1], _mm256_cvtepi32_epi64(_mm256_extracti128_si256(w, 1)));
+      s32[h] = _mm256_add_epi32(s32[h], _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
+      hi32[h] = _mm256_add_epi32(hi32[h], _mm256_srai_epi32(w, 16));
     } else {
       const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * h));
       const __m256i w32 = _mm256_cvtepu16_epi32(w);
@@ -896,33 +901,34 @@ BlockStats block_stats(const T* x, int64_t n) {
   uint32_t bad[kStatsLanes] = {};
   alignas(64) uint64_t s64[kStatsLanes] = {};
   alignas(64) uint32_t s32[kStatsLanes] = {};
+  alignas(64) int32_t hi32[kStatsLanes] = {};
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (K != kNormInf) {
 #if defined(CPU_CAPABILITY_AVX512)
     __m512d va[4];
-    __m512i v64[4], v32[2];
+    __m512i v32[2], vhi[2];
     for (auto& a : va) a = _mm512_setzero_pd();
-    for (auto& a : v64) a = _mm512_setzero_si512();
     for (auto& a : v32) a = _mm512_setzero_si512();
-    for (; i + kStatsLanes <= n; i += kStatsLanes) stats_vec32<T, K>(x + i, va, v64, v32);
-    for (int k = 0; k < 4; ++k) {
-      _mm512_store_pd(acc + 8 * k, va[k]);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(s64 + 8 * k), v64[k]);
+    for (auto& a : vhi) a = _mm512_setzero_si512();
+    for (; i + kStatsLanes <= n; i += kStatsLanes) stats_vec32<T, K>(x + i, va, v32, vhi);
+    for (int k = 0; k < 4; ++k) _mm512_store_pd(acc + 8 * k, va[k]);
+    for (int k = 0; k < 2; ++k) {
+      _mm512_store_si512(reinterpret_cast<__m512i*>(s32 + 16 * k), v32[k]);
+      _mm512_store_si512(reinterpret_cast<__m512i*>(hi32 + 16 * k), vhi[k]);
     }
-    for (int k = 0; k < 2; ++k) _mm512_store_si512(reinterpret_cast<__m512i*>(s32 + 16 * k), v32[k]);
 #else
     __m256d va[8];
-    __m256i v64[8], v32[4];
+    __m256i v32[4], vhi[4];
     for (auto& a : va) a = _mm256_setzero_pd();
-    for (auto& a : v64) a = _mm256_setzero_si256();
     for (auto& a : v32) a = _mm256_setzero_si256();
-    for (; i + kStatsLanes <= n; i += kStatsLanes) stats_vec32<T, K>(x + i, va, v64, v32);
-    for (int k = 0; k < 8; ++k) {
-      _mm256_store_pd(acc + 4 * k, va[k]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(s64 + 4 * k), v64[k]);
+    for (auto& a : vhi) a = _mm256_setzero_si256();
+    for (; i + kStatsLanes <= n; i += kStatsLanes) stats_vec32<T, K>(x + i, va, v32, vhi);
+    for (int k = 0; k < 8; ++k) _mm256_store_pd(acc + 4 * k, va[k]);
+    for (int k = 0; k < 4; ++k) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s32 + 8 * k), v32[k]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hi32 + 8 * k), vhi[k]);
     }
-    for (int k = 0; k < 4; ++k) _mm256_store_si256(reinterpret_cast<__m256i*>(s32 + 8 * k), v32[k]);
 #endif
   }
 #endif
@@ -949,7 +955,7 @@ BlockStats block_stats(const T* x, int64_t n) {
   uint32_t any_bad = 0;
   for (int j = 0; j < kStatsLanes; ++j) {
     out.term += acc[j];
-    out.sum += s64[j] + s32[j];
+    out.sum += s64[j] + s32[j] + (static_cast<uint64_t>(static_cast<int64_t>(hi32[j])) << 16);
     m = m < mx[j] ? mx[j] : m;
     any_bad |= bad[j];
   }
@@ -1036,8 +1042,11 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_(const std::vector<at::Tensor>& te
                               : block_stats_of<kNormInf>(dtype[i], base[i], lo, hi);
       }
     };
+    int64_t elements = 0;
+    for (size_t i = 0; i < n; ++i) elements += numel[i];
     const int64_t takes = (total + kStatsTake - 1) / kStatsTake;
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), takes);
+    const int64_t workers = std::min<int64_t>(
+        {static_cast<int64_t>(at::get_num_threads()), takes, elements / kStatsGrain + 1});
     if (workers <= 1 || at::in_parallel_region()) {
       run_blocks(0, total);
     } else {
