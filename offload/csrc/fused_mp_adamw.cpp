@@ -775,7 +775,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
 
 // Elements per block (64 KB of fp32): the unit of work and of the fixed summation order.
 constexpr int64_t kStatsBlock = int64_t(1) << 14;
-// Independent accumulators per block (four AVX-512 double vectors: hides the add latency).
+// Independent accumulators per block (eight 256-bit double vectors: hides the FMA latency).
 constexpr int kStatsLanes = 32;
 static_assert(kStatsLanes % fVec::size() == 0, "lanes must hold whole float vectors");
 // 16-bit words (and the low halves of 32-bit ones) are summed in 32-bit lanes: at most
@@ -821,54 +821,22 @@ inline void lane_update(double& acc, float& mx, uint32_t& bad, float f) {
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// 32 elements into the 32 lanes: acc[k] holds lanes 8k..8k+7 (element e of the group is lane e),
-// exactly the scalar lane_update's operations. Words: a 16-bit word into its 32-bit lane of s32;
-// a 32-bit word w as w & 0xFFFF into s32 and w >> 16 (arithmetic) into hi32, so that the sum of
-// the words is sum(s32) + 65536 * sum(hi32) (no lane can overflow within one block), without the
-// cross-lane widening that would compete with the double conversions for the shuffle port.
-template <typename T, int64_t K>
-inline void stats_vec32(const T* x, __m512d (&acc)[4], __m512i (&s32)[2], __m512i (&hi32)[2]) {
-  for (int h = 0; h < 2; ++h) {
-    __m512 f;
-    if constexpr (std::is_same_v<T, float>) {
-      f = _mm512_loadu_ps(x + 16 * h);
-      const __m512i w = _mm512_castps_si512(f);
-      s32[h] = _mm512_add_epi32(s32[h], _mm512_and_si512(w, _mm512_set1_epi32(0xFFFF)));
-      hi32[h] = _mm512_add_epi32(hi32[h], _mm512_srai_epi32(w, 16));
-    } else {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * h));
-      const __m512i w32 = _mm512_cvtepu16_epi32(w);
-      s32[h] = _mm512_add_epi32(s32[h], w32);
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        f = _mm512_castsi512_ps(_mm512_slli_epi32(w32, 16));
-      } else {
-        f = _mm512_cvtph_ps(w);
-      }
-    }
-    for (int q = 0; q < 2; ++q) {
-      const __m256 part = q == 0 ? _mm512_castps512_ps256(f)
-                                 : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1));
-      const __m512d v = _mm512_cvtps_pd(part);
-      __m512d& a = acc[2 * h + q];
-      if constexpr (K == kNormL2) {
-        a = _mm512_add_pd(a, _mm512_mul_pd(v, v));
-      } else {
-        a = _mm512_add_pd(a, _mm512_abs_pd(v));
-      }
-    }
-  }
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-// As above with 256-bit vectors: acc[k] holds lanes 4k..4k+3.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// 32 elements into the 32 lanes: acc[k] holds lanes 4k..4k+3 (element e of the group is lane e),
+// exactly the scalar lane_update's operations (fma(v, v, acc) == acc + v * v: the square of a
+// float is exact in double). Words: a 16-bit word into its 32-bit lane of s32; a 32-bit word w as
+// w & 0xFFFF into s32 and w >> 16 (arithmetic) into hi32, so that the sum of the words is
+// sum(s32) + 65536 * sum(hi32) (no lane can overflow within one block), with no cross-lane
+// widening. 256-bit vectors on AVX-512 builds too: on the 2-core VM (Xeon, AVX-512) the 512-bit
+// float-to-double conversions ran this loop at 5-16 GB/s from L1/L2, the 256-bit ones at 40-58
+// GB/s (a standalone loop over 64 KB, best of 5), since 512-bit work has two ports, 256-bit three.
 template <typename T, int64_t K>
 inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s32)[4], __m256i (&hi32)[4]) {
   const __m256d sign = _mm256_set1_pd(-0.0);
   for (int h = 0; h < 4; ++h) {
-    __m256 f;
+    [[maybe_unused]] __m256 f;
     if constexpr (std::is_same_v<T, float>) {
-      f = _mm256_loadu_ps(x + 8 * h);
-      const __m256i w = _mm256_castps_si256(f);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * h));
       s32[h] = _mm256_add_epi32(s32[h], _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
       hi32[h] = _mm256_add_epi32(hi32[h], _mm256_srai_epi32(w, 16));
     } else {
@@ -878,14 +846,23 @@ inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s32)[4], __m256
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         f = _mm256_castsi256_ps(_mm256_slli_epi32(w32, 16));
       } else {
+        #if defined(CPU_CAPABILITY_AVX512)  // no -mf16c there: the AVX-512 conversion, low half
+        f = _mm512_castps512_ps256(_mm512_cvtph_ps(_mm256_castsi128_si256(w)));
+#else
         f = _mm256_cvtph_ps(w);
+#endif
       }
     }
     for (int q = 0; q < 2; ++q) {
-      const __m256d v = _mm256_cvtps_pd(q == 0 ? _mm256_castps256_ps128(f) : _mm256_extractf128_ps(f, 1));
+      __m256d v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm256_cvtps_pd(_mm_loadu_ps(x + 8 * h + 4 * q));
+      } else {
+        v = _mm256_cvtps_pd(q == 0 ? _mm256_castps256_ps128(f) : _mm256_extractf128_ps(f, 1));
+      }
       __m256d& a = acc[2 * h + q];
       if constexpr (K == kNormL2) {
-        a = _mm256_add_pd(a, _mm256_mul_pd(v, v));
+        a = _mm256_fmadd_pd(v, v, a);
       } else {
         a = _mm256_add_pd(a, _mm256_andnot_pd(sign, v));
       }
@@ -905,19 +882,6 @@ BlockStats block_stats(const T* x, int64_t n) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (K != kNormInf) {
-#if defined(CPU_CAPABILITY_AVX512)
-    __m512d va[4];
-    __m512i v32[2], vhi[2];
-    for (auto& a : va) a = _mm512_setzero_pd();
-    for (auto& a : v32) a = _mm512_setzero_si512();
-    for (auto& a : vhi) a = _mm512_setzero_si512();
-    for (; i + kStatsLanes <= n; i += kStatsLanes) stats_vec32<T, K>(x + i, va, v32, vhi);
-    for (int k = 0; k < 4; ++k) _mm512_store_pd(acc + 8 * k, va[k]);
-    for (int k = 0; k < 2; ++k) {
-      _mm512_store_si512(reinterpret_cast<__m512i*>(s32 + 16 * k), v32[k]);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(hi32 + 16 * k), vhi[k]);
-    }
-#else
     __m256d va[8];
     __m256i v32[4], vhi[4];
     for (auto& a : va) a = _mm256_setzero_pd();
@@ -929,7 +893,6 @@ BlockStats block_stats(const T* x, int64_t n) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(s32 + 8 * k), v32[k]);
       _mm256_store_si256(reinterpret_cast<__m256i*>(hi32 + 8 * k), vhi[k]);
     }
-#endif
   }
 #endif
   for (; i + kStatsLanes <= n; i += kStatsLanes) {  // inf norms, and builds without AVX2
