@@ -52,19 +52,20 @@ __all__ = ["MEASURED", "STATS_BLOCK", "grad_stats_", "grad_stats_reference"]
 STATS_BLOCK = 1 << 14
 #: GB/s (bytes read; read + written for copy, clone and the step) on the 2-core VM, 50M fp32,
 #: 2 threads, ``python -m bench.grad_stats --rounds 21`` (21 interleaved rounds, best round; the
-#: medians were 40-60% of these: the VM was shared, load average 4.5). Per-round medians of the
-#: ratios: vector_norm / grad_stats 1.07, step_coef / step 0.97 (the coefficient inside the kernel
-#: costs nothing measurable), (grad_stats + step_coef) / step 1.40 (target 1.15: not met here).
-#: From cache the pass runs at 40-58 GB/s per thread, so it is not compute-bound; from DRAM it
-#: reads at the speed of torch's vector_norm (also one read stream), 0.4x the bytes per second of
-#: the step kernel's seven streams and 0.6x a copy's two: one stream per thread is slow here.
+#: medians were 30-50% of these: the VM was shared, load average 2.6). Per-round medians of the
+#: ratios: vector_norm / grad_stats 1.53, step_coef / step 1.03 (the coefficient inside the kernel
+#: costs nothing measurable), (grad_stats + step_coef) / step 1.36 (target 1.15: not met here).
+#: From cache the pass runs at 40-58 GB/s per thread, so it is not compute-bound; from DRAM one
+#: read stream per thread is slow on this VM: a software prefetch 2 KB ahead took the best round
+#: from 8.0 to 14.6 GB/s (4 KB: no better), still 0.45x the bytes per second of the step kernel's
+#: seven streams.
 MEASURED: dict[str, float] = {
-    "grad_stats_fp32": 8.0,
-    "grad_stats_bf16": 7.0,
-    "torch.linalg.vector_norm_fp32": 7.9,
-    "copy_fp32_read_write": 13.5,
-    "clone_fp32_read_write": 2.9,
-    "adamw_f32_step_28B": 20.1,
+    "grad_stats_fp32": 14.6,
+    "grad_stats_bf16": 11.3,
+    "torch.linalg.vector_norm_fp32": 7.5,
+    "copy_fp32_read_write": 13.7,
+    "clone_fp32_read_write": 4.1,
+    "adamw_f32_step_28B": 33.5,
 }
 
 _NATIVE_KIND = {2.0: 0, 1.0: 1, math.inf: 2}
