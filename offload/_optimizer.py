@@ -55,9 +55,9 @@ from offload._pipeline import Pipeline
 from offload._transport import Transport
 from offload._settings import OffloadSettings, StepStats
 from offload._slabs import HostSlabs, plan_chunks
-from offload._stepjobs import collect_grads, item_kernel, submit_step
+from offload._stepjobs import collect_grads, submit_step
 from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
-from offload._speculation import checksums_reference
+from offload._speculation import checksums_of
 from offload._stats import StatsBuilder
 from offload._threads import ThreadPlan
 
@@ -203,7 +203,7 @@ class CPUOffloadAdamW(Optimizer):
 
     def _start_overlap(self, *, calibrated: bool) -> None:
         """Backward hooks on every parameter (``calibrated``: their hook counts are learned)."""
-        self._overlap = EarlyWork(self, calibrated=calibrated, checksums=checksums_reference,
+        self._overlap = EarlyWork(self, calibrated=calibrated, checksums=checksums_of(self._kernels.grad_stats),
                                   limit_numel=self._speculation_limit, external=self._ddp)
 
     def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
@@ -376,7 +376,7 @@ class CPUOffloadAdamW(Optimizer):
         try:
             self._clip = clip_request(self._registry.records, grads, max_norm=max_norm, norm_type=norm_type,
                                       error_if_nonfinite=error_if_nonfinite, foreach=foreach,
-                                      device=self._registry.device)
+                                      device=self._registry.device, grad_stats=self._kernels.grad_stats)
         except NonFiniteNorm:  # the loop skips this step: the early chunks must not show
             self._abandon_early("clip_grad_norm_() (a non-finite norm)")
             raise
@@ -591,5 +591,5 @@ class CPUOffloadAdamW(Optimizer):
         if self._overlap is not None:
             self._overlap.abandon(what, threads=self._settings.threads or 1)
 
-    def _item_kernel(self, hyper: Hyper) -> str:
-        return item_kernel(self._settings.kernel, self._kernels, hyper)
+    def _item_kernel(self, hyper: Hyper) -> str:  # every kernel takes a grad coefficient and scale
+        return self._settings.kernel
