@@ -148,14 +148,16 @@ class Worker:
     def _process(self, job: ChunkJob) -> None:
         self._use_threads(job.threads)
         if job.update:
+            if job.before_kernel is not None:
+                # Before finish_d2h: the host transport reads (upcasts) gradients there, and the
+                # checksum must come before any read of them (offload/_speculation.py).
+                job.before_kernel(job)
             self.transport.finish_d2h(job, self.slabs, self.records)
             if job.check_versions and any(
                 it.grad is None or it.grad._version != it.grad_version for it in job.items
             ):
                 job.skipped_stale = True
                 return
-            if job.before_kernel is not None:
-                job.before_kernel(job)
             self._kernel(job)
         if job.materialize:
             self.transport.materialize(job, self.slabs, self.records)

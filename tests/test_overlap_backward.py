@@ -200,3 +200,49 @@ def test_failure_of_an_early_chunk_reaches_step_and_leaves_the_state_untouched()
     _same(pair)
     for _, o in pair:
         o.close()
+
+
+def test_a_gradient_written_before_the_launch_checksum_is_what_the_kernel_reads() -> None:
+    """The speculation's checksum must precede every read of the gradient by the early chunk
+    (the torch kernel's bf16 upcast included): a write landing just before the checksum (here: a
+    grad_stats spy halving the gradients on the worker, as a concurrent ``scaler.unscale_`` or clip
+    would) is then both consumed and checksummed, so the commit is right. With the checksum after
+    the upcast, the kernel consumed the old values and the step committed them (a race the
+    GradScaler contract test hit about one run in two)."""
+    import threading
+
+    from offload._grad_stats import grad_stats_
+
+    halved: list[int] = []  # ids of the gradients the spy wrote, first worker call of each step
+
+    def spy(tensors, **kw):
+        if threading.current_thread() is not threading.main_thread() and not halved:
+            for t in tensors:
+                t.mul_(0.5)
+                halved.append(id(t))
+        return grad_stats_(tensors, **kw)
+
+    settings = OffloadSettings(threads=1, chunk_numel=1024, kernel="torch")
+    models = [make_model(torch.bfloat16), make_model(torch.bfloat16)]
+    plain = CPUOffloadAdamW(param_groups(models[0]), settings=settings)
+    over = CPUOffloadAdamW(param_groups(models[1]), settings=settings, overlap_backward=True,
+                           kernels=KernelSet(grad_stats=spy))
+    for step in range(4):
+        halved.clear()
+        for model, opt in ((models[1], over), (models[0], plain)):
+            opt.zero_grad()
+            model(batch(step)).backward()
+            if opt is plain:  # the same write, on the same parameters, before step()
+                idx = {i for i, p in enumerate(models[1].parameters()) if id(p.grad) in halved}
+                with torch.no_grad():
+                    for i, p in enumerate(model.parameters()):
+                        if i in idx:
+                            p.grad.mul_(0.5)
+            opt.step()
+        if step > 0:
+            assert halved and over.last_stats.committed_chunks > 0
+    assert_bitwise(list(models[1].parameters()), list(models[0].parameters()), "params")
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert_bitwise(_state(models[1], over, key), _state(models[0], plain, key), key)
+    plain.close()
+    over.close()
