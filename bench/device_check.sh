@@ -45,13 +45,20 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   echo "device_check: PYTHON=$PYTHON is not an executable here; set PYTHON to a python with torch" >&2
   exit 2
 fi
-if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-  echo "device_check: $PYTHON cannot import torch; set PYTHON to a python with torch (nothing is installed)" >&2
-  exit 2
-fi
-if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+# One interpreter start (importing torch takes seconds): 0 a CUDA device, 4 none, else no torch.
+"$PYTHON" -c "import sys
+try:
+    import torch
+except Exception:
+    sys.exit(3)
+sys.exit(0 if torch.cuda.is_available() else 4)" >/dev/null 2>&1
+probe=$?
+if [ "$probe" -eq 4 ]; then
   echo "device_check: no CUDA device (torch.cuda.is_available() is False for $PYTHON): nothing to check, skipped"
   exit 0
+elif [ "$probe" -ne 0 ]; then
+  echo "device_check: $PYTHON cannot import torch (status $probe); set PYTHON to a python with torch (nothing is installed)" >&2
+  exit 2
 fi
 
 mkdir -p "$OUT" || exit 2
