@@ -120,10 +120,11 @@ def plot_note(run_dir: Path | None, autotune: bool) -> str | None:
 def build_summary(args: argparse.Namespace, info: Any, device: torch.device, n_params: int, seq_len: int,
                   opt: torch.optim.Optimizer, ranks: list[dict[str, Any]], losses: Sequence[float],
                   step_times: Sequence[float], opt_times: Sequence[float],
-                  stats_rows: Sequence[dict[str, float]], *, grad_norm_last: float | None = None,
+                  stats_rows: Sequence[dict[str, float]], *, grad_norms: Sequence[float] = (),
                   speculation: SpeculationTally | None = None,
                   skipped_steps: int | None = None) -> dict[str, Any]:
-    """The run summary every rank returns (rank 0 prints and writes it)."""
+    """The run summary every rank returns (rank 0 prints and writes it). ``grad_norms``: the
+    total norm the clip measured at each step (empty without clipping)."""
     # The first step pays one-off costs (allocation, state init, lazy kernels): it is kept in
     # step_times_s but left out of the medians when there is more than one step.
     skip = 1 if len(step_times) > 1 else 0
@@ -159,7 +160,8 @@ def build_summary(args: argparse.Namespace, info: Any, device: torch.device, n_p
         "fsdp": bool(args.fsdp),
         "fsdp_param_dtype": args.fsdp_param_dtype,
         "clip_grad_norm": getattr(args, "clip_grad_norm", None),
-        "grad_norm_last": grad_norm_last,
+        "grad_norm_last": grad_norms[-1] if grad_norms else None,
+        "grad_norms": list(grad_norms),
         "amp": getattr(args, "amp", None),
         "amp_skipped_steps": skipped_steps,
         "speculated_chunks": speculation.speculated,

@@ -415,7 +415,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
     scale = scaler.get_scale() if scaler is not None else None
     skipped = 0
     speculation = SpeculationTally()
-    grad_norm = None
+    grad_norms: list[float] = []
     losses: list[float] = []
     step_times: list[float] = []
     opt_times: list[float] = []
@@ -456,6 +456,8 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
             stats = stats_dict(opt)
             knobs_used = opt_knobs(opt)
             grad_norm = _norm_value(norm)
+            if grad_norm is not None:
+                grad_norms.append(grad_norm)
             if scaler is not None:  # GradScaler lowers the scale after a step it skipped (inf/nan)
                 skipped += scaler.get_scale() < scale
                 scale = scaler.get_scale()
@@ -495,7 +497,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
     }
     ranks = _dist.gather_objects(rank_entry, info, step=args.steps)
     summary = build_summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_times, opt_times,
-                            stats_rows, grad_norm_last=grad_norm, speculation=speculation,
+                            stats_rows, grad_norms=grad_norms, speculation=speculation,
                             skipped_steps=skipped if scaler is not None else None)
     if is_main:
         print_summary(summary)

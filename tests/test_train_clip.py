@@ -29,21 +29,34 @@ def _train(tmp_path: Path, name: str, *extra: str) -> dict:
 
 
 def _same_run(a: dict, b: dict) -> None:
-    assert a["losses"] == b["losses"]
+    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
     assert [r["param_sha256"] for r in a["ranks"]] == [r["param_sha256"] for r in b["ranks"]]
 
 
-def test_clip_amp_and_overlap_equal_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # 0.5 is below every step's norm (about 1.7-2.3 on this model): each step is clipped.
+def _close_to_torch(ours: dict, ref: dict) -> None:
+    """Our norm is deterministic and float64-accurate (offload/_clip.py), torch's is a float32
+    reduction in its own order: they may differ in the last bit, and so the clip coefficients.
+    The first step's norm is over the same gradients; later ones over weights that moved by that
+    last bit's share of one update; under fp16 autocast such a weight may round to another fp16
+    value, hence the losses' 1e-5."""
+    assert len(ours["grad_norms"]) == len(ref["grad_norms"]) == ours["steps"]
+    assert math.isclose(ours["grad_norms"][0], ref["grad_norms"][0], rel_tol=1e-6)
+    for got, want in zip(ours["grad_norms"], ref["grad_norms"]):
+        assert math.isclose(got, want, rel_tol=1e-5), (ours["grad_norms"], ref["grad_norms"])
+    for got, want in zip(ours["losses"], ref["losses"]):
+        assert math.isclose(got, want, rel_tol=1e-5), (ours["losses"], ref["losses"])
+
+
+def test_clip_amp_and_overlap_against_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0.5 is below every step's norm (about 1.6-2.9 on this model): each step is clipped.
     clip = ("--clip-grad-norm", "0.5", "--grad-accum", "2")
     ref = _train(tmp_path, "ref", *clip)
     ours = _train(tmp_path, "ours", *clip, *OURS)
     capsys.readouterr()
     over = _train(tmp_path, "over", *clip, *OURS, "--overlap-backward")
     printed = capsys.readouterr().out
-    assert ref["clip_grad_norm"] == 0.5 and ref["grad_norm_last"] > 1.0
-    assert math.isclose(ours["grad_norm_last"], ref["grad_norm_last"], rel_tol=1e-6)
-    _same_run(ours, ref)
+    assert ref["clip_grad_norm"] == 0.5 and min(ref["grad_norms"]) > 1.0
+    _close_to_torch(ours, ref)
     _same_run(over, ours)  # overlap is a pure speed option
     assert ref["commit_rate"] is None and ours["commit_rate"] is None and ours["speculated_chunks"] == 0
     assert over["speculated_chunks"] > 0 and 0 <= over["committed_chunks"] <= over["speculated_chunks"]
@@ -51,20 +64,23 @@ def test_clip_amp_and_overlap_equal_torch(tmp_path: Path, capsys: pytest.Capture
     assert "speculation commit rate " in printed and "gnorm " in printed
     assert f"clip 0.5 grad norm (last step) {over['grad_norm_last']:.6g}" in printed
 
-    # fp16 autocast + GradScaler, unscaled before the clip; the scale is a power of two, so torch's
-    # unscale (x * 1/s) and the kernel's are exact either way.
+    # fp16 autocast + GradScaler, unscaled before the clip.
     amp = ("--amp", "fp16", *clip)
     ref_amp = _train(tmp_path, "ref_amp", *amp)
+    ours_amp = _train(tmp_path, "ours_amp", *amp, *OURS)
     over_amp = _train(tmp_path, "over_amp", *amp, *OURS, "--overlap-backward")
     assert ref_amp["amp"] == "fp16" and ref_amp["amp_skipped_steps"] == over_amp["amp_skipped_steps"]
     assert ref_amp["losses"] != ref["losses"]  # autocast really ran
-    _same_run(over_amp, ref_amp)
+    _close_to_torch(ours_amp, ref_amp)
+    _same_run(over_amp, ours_amp)
 
 
 def test_norms_below_max_norm_commit_every_speculated_chunk(tmp_path: Path, capsys) -> None:
+    # GradScaler.step hands grad_scale/found_inf to both fused steps; the scale is a power of two,
+    # so unscaling inside either kernel is exact: bitwise.
     amp_only = _train(tmp_path, "amp_ref", "--amp", "fp16")
     amp_ours = _train(tmp_path, "amp_ours", "--amp", "fp16", *OURS, "--overlap-backward")
-    _same_run(amp_ours, amp_only)  # GradScaler.step passes grad_scale/found_inf to our step
+    _same_run(amp_ours, amp_only)
     capsys.readouterr()
     big = _train(tmp_path, "big", "--clip-grad-norm", "1e4", *OURS, "--overlap-backward")
     printed = capsys.readouterr().out
@@ -111,12 +127,11 @@ def _torchrun(tmp_path: Path, name: str, *extra: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_torchrun_two_ranks_fsdp_clip_amp_overlap_equal_torch(tmp_path: Path) -> None:
+def test_torchrun_two_ranks_fsdp_clip_amp_overlap_match_torch(tmp_path: Path) -> None:
     """Under FSDP2 the norm is over both ranks' shards (torch's clip of DTensor gradients, ours
     over the DTensor parameters) and GradScaler's found_inf is reduced over the mesh."""
     ref = _torchrun(tmp_path, "torch")
     ours = _torchrun(tmp_path, "ours", "--optim-cpu-offload", "--overlap-backward", "--chunk-numel", "4096")
     assert ours["world_size"] == 2 and ours["fsdp"] and ours["overlap_backward"]
-    assert math.isclose(ours["grad_norm_last"], ref["grad_norm_last"], rel_tol=1e-6)
-    _same_run(ours, ref)
+    _close_to_torch(ours, ref)
     assert ours["speculated_chunks"] > 0 and ours["commit_rate"] is not None
