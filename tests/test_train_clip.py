@@ -24,8 +24,8 @@ OURS = ["--optim-cpu-offload", "--threads", "1", "--chunk-numel", "4096"]
 pytestmark = pytest.mark.usefixtures("isolated_trainer")
 
 
-def _train(tmp_path: Path, name: str, *extra: str) -> dict:
-    return train_summary(tmp_path / f"{name}.json", *TINY, "--steps", "3", *extra)
+def _train(tmp_path: Path, name: str, *extra: str, steps: int = 3) -> dict:
+    return train_summary(tmp_path / f"{name}.json", *TINY, "--steps", str(steps), *extra)
 
 
 def _same_run(a: dict, b: dict) -> None:
@@ -89,6 +89,18 @@ def test_norms_below_max_norm_commit_every_speculated_chunk(tmp_path: Path, caps
     assert big["speculated_chunks"] > 0 and big["commit_rate"] == 1.0
     assert "speculation commit rate 100.0%" in printed and " | commit " in printed
     assert plain["grad_norm_last"] is None and "clip off | amp off" in capsys.readouterr().out
+
+
+def test_autotune_with_clip_amp_and_overlap_changes_no_bit(tmp_path: Path) -> None:
+    """The tuner switches threads and chunk sizes mid-run; the clip norm is deterministic for any
+    of them, so the run equals the untuned one bitwise."""
+    common = ("--optim-cpu-offload", "--overlap-backward", "--clip-grad-norm", "0.5", "--amp", "fp16",
+              "--grad-accum", "2")
+    tuned = _train(tmp_path, "tuned", *common, "--autotune", "--cache", str(tmp_path / "cache.json"), steps=24)
+    plain = _train(tmp_path, "plain", *common, "--threads", "1", steps=24)
+    assert tuned["tuner"]["state"] in ("locked", "probing") and tuned["tuner"]["probe_steps"]
+    _same_run(tuned, plain)
+    assert tuned["speculated_chunks"] > 0 and tuned["commit_rate"] is not None
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "abc"])
