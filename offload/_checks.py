@@ -18,7 +18,7 @@ from offload._kernels import Hyper
 from offload._settings import OffloadSettings
 from offload._threads import ThreadPlan
 
-__all__ = ["UNSUPPORTED", "adamw_defaults", "check_arguments", "check_hyper", "check_options", "check_param_group",
+__all__ = ["UNSUPPORTED", "adamw_defaults", "check_arguments", "check_limit", "check_hyper", "check_options", "check_param_group",
            "hyper_of", "scalar"]
 
 #: Options of torch.optim.AdamW this optimizer does not implement, with the only accepted values.
@@ -138,3 +138,14 @@ def hyper_of(group: dict[str, Any]) -> Hyper:
         weight_decay=scalar("weight_decay", group["weight_decay"]),
         eps=scalar("eps", group["eps"]),
     )
+
+
+def check_limit(limit: Any, overlap_backward: bool) -> int | None:
+    """``speculation_limit``: None or an int >= 0, and only with ``overlap_backward``."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"speculation_limit={limit!r}: expected None or an int >= 0 (elements)")
+    if not overlap_backward:
+        raise ValueError(f"speculation_limit={limit!r} without overlap_backward=True: nothing speculates")
+    return limit

@@ -120,6 +120,9 @@ class ChunkJob:
     """CUDA: event after which the gradients are final (d2h waits on it)."""
     write_event: Any = None
     """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
+    before_kernel: Any = None
+    """Early launch: called by the worker with the job right before its kernel (the speculation's
+    checksums and backup, ``offload/_speculation.py``)."""
     # Filled by the transport and the worker.
     transfer: Any = None
     """The transport's state of an issued d2h (None: not issued yet)."""

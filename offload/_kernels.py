@@ -103,9 +103,14 @@ def fused_adamw_(
     lr = hyper.lr
     if isinstance(lr, Tensor) and lr.device.type != "cpu":
         lr = lr.to("cpu")
+    grads = list(grads)
+    if hyper.grad_coef is not None:  # out of place: the caller's gradients are not written
+        grads = torch._foreach_mul(grads, hyper.grad_coef)
+    elif hyper.grad_scale is not None:  # torch's CPU kernel stores the unscaled gradient back
+        grads = [g.clone() for g in grads]
     torch._fused_adamw_(
         list(params),
-        list(grads),
+        grads,
         list(exp_avgs),
         list(exp_avg_sqs),
         [],  # max_exp_avg_sqs: amsgrad is not supported
@@ -117,8 +122,8 @@ def fused_adamw_(
         weight_decay=hyper.weight_decay,
         eps=hyper.eps,
         maximize=False,
-        grad_scale=None,
-        found_inf=None,
+        grad_scale=hyper.grad_scale,
+        found_inf=hyper.found_inf,
     )
 
 

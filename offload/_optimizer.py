@@ -27,13 +27,14 @@ from torch.optim import Optimizer
 
 from autotune import OnlineTuner
 from offload._autotune import OffloadTuning
-from offload._checks import adamw_defaults, check_arguments, check_options, check_param_group, hyper_of
+from offload._checks import (adamw_defaults, check_arguments, check_limit, check_options, check_param_group,
+                             hyper_of)
 from offload._cuda_transport import CudaTransport
 from offload._dtensor import local
 from offload._edits import WeightEdits
 from offload._group import thread_plan
-from offload._items import ItemCache, fresh_items, resolve_kernel
-from offload._kernels import DEFAULT_KERNELS, KernelSet, new_step_tensor
+from offload._items import ItemCache, resolve_kernel
+from offload._kernels import DEFAULT_KERNELS, Hyper, KernelSet, new_step_tensor
 from offload._masters import (
     cast_seeds,
     copy_state,
@@ -44,17 +45,19 @@ from offload._masters import (
     own_master_flags,
     state_entry,
 )
-from offload._overlap import BackwardOverlap, Launch, raise_late_edit, verify_launches
-from offload._params import ParamRecord, ParamRegistry, check_params, param_names, raise_bad_grad
+from offload._clip import ClipRequest, amp_arguments, clip_request
+from offload._early import EarlyWork
+from offload._params import ParamRecord, ParamRegistry, check_params, param_names
 from offload._placement import NumaBinder, NumaPlacement
 from offload._rebind import BoundParams, check_rebound, copy_sources, plan_sources
 from offload._host_transport import HostTransport
-from offload._jobs import ChunkJob
 from offload._pipeline import Pipeline
 from offload._transport import Transport
 from offload._settings import OffloadSettings, StepStats
-from offload._slabs import Chunk, HostSlabs, plan_chunks
+from offload._slabs import HostSlabs, plan_chunks
+from offload._stepjobs import collect_grads, item_kernel, submit_step
 from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
+from offload._speculation import checksums_reference
 from offload._stats import StatsBuilder
 from offload._threads import ThreadPlan
 
@@ -82,11 +85,17 @@ class CPUOffloadAdamW(Optimizer):
             ``plan_cpu_threads()``, resolved once here (``apply_settings`` with ``threads=None``
             reuses that count). Change them later with :meth:`apply_settings`.
         overlap_backward: start each chunk's d2h and kernel during backward, as soon as all its
-            gradients are final (the model's weights are still written only in ``step()``). Every
-            backward outside :meth:`accumulating` then commits to the next ``step()``: gradients
-            must not be modified between backward and ``step()`` (no gradient clipping, no
-            ``GradScaler.unscale_``, no ``zero_grad()``); ``step()`` raises ``RuntimeError`` if one
-            was. Use ``with opt.accumulating():`` for all micro-batches but the last.
+            gradients have arrived, as a speculation (``offload/_speculation.py``): ``step()``
+            commits a chunk whose gradients (by content), hyper-parameters, clip coefficient and
+            grad scale are those it consumed, and undoes and recomputes the others, so the results
+            are bitwise those without overlap whatever the loop does between backward and
+            ``step()`` (clipping, GradScaler, DDP, a changed lr, ``zero_grad()`` and no step).
+            Costs a backup of the speculated chunks' master and moments (12 bytes per element).
+            Use ``with opt.accumulating():`` for all micro-batches but the last (else the early
+            chunks of earlier micro-batches are redone).
+        speculation_limit: with ``overlap_backward``, at most this many elements start during
+            backward per step (chunks past it run in ``step()``), which bounds the backup memory
+            to 12 bytes per element; None (default): no bound; 0: nothing starts early.
         amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.
@@ -113,6 +122,7 @@ class CPUOffloadAdamW(Optimizer):
         *,
         settings: OffloadSettings | None = None,
         overlap_backward: bool = False,
+        speculation_limit: int | None = None,
         amsgrad: bool = False,
         maximize: bool = False,
         capturable: bool = False,
@@ -162,7 +172,9 @@ class CPUOffloadAdamW(Optimizer):
         self._stats: StatsBuilder | None = None
         self._early_launches_last_step = 0
 
-        self._overlap: BackwardOverlap | None = None
+        self._clip: ClipRequest | None = None  # set by clip_grad_norm_, taken by the next step()
+        self._speculation_limit = check_limit(speculation_limit, overlap_backward)
+        self._overlap: EarlyWork | None = None
         if overlap_backward:
             self._start_overlap(calibrated=False)
 
@@ -190,8 +202,8 @@ class CPUOffloadAdamW(Optimizer):
 
     def _start_overlap(self, *, calibrated: bool) -> None:
         """Backward hooks on every parameter (``calibrated``: their hook counts are learned)."""
-        self._overlap = BackwardOverlap(self._registry.records, self._start_early, calibrated=calibrated)
-        self._overlap.set_chunks(self._chunks)
+        self._overlap = EarlyWork(self, calibrated=calibrated, checksums=checksums_reference,
+                                  limit_numel=self._speculation_limit)
 
     def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
         return own_master_flags(self.param_groups, self._registry.records,
@@ -259,8 +271,8 @@ class CPUOffloadAdamW(Optimizer):
         groups = self.param_groups
         if not self._bound.changed(groups):
             return
-        check_rebound(self._bound, groups, self.defaults,
-                      launched=self._overlap is not None and self._overlap.has_launched())
+        self._abandon_early("a param_groups re-bind")  # early chunks of the old layout
+        check_rebound(self._bound, groups, self.defaults, launched=False)
         old, old_registry = self._slabs, self._registry
         recheck = {id(old_registry[s]) for s in self._recheck_masters}  # records, by identity
         self._registry = ParamRegistry(groups, old_registry, by_identity=True)
@@ -359,8 +371,27 @@ class CPUOffloadAdamW(Optimizer):
             self._numa.restore()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; between backward and ``step()`` it also undoes the chunks started early
+        and drops a pending :meth:`clip_grad_norm_` coefficient (the step is skipped)."""
         self._check_idle("zero_grad()")
+        self._clip = None
         super().zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, applied inside the
+        next ``step()``'s kernel (``offload/_clip.py``): returns the total norm (a float32 tensor
+        on the parameters' device; over all ranks and meshes for DTensor parameters); the
+        gradients themselves are not modified. Call it after backward, before ``step()``; calling
+        it again replaces the coefficient (the gradients were not scaled). ``foreach`` is accepted
+        for signature compatibility."""
+        if self._in_step:
+            raise RuntimeError("CPUOffloadAdamW.clip_grad_norm_() called while step() is running")
+        grads = {r.slot: r.param.grad for r in self._registry if r.param.grad is not None}
+        self._clip = clip_request(self._registry.records, grads, max_norm=max_norm, norm_type=norm_type,
+                                  error_if_nonfinite=error_if_nonfinite, foreach=foreach,
+                                  device=self._registry.device)
+        return self._clip.total_norm
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW(fused=True)``'s keys: per parameter ``step``, ``exp_avg``,
@@ -415,6 +446,11 @@ class CPUOffloadAdamW(Optimizer):
             post_hook(self)
 
     # ---------------------------------------------------------------- step
+    #: ``GradScaler.step`` hands this optimizer ``grad_scale`` and ``found_inf`` (attributes read
+    #: by ``step()``), as it does torch's fused AdamW: unscaled inside the kernel, an overflow step
+    #: skipped before any kernel runs.
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One AdamW step over every parameter with a gradient (others keep their state)."""
         loss = None
@@ -438,44 +474,44 @@ class CPUOffloadAdamW(Optimizer):
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        launched = self._overlap.end_window() if self._overlap is not None else {}
-        self._early_launches_last_step = len(launched)
-        if launched:
-            verify_launches(launched, self._registry.records, drain=self._pipeline.drain)
+        threads = self._settings.threads
+        assert threads is not None
+        clip, self._clip = self._clip, None
+        scale, found_inf = amp_arguments(self)
+        early = self._overlap
+        if found_inf is not None and bool(found_inf.to("cpu").reshape(-1)[0]):
+            # GradScaler found inf/nan: nothing changes (torch's fused AdamW skips the same way).
+            self._abandon_early("step() (GradScaler overflow)")
+            self._collect_grads(count_empty=False)  # state for new parameters, as torch makes it
+            self._stats = StatsBuilder([], t0, step_s=time.perf_counter() - t0, drain_s=0.0, threads=threads,
+                                       chunk_numel=self._settings.chunk_numel, num_chunks=0, numel=0)
+            return
+        coef = None if clip is None else clip.coef
+
+        def hyper_now(group: int) -> Hyper:
+            return replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
 
         try:
             grads = self._collect_grads()
-            self._follow_edits(grads, launched)
+            late = self._edits.end_window(self._registry.records)
+            if late or self._recheck_masters:
+                self._abandon_early("step() (weights edited after backward started chunks)")
+            committed, speculated = early.start_step(hyper_now=hyper_now, late=late, threads=threads) \
+                if early is not None else ({}, 0)
+            self._early_launches_last_step = speculated
+            self._follow_edits(grads)
         except BaseException:
-            if launched:
-                self._pipeline.drain()  # early chunks of the aborted step must not leak into the next
+            self._abandon_early("step() (an error)")
             raise
 
-        event = self._ready_event()
-        threads = self._settings.threads
-        assert threads is not None
-        records, kernel, sharded = self._registry.records, self._settings.kernel, self._registry.sharded
-        numel = chunks_run = 0
-        used_mp = False
-        for chunk in self._chunks:
-            early = launched.get(chunk.index)
-            if early is not None:
-                job = ChunkJob(chunk=chunk.index, items=early.job.items, hyper=early.job.hyper,
-                               threads=threads, update=False, materialize=True)
-            else:
-                items = self._items.items(chunk, grads, records, self.state, kernel=kernel, sharded=sharded)
-                if not items:
-                    continue
-                job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper_of(self.param_groups[chunk.group]),
-                               threads=threads, update=True, materialize=True, ready_event=event)
-            job.write_event = event
-            n, native = self._items.summary(chunk, job.items)
-            used_mp = used_mp or native
-            numel += n
-            chunks_run += 1
-            self._pipeline.submit(job)
+        sub = submit_step(self._pipeline, self._chunks, committed, grads, self._registry.records, self.state,
+                          self._items, hyper_now=hyper_now, item_kernel=self._item_kernel, threads=threads,
+                          event=self._ready_event(), sharded=self._registry.sharded)
         result = self._pipeline.drain()
         self._items.release_grads()
+        if early is not None:  # a failure before any in-place update undoes the early chunks too
+            early.end_step(grad_scale=scale, failed=result.error is not None and
+                           not any(j.kernel_ran for j in sub.updates))
         if result.error is not None:
             raise result.error
         if result.last_h2d_event is not None:
@@ -489,9 +525,11 @@ class CPUOffloadAdamW(Optimizer):
             drain_s=result.wait_s,
             threads=threads,
             chunk_numel=self._settings.chunk_numel,
-            num_chunks=chunks_run,
-            numel=numel,
-            kernel="fused-mp" if used_mp else "torch",
+            num_chunks=sub.chunks,
+            numel=sub.numel,
+            kernel="fused-mp" if sub.native else "torch",
+            speculated_chunks=speculated,
+            committed_chunks=len(committed),
         )
 
     def _ready_event(self) -> Any:
@@ -502,39 +540,12 @@ class CPUOffloadAdamW(Optimizer):
         event.record(torch.cuda.current_stream(self._registry.device))
         return event
 
-    def _collect_grads(self) -> dict[int, Tensor]:
-        """The gradients of this step by slot; initialises the state of new parameters."""
-        grads: dict[int, Tensor] = {}
-        for rec in self._registry.records:
-            param = rec.param
-            if param.grad is None:
-                continue
-            slot = rec.slot
-            p, g = rec.local(), local(param.grad)  # DTensors: this rank's shards
-            # .data may have been replaced since construction (contiguity was checked there)
-            if g.is_sparse or not p.is_contiguous() or g.device != p.device or g.shape != p.shape:
-                raise_bad_grad(slot, p, g)
-            state = self.state[param]
-            if not state:
-                self._init_state(rec)
-            elif state.get("step") is not rec.step:
-                # The user replaced the step tensor (as torch's AdamW allows): the cached Items
-                # hold the old one.
-                rec.step = state.get("step")
-                self._items.new_state()
-            if p.numel() == 0:  # an empty shard is in no chunk: count its step as torch does
-                self.state[param]["step"] += 1
-            grads[slot] = g
-        return grads
+    def _collect_grads(self, *, count_empty: bool = True) -> dict[int, Tensor]:
+        return collect_grads(self._registry.records, self.state, self._items, init_state=self._init_state,
+                             count_empty=count_empty)
 
-    def _follow_edits(self, grads: dict[int, Tensor], launched: dict[int, Launch]) -> None:
-        """Parameters edited since our last write: their masters follow them (offload/_edits.py).
-
-        Chunks started during backward re-seeded theirs at launch; an edit after that is too late.
-        """
-        late = self._edits.end_window(self._registry.records)
-        if late:
-            raise_late_edit(late, launched, self._registry.records, drain=self._pipeline.drain)
+    def _follow_edits(self, grads: dict[int, Tensor]) -> None:
+        """Parameters edited since our last write: their masters follow them (offload/_edits.py)."""
         if self._recheck_masters:
             slots, self._recheck_masters = self._recheck_masters, set()
             drop_equal_masters(self._registry.records, self._slabs, slots, self._relayout)
@@ -574,23 +585,13 @@ class CPUOffloadAdamW(Optimizer):
     def _check_idle(self, what: str) -> None:
         if self._in_step:
             raise RuntimeError(f"CPUOffloadAdamW.{what} called while step() is running")
-        if self._overlap is not None and self._overlap.has_launched():
-            raise RuntimeError(
-                f"CPUOffloadAdamW.{what} called after backward() started chunks early "
-                "(overlap_backward=True) and before step(): finish the step first"
-            )
+        self._abandon_early(what)
         self._follow_groups()
 
-    def _start_early(self, chunk: Chunk, grads: dict[int, Tensor], versions: dict[int, int]) -> ChunkJob | None:
-        """From a backward hook (``offload/_overlap.py``): submit the chunk's d2h + kernel."""
-        records = self._registry.records
-        if any(not self.state.get(records[slot].param) for slot in grads):
-            return None  # a parameter without state yet: step() runs the chunk
-        self._edits.launch(records, self._slabs, grads)
-        event = self._ready_event()
-        items = fresh_items(chunk, grads, records, self.state, kernel=self._settings.kernel, versions=versions)
-        job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper_of(self.param_groups[chunk.group]),
-                       threads=self._settings.threads or 1, update=True, materialize=False,
-                       check_versions=True, ready_event=event)
-        self._pipeline.submit(job)
-        return job
+    def _abandon_early(self, what: str) -> None:
+        """Undo the chunks started during backward (a call between backward and step())."""
+        if self._overlap is not None:
+            self._overlap.abandon(what, threads=self._settings.threads or 1)
+
+    def _item_kernel(self, hyper: Hyper) -> str:
+        return item_kernel(self._settings.kernel, self._kernels, hyper)

@@ -7,11 +7,9 @@ starts when every parameter in it has fired as often as learned; a chunk with a 
 did not fire during calibration never starts early (it runs in ``step()``). Counts are re-learned
 from any backward whose counts differ.
 
-Work started early is a speculation. At ``step()`` (:meth:`BackwardOverlap.end_window`) every
-early chunk is checked against what the step consumes: the gradient object and its version must
-be those read at launch (:func:`verify_launches`), and the parameter must not have been edited
-after the launch (:func:`raise_late_edit`); otherwise ``step()`` raises, saying whether any
-optimizer state was already advanced.
+Work started early is a speculation (``offload/_speculation.py``): at ``step()`` every early
+chunk is checked against what the step consumes, then committed, or undone and recomputed. A
+parameter that does not require a gradient gets no hook (its chunks run in ``step()``).
 
 Interface to the optimizer: two callables. ``start_early`` (:data:`StartEarly`, a method of the
 optimizer held weakly: the hooks live on the model's parameters and must not keep the optimizer
@@ -35,18 +33,17 @@ from torch import Tensor
 
 from offload._dtensor import local
 from offload._params import ParamRecord
-from offload._jobs import ChunkJob, DrainResult
+from offload._jobs import ChunkJob
 from offload._slabs import Chunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BackwardOverlap", "Launch", "StartEarly", "raise_late_edit", "verify_launches"]
+__all__ = ["BackwardOverlap", "Launch", "StartEarly"]
 
 StartEarly = Callable[[Chunk, dict[int, Tensor], dict[int, int]], "ChunkJob | None"]
 """``start_early(chunk, grads, versions)``: submit ``chunk``'s d2h + kernel from ``grads`` (slot ->
 local gradient, read now) and their ``versions``; None when the chunk cannot start early (a
 parameter without state yet)."""
-Drain = Callable[[], DrainResult]
 
 
 @dataclass(slots=True)
@@ -85,9 +82,9 @@ class BackwardOverlap:
         for rec in self._records:
             rec.hooks_fired = 0
         ref = weakref.ref(self)
-        self._handles: list[Any] = [
+        self._handles: list[Any] = [  # a frozen parameter cannot take a hook (and needs none)
             rec.param.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, rec.slot))
-            for rec in self._records
+            for rec in self._records if rec.param.requires_grad
         ]
 
     def remove_hooks(self) -> None:
@@ -180,62 +177,3 @@ class BackwardOverlap:
                 self.calibrated = True
             self._reset_pending()
             return launched
-
-
-def _advanced(launched: dict[int, Launch]) -> list[int]:
-    """The early chunks whose kernel already ran (read after a drain)."""
-    return sorted(c for c, launch in launched.items() if launch.job.kernel_ran)
-
-
-def verify_launches(launched: dict[int, Launch], records: Sequence[ParamRecord], *, drain: Drain) -> None:
-    """``RuntimeError`` (after draining the pipeline) if a gradient an early chunk read changed
-    since its launch: another object, or the same one written in place (its version)."""
-    stale = []
-    for c, launch in sorted(launched.items()):
-        for slot, (g, version) in launch.grads.items():
-            now = records[slot].param.grad
-            now = None if now is None else local(now)
-            if now is not g or (now is not None and now._version != version):
-                stale.append((c, slot))
-    if not stale:
-        return
-    result = drain()
-    mutated = _advanced(launched)
-    chunk, slot = stale[0]
-    p = records[slot].param
-    raise RuntimeError(
-        f"CPUOffloadAdamW(overlap_backward=True): the gradient of parameter {slot} (shape "
-        f"{tuple(p.shape)}) changed after its chunk {chunk} started during backward (e.g. "
-        "gradient clipping, GradScaler.unscale_, zero_grad(), or a second backward() outside "
-        "opt.accumulating()). "
-        + (
-            f"The optimizer state of the early chunk(s) {mutated} was already advanced by "
-            "this step: restore the optimizer from a checkpoint. "
-            if mutated
-            else "No optimizer state was changed (the kernels had not run yet). "
-        )
-        + "The model's parameters were not written. Use opt.accumulating() for gradient "
-        "accumulation, or overlap_backward=False to modify gradients before step()."
-    ) from result.error
-
-
-def raise_late_edit(late: list[int], launched: dict[int, Launch], records: Sequence[ParamRecord], *,
-                    drain: Drain) -> None:
-    """``RuntimeError`` for parameters (``late``, slots) edited in place after their chunk started
-    during backward: chunks started early re-seeded their masters at launch, too early for this
-    edit."""
-    drain()  # the early chunks must finish before kernel_ran is read
-    mutated = _advanced(launched)
-    p = records[late[0]].param
-    raise RuntimeError(
-        f"CPUOffloadAdamW(overlap_backward=True): parameter {late[0]} (shape "
-        f"{tuple(p.shape)}) was edited in place after its chunk started during backward "
-        "and before step(): edit the weights after step() or before backward(), or use "
-        "overlap_backward=False. "
-        + (
-            f"The optimizer state of the early chunk(s) {mutated} was already advanced "
-            "by this step: restore the optimizer from a checkpoint."
-            if mutated
-            else "No optimizer state was changed."
-        )
-    )

@@ -154,6 +154,8 @@ class Worker:
             ):
                 job.skipped_stale = True
                 return
+            if job.before_kernel is not None:
+                job.before_kernel(job)
             self._kernel(job)
         if job.materialize:
             self.transport.materialize(job, self.slabs, self.records)

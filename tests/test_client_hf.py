@@ -84,8 +84,6 @@ def test_trainer_matches_stock_adamw_bitwise(stock, tmp_path: Path, single_threa
     _assert_same_run(_train("ours", tmp_path), stock)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="issue 16: overlap_backward with gradient clipping")
 def test_trainer_overlap_backward_matches_stock_adamw(stock, tmp_path: Path,
                                                       single_threaded_main) -> None:
     _assert_same_run(_train("ours", tmp_path, overlap_backward=True), stock)

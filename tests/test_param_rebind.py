@@ -115,19 +115,25 @@ def test_a_bf16_swap_keeps_the_fp32_master() -> None:
     opt.close()
 
 
-def test_a_rebind_after_backward_started_chunks_raises() -> None:
-    model = make_model()
-    opt = CPUOffloadAdamW(param_groups(model), overlap_backward=True,
-                          settings=OffloadSettings(threads=1, chunk_numel=1024))
-    for step in range(2):  # the first backward calibrates, the second starts chunks early
-        opt.zero_grad()
-        model(batch(step)).backward()
-        if step == 0:
-            opt.step()
-    _swap(model, opt, "fc1.weight", move_state=False)
-    with pytest.raises(RuntimeError, match="re-bind before backward"):
+def test_a_rebind_after_backward_started_chunks_undoes_them() -> None:
+    out = []
+    for overlap in (False, True):
+        model = make_model()
+        opt = CPUOffloadAdamW(param_groups(model), overlap_backward=overlap,
+                              settings=OffloadSettings(threads=1, chunk_numel=1024))
+        for step in range(2):  # the first backward calibrates, the second starts chunks early
+            opt.zero_grad()
+            model(batch(step)).backward()
+            if step == 0:
+                opt.step()
+        if overlap:
+            assert opt._overlap.has_launched()
+        _swap(model, opt, "fc1.weight", move_state=False)
         opt.step()
-    opt.close()
+        out.append((model, opt))
+    assert_bitwise(list(out[1][0].parameters()), list(out[0][0].parameters()), "params")
+    for _, opt in out:
+        opt.close()
 
 
 def test_the_state_moved_by_key_is_taken_as_torch_does() -> None:

@@ -1,0 +1,104 @@
+"""The gradients and jobs of one ``step()``: one job per chunk, in chunk order.
+
+A chunk whose speculation was committed (``offload/_speculation.py``) only writes its weights (its
+kernel ran during backward); every other chunk with a gradient runs d2h, kernel and materialize
+with this step's hyper-parameters (clip coefficient and grad scale included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from offload._items import ItemCache
+from offload._jobs import ChunkJob
+from offload._kernels import Hyper, KernelSet
+from offload._dtensor import local
+from offload._params import ParamRecord, raise_bad_grad
+from offload._pipeline import Pipeline
+from offload._slabs import Chunk
+from offload._speculation import SpeculativeChunk
+
+__all__ = ["StepJobs", "collect_grads", "item_kernel", "submit_step"]
+
+
+@dataclass(slots=True)
+class StepJobs:
+    """What :func:`submit_step` submitted."""
+
+    updates: list[ChunkJob] = field(default_factory=list)
+    """The jobs that update state in ``step()`` (not the committed speculations)."""
+    numel: int = 0
+    """Elements of all submitted chunks."""
+    chunks: int = 0
+    """Chunks submitted."""
+    native: bool = False
+    """Some item runs on the native kernel."""
+
+
+def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[int, SpeculativeChunk],
+                grads: Mapping[int, Tensor], records: Sequence[ParamRecord],
+                state: Mapping[Tensor, dict[str, Any]], items: ItemCache, *,
+                hyper_now: Callable[[int], Hyper], item_kernel: Callable[[Hyper], str], threads: int,
+                event: Any, sharded: bool) -> StepJobs:
+    """Submit every chunk's job of this step (see the module doc)."""
+    out = StepJobs()
+    for chunk in chunks:
+        spec = committed.get(chunk.index)
+        if spec is not None:  # its kernel ran during backward: only the weights to write
+            job = ChunkJob(chunk=chunk.index, items=spec.job.items, hyper=spec.job.hyper,
+                           threads=threads, update=False, materialize=True)
+        else:
+            hyper = hyper_now(chunk.group)
+            its = items.items(chunk, grads, records, state, kernel=item_kernel(hyper), sharded=sharded)
+            if not its:
+                continue
+            job = ChunkJob(chunk=chunk.index, items=its, hyper=hyper, threads=threads, update=True,
+                           materialize=True, ready_event=event)
+            out.updates.append(job)
+        job.write_event = event
+        n, native = items.summary(chunk, job.items)
+        out.native = out.native or native
+        out.numel += n
+        out.chunks += 1
+        pipeline.submit(job)
+    return out
+
+
+def collect_grads(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]], items: ItemCache, *,
+                  init_state: Callable[[ParamRecord], None], count_empty: bool = True) -> dict[int, Tensor]:
+    """The gradients of this step by slot (this rank's shards); initialises the state of new
+    parameters; ``count_empty``: count the step of an empty shard (in no chunk) as torch does."""
+    grads: dict[int, Tensor] = {}
+    for rec in records:
+        param = rec.param
+        if param.grad is None:
+            continue
+        slot = rec.slot
+        p, g = rec.local(), local(param.grad)
+        # .data may have been replaced since construction (contiguity was checked there)
+        if g.is_sparse or not p.is_contiguous() or g.device != p.device or g.shape != p.shape:
+            raise_bad_grad(slot, p, g)
+        st = state[param]
+        if not st:
+            init_state(rec)
+        elif st.get("step") is not rec.step:
+            # The user replaced the step tensor (as torch's AdamW allows): the cached Items hold
+            # the old one.
+            rec.step = st.get("step")
+            items.new_state()
+        if count_empty and p.numel() == 0:
+            state[param]["step"] += 1
+        grads[slot] = g
+    return grads
+
+
+def item_kernel(kernel: str, kernels: KernelSet, hyper: Hyper) -> str:
+    """The kernel setting for items stepped with ``hyper``: the native kernels take a gradient
+    coefficient or scale only where ``kernels.grad_transforms``; else such steps run torch's."""
+    if (hyper.grad_coef is None and hyper.grad_scale is None) or getattr(kernels, "grad_transforms", False):
+        return kernel
+    return "torch"
