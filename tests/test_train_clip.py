@@ -28,8 +28,8 @@ def _train(tmp_path: Path, name: str, *extra: str, steps: int = 3) -> dict:
     return train_summary(tmp_path / f"{name}.json", *TINY, "--steps", str(steps), *extra)
 
 
-def _same_run(a: dict, b: dict) -> None:
-    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
+def _same_run(a: dict, b: dict, *, norms: bool = True) -> None:
+    assert a["losses"] == b["losses"] and (a["grad_norms"] == b["grad_norms"] or not norms)
     assert [r["param_sha256"] for r in a["ranks"]] == [r["param_sha256"] for r in b["ranks"]]
 
 
@@ -85,7 +85,7 @@ def test_norms_below_max_norm_commit_every_speculated_chunk(tmp_path: Path, caps
     big = _train(tmp_path, "big", "--clip-grad-norm", "1e4", *OURS, "--overlap-backward")
     printed = capsys.readouterr().out
     plain = _train(tmp_path, "plain", *OURS)
-    _same_run(big, plain)  # a coefficient of 1 changes no bit
+    _same_run(big, plain, norms=False)  # a coefficient of 1 changes no bit
     assert big["speculated_chunks"] > 0 and big["commit_rate"] == 1.0
     assert "speculation commit rate 100.0%" in printed and " | commit " in printed
     assert plain["grad_norm_last"] is None and "clip off | amp off" in capsys.readouterr().out
