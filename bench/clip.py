@@ -19,9 +19,9 @@ bandwidth swings 30-90 GB/s from one minute to the next and only neighbours in t
   and moments, 28 B): the comparison flatters torch.
 
 Each visit: one discarded step, then ``--steps`` timed calls (wall time of clip + step). Reported
-per dtype: median, IQR and min-max of each variant; the ratios clipped/unclipped (target <= 1.15)
-and torch/ours-clipped (target >= 1.5), both as the median of the per-round ratios (neighbours in
-time) and as the ratio of the medians.
+per dtype: median, IQR and min-max of each variant and of its clip call alone; the ratios
+clipped/unclipped (target <= 1.15) and torch/ours-clipped (target >= 1.5), both as the median of
+the per-round ratios (neighbours in time) and as the ratio of the medians.
 
 Part 2, the trainer (``bench.train --optim-cpu-offload --clip-grad-norm X``, with and without
 ``--overlap-backward``, 1 rank in this process and 2 FSDP2 ranks through torchrun): iteration
@@ -156,21 +156,22 @@ def _step_bench(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     norms: dict[str, float] = {}
+    clip_parts: dict[str, list[float]] = {"ours_clip": [], "torch_clip": []}  # the clip call alone
 
-    def call(variant: str) -> float:
+    def call(variant: str, record: bool = True) -> float:
         t0 = time.perf_counter()
+        norm = None
         if variant == "ours_clip":
             norm = ours.clip_grad_norm_(args.max_norm)
-            ours.step()
-        elif variant == "ours":
-            norm = None
-            ours.step()
-        else:
+        elif variant == "torch_clip":
             norm = torch.nn.utils.clip_grad_norm_(torch_params, args.max_norm)
-            ref.step()
+        t_clip = time.perf_counter()
+        (ref if variant == "torch_clip" else ours).step()
         seconds = time.perf_counter() - t0
         if norm is not None:
             norms[variant] = float(norm)
+            if record:
+                clip_parts[variant].append(t_clip - t0)
         return seconds
 
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -178,11 +179,11 @@ def _step_bench(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
     kernels: set[str] = set()
     try:
         for v in VARIANTS:  # first touch of every state page, lazy kernels: not measured
-            call(v)
+            call(v, record=False)
         for r in range(args.rounds):
             this: dict[str, float] = {}
             for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
-                call(v)  # discarded: the first call after another variant
+                call(v, record=False)  # discarded: the first call after another variant
                 got = [call(v) for _ in range(args.steps)]
                 samples[v].extend(got)
                 this[v] = median(got)
@@ -201,6 +202,7 @@ def _step_bench(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
         "clipped_over_unclipped": {"per_round": _ratio(clip_over), "of_medians": med["ours_clip"] / med["ours"]},
         "torch_over_ours_clipped": {"per_round": _ratio(torch_over), "of_medians": med["torch_clip"] / med["ours_clip"]},
         "grad_norm": norms,
+        "clip_call": {v: _spread(x) for v, x in clip_parts.items()},
         "targets": {
             "clip_overhead_met": median(clip_over) <= TARGET_CLIP_OVERHEAD,
             "torch_over_ours_met": median(torch_over) >= TARGET_TORCH_OVER_OURS,
@@ -300,6 +302,12 @@ def render_markdown(r: dict[str, Any]) -> str:
             x = s["variants"][v]
             lines.append(f"| {s['dtype']} | {s['params']:,} | {v} | {_ms(x['median_s'])} | {_ms(x['iqr_s'])} "
                          f"| {_ms(x['min_s'])}-{_ms(x['max_s'])} |")
+    lines += ["", "Of which the clip call alone (`opt.clip_grad_norm_` / `torch.nn.utils.clip_grad_norm_`), "
+              "median (IQR) ms:", ""]
+    for s in r["step"]:
+        parts = s["clip_call"]
+        lines.append(f"- {s['dtype']}: ours {_ms(parts['ours_clip']['median_s'])} ({_ms(parts['ours_clip']['iqr_s'])}), "
+                     f"torch {_ms(parts['torch_clip']['median_s'])} ({_ms(parts['torch_clip']['iqr_s'])})")
     lines += ["", "| dtype | ratio | per-round median (IQR, min-max) | of medians | target |", "|---|---|---|---|---|"]
     for s in r["step"]:
         for key, label, target, ok in (

@@ -40,12 +40,15 @@ def test_quick_run_writes_json_and_markdown(tmp_path: Path) -> None:
         assert ratio["of_medians"] == s["variants"]["torch_clip"]["median_s"] / s["variants"]["ours_clip"]["median_s"]
         assert set(s["targets"]) == {"clip_overhead_met", "torch_over_ours_met"}
         assert s["grad_norm"]["ours_clip"] > r["max_norm"]  # the clip was active
+        for v in ("ours_clip", "torch_clip"):
+            assert s["clip_call"][v]["n"] == r["rounds"] * r["steps_per_visit"]
+            assert 0 < s["clip_call"][v]["max_s"] <= s["variants"][v]["max_s"]
     rows = r["trainer"]
     assert [(t["ranks"], t["overlap"]) for t in rows] == [(1, False), (1, True)]
     assert rows[0]["commit_rate"] is None and rows[1]["speculated_chunks"] > 0
     assert all(t["bitwise_equal_to_plain"] for t in rows) and all(t["grad_norm_last"] > 0 for t in rows)
     assert "| ours clipped / ours |" in md and "torch clip+fused / ours clipped" in md
-    assert md.count("met") >= 4 and "commit rate" in md
+    assert md.count("met") >= 4 and "commit rate" in md and "the clip call alone" in md
 
 
 @pytest.mark.parametrize("argv", [["--dtypes", "fp16"], ["--rounds", "0"], ["--max-norm", "inf"],
