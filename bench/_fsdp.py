@@ -10,6 +10,7 @@ reduce-scatter, so the trainer does not all-reduce them itself.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,17 +21,19 @@ __all__ = ["shard_model"]
 
 
 def shard_model(model: nn.Module, *, param_dtype: torch.dtype | None = None,
-                cpu_offload: bool = False) -> nn.Module:
+                cpu_offload: bool = False, mesh: Any = None) -> nn.Module:
     """``fully_shard`` every module of ``model.blocks`` (or none if it has none), then ``model``.
 
     ``param_dtype`` sets ``MixedPrecisionPolicy(param_dtype=...)``: forward/backward run in that
     dtype on the all-gathered parameters while the sharded parameters (what the optimizer sees)
     keep theirs. ``cpu_offload`` sets FSDP's ``CPUOffloadPolicy()`` (sharded parameters and
-    gradients live on the CPU; pinned only where CUDA is available). Needs an initialised default process group. Returns ``model``.
+    gradients live on the CPU; pinned only where CUDA is available). ``mesh``: the data-parallel
+    ``DeviceMesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP; default: all ranks,
+    ``bench/_parallel.py`` makes the others). Needs an initialised default process group. Returns ``model``.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict = {}
+    kwargs: dict = {} if mesh is None else {"mesh": mesh}
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype)
     if cpu_offload:

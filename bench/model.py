@@ -84,11 +84,13 @@ class _Block(nn.Module):
         self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # chunk(3) and -1 heads: under tensor parallel (bench/_parallel.py) qkv's output is this
+        # rank's q, k and v columns of its heads; unsharded, the same views as split(d) / n_heads
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (y.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        q, k, v = (y.view(b, t, -1, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the CPU shards; --autotune / --threads set that step's threads (offload.tune_step_threads)")
     p.add_argument("--fsdp-param-dtype", choices=sorted(_DTYPES), default=None,
                    help="with --fsdp: MixedPrecisionPolicy(param_dtype=...) for forward/backward")
+    p.add_argument("--tp", type=_positive_int, default=1, help="with --fsdp: tensor parallel over N ranks (bench/_parallel.py)")
+    p.add_argument("--hsdp", type=_positive_int, default=1, help="with --fsdp: HSDP, R replica groups of FSDP shards")
     p.add_argument("--cache", type=Path, default=None,
                    help="tuning cache file (default: $OFFLOAD_AUTOTUNE_CACHE, else "
                         "$XDG_CACHE_HOME/offload-autotune/cache.json, XDG_CACHE_HOME defaulting "
@@ -217,8 +219,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             if value:
                 p.error(f"--amp {args.amp} with {flag}: autocast with GradScaler expects fp32 parameters on the "
                         "device; drop one of them")
-    if args.fsdp_param_dtype is not None and not args.fsdp:
-        p.error("--fsdp-param-dtype is FSDP2's mixed precision: add --fsdp")
+    if (args.fsdp_param_dtype is not None or args.tp > 1 or args.hsdp > 1) and not args.fsdp:
+        p.error("--fsdp-param-dtype, --tp and --hsdp configure FSDP2: add --fsdp")
     if (args.cache is not None) and not args.autotune:
         p.error("--cache is the tuning cache: add --autotune")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -391,16 +393,17 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
     torch.manual_seed(args.seed)  # same init on every rank
     model = GPT(cfg).to(device=device, dtype=_DTYPES[args.dtype])
     n_params = count_params(model)
+    stream = info.rank  # the data stream: the ranks of a TP group share one
     if args.fsdp:
-        from bench._fsdp import shard_model
+        from bench._parallel import parallelize
 
         param_dtype = _DTYPES[args.fsdp_param_dtype] if args.fsdp_param_dtype else None
-        shard_model(model, param_dtype=param_dtype, cpu_offload=args.fsdp_cpu_offload)
+        stream = parallelize(model, tp=args.tp, hsdp=args.hsdp, param_dtype=param_dtype, cpu_offload=args.fsdp_cpu_offload)
     if is_main:
         print(f"model {args.model_size}: {n_params:,} parameters ({n_params / 1e6:.1f}M), dtype {args.dtype}, "
               f"device {device}, world size {info.world_size}", flush=True)
     data = SyntheticTokens(vocab_size=cfg.vocab_size, batch_size=args.batch_size, seq_len=seq_len,
-                           seed=args.seed, stream=info.rank, device=device)
+                           seed=args.seed, stream=stream, device=device)
     opt = _make_optimizer(args, model, _autotune_kwargs(args, run_dir))
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.steps, warmup))

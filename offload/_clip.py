@@ -32,7 +32,11 @@ from torch import Tensor
 from offload._dtensor import local, reduce_norm_terms
 from offload._params import ParamRecord
 
-__all__ = ["ClipRequest", "amp_arguments", "clip_request", "norm_terms_reference"]
+__all__ = ["ClipRequest", "NonFiniteNorm", "amp_arguments", "clip_request"]
+
+
+class NonFiniteNorm(RuntimeError):
+    """``error_if_nonfinite=True`` and the total norm is inf or nan (torch raises RuntimeError)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,22 +48,6 @@ class ClipRequest:
     coef: Tensor | None
     """The coefficient the kernel multiplies the gradients by (0-d float32, CPU); None when no
     parameter has a gradient."""
-
-
-def norm_terms_reference(grads: Sequence[Tensor], norm_type: float) -> Tensor:
-    """Per gradient: sum of ``|g|**norm_type`` (max ``|g|`` for inf) in float64, on the CPU."""
-    out = []
-    for g in grads:
-        g64 = g.detach().reshape(-1).to(torch.float64)
-        if g64.numel() == 0:
-            out.append(g64.new_zeros(()))
-        elif math.isinf(norm_type):
-            out.append(g64.abs().max())
-        elif norm_type == 2.0:
-            out.append(torch.dot(g64, g64))
-        else:
-            out.append(g64.abs().pow(norm_type).sum())
-    return torch.stack(out).cpu() if out else torch.zeros(0, dtype=torch.float64)
 
 
 def _check(max_norm: Any, norm_type: Any, error_if_nonfinite: Any, foreach: Any) -> tuple[float, float]:
@@ -81,24 +69,25 @@ def _check(max_norm: Any, norm_type: Any, error_if_nonfinite: Any, foreach: Any)
 
 def clip_request(records: Sequence[ParamRecord], grads: Mapping[int, Tensor], *, max_norm: Any,
                  norm_type: Any, error_if_nonfinite: Any, foreach: Any, device: torch.device,
-                 terms_fn: Any = norm_terms_reference) -> ClipRequest:
+                 grad_stats: Any) -> ClipRequest:
     """The total norm of ``grads`` (slot -> gradient, DTensor or plain) and its coefficient."""
     max_norm, norm_type = _check(max_norm, norm_type, error_if_nonfinite, foreach)
     slots = sorted(grads)
     params = [records[s].param for s in slots]
-    terms = terms_fn([local(grads[s]) for s in slots], norm_type)
+    dense = [g if g.is_contiguous() else g.contiguous() for g in (local(grads[s]) for s in slots)]
+    terms = grad_stats(dense, norm_type=norm_type)[0].to("cpu") if slots else torch.zeros(0, dtype=torch.float64)
     total64 = reduce_norm_terms(params, terms, norm_type) if slots else torch.zeros((), dtype=torch.float64)
     if not math.isinf(norm_type):
         total64 = total64 ** (1.0 / norm_type)
     total = total64.to(torch.float32)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
+        raise NonFiniteNorm(
             f"The total norm of order {norm_type} for gradients from the optimizer's parameters is "
             "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "
             "the non-finite norm anyway, set `error_if_nonfinite=False`")
     coef = None
-    if slots:
-        coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) / (total + 1e-6), max=1.0)
+    if slots:  # spelled as torch's clip_grads_with_norm_ (``float / tensor`` is reciprocal * float)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return ClipRequest(total_norm=total.to(device), coef=coef)
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from offload._buffers import STAGING_ALIGN, LowpBuffers, Scratch, SlabListCache
 from offload._jobs import KIND_MP, ChunkJob, Item, StageRecord
 from offload._kernels import KernelSet
-from offload._operands import flat
+from offload._operands import flat, torch_grads
 from offload._slabs import HostSlabs
 
 __all__ = ["STAGING_SLOTS", "CudaTransport", "DeviceOps", "TorchCudaOps"]
@@ -211,15 +211,9 @@ class CudaTransport:
         # The kernels read the pinned copies where they are (fused-mp: low precision; fp32
         # gradients: as they came down); only a low-precision gradient of the torch kernel is
         # upcast, into the chunk-sized scratch buffer.
-        grads: list[Tensor] = list(staged)
         upcast = [i for i, (it, src) in enumerate(zip(job.items, staged))
                   if it.kind != KIND_MP and src.dtype != torch.float32]
-        if upcast:
-            views = self._scratch.views([job.items[i].view.numel for i in upcast])
-            for i, dst in zip(upcast, views):
-                dst.copy_(staged[i])
-                grads[i] = dst
-        job.grads = grads
+        job.grads = torch_grads(job, list(staged), upcast, self._scratch)
         t1 = time.perf_counter()
         records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
         job.transfer = None

@@ -31,14 +31,14 @@ from offload._speculation import Checksums, Speculation, SpeculativeChunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EarlyWork"]
+__all__ = ["EarlyWork", "ddp_comm_hook"]
 
 
 class EarlyWork:
     """The backward hooks, early launches and speculation of one optimizer (see module doc)."""
 
     def __init__(self, opt: Any, *, calibrated: bool, checksums: Checksums,
-                 limit_numel: int | None) -> None:
+                 limit_numel: int | None, external: bool = False) -> None:
         """``opt``: the optimizer (held weakly); ``calibrated``: its records' hook counts are
         learned already (after a relayout); ``limit_numel``: at most this many elements are
         speculated per step (None: all), which bounds the backup memory at 12 bytes each."""
@@ -49,6 +49,7 @@ class EarlyWork:
         self._numel = 0  # elements launched in this window
         self._grad_scale: Tensor | None = None  # the scale the last step used (GradScaler)
         self.overlap = BackwardOverlap(opt._registry.records, self._start_early, calibrated=calibrated)
+        self.overlap.external = external  # gradients come from a DDP comm hook (ddp_comm_hook)
         self.overlap.set_chunks(opt._chunks)
 
     @property
@@ -87,7 +88,7 @@ class EarlyWork:
         items = fresh_items(chunk, grads, records, opt.state, kernel=opt._item_kernel(hyper),
                             versions=versions)
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=opt._settings.threads or 1,
-                       update=True, materialize=False, check_versions=True,
+                       update=True, materialize=False,
                        ready_event=opt._ready_event())
         self.speculation.launch(chunk, job, grads, records, opt.state)
         opt._pipeline.submit(job)
@@ -147,3 +148,37 @@ class EarlyWork:
         if grad_scale is not None:
             grad_scale = grad_scale.detach().to("cpu", torch.float32).reshape(()).clone()
         self._grad_scale = grad_scale
+
+
+def ddp_comm_hook(opt: Any) -> Callable[[Any, Any], Any]:
+    """A DDP communication hook for ``CPUOffloadAdamW.attach_ddp``: DDP's all-reduce (torch's
+    ``allreduce_hook``: divide by the world size, sum), then, as each bucket's reduced gradients
+    exist, hand them to the optimizer's overlap, so a chunk starts on the gradients ``step()``
+    will see (the autograd hooks fire before the all-reduce; a chunk started there is redone)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ref = weakref.ref(opt)
+    cache: dict[int, dict[int, int]] = {}  # id(registry) -> id(param) -> slot
+
+    def hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations
+        fut = allreduce_hook(process_group, bucket)
+        params, grads = bucket.parameters(), bucket.gradients()
+
+        def reduced(f: Any) -> Any:
+            o = ref()
+            early = None if o is None else o._overlap
+            if early is not None:
+                registry = o._registry
+                slots = cache.get(id(registry))
+                if slots is None:
+                    cache.clear()
+                    slots = cache[id(registry)] = {id(r.param): r.slot for r in registry.records}
+                for p, g in zip(params, grads):
+                    slot = slots.get(id(p))
+                    if slot is not None:
+                        early.overlap.on_grad(slot, g.view(p.shape), external=True)
+            return f.value()
+
+        return fut.then(reduced)
+
+    return hook

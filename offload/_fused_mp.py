@@ -30,7 +30,9 @@ ATen's ``Vectorized``. Its threads take blocks of 16 Ki elements from a shared c
 slowed by another process costs the call its share of the delay, not the whole delay (which a
 fixed split pays once per call, i.e. once per chunk). Calls of at least 2 Mi elements write the
 low-precision parameter with non-temporal stores, which saves the read-for-ownership of a
-write-only stream (2 of 30 bytes per parameter). :func:`fused_mp_adamw_steps_` takes torch's step
+write-only stream (2 of 30 bytes per parameter). A gradient scale and a clipping coefficient
+(``grad_scale``, ``grad_coef``) are applied to each element as it is loaded, so clipping and
+GradScaler's unscale cost no pass over the gradients of their own. :func:`fused_mp_adamw_steps_` takes torch's step
 tensors and does the step bookkeeping in C++, so a caller makes one call per chunk with no Python
 work per tensor beyond building the lists.
 """
@@ -198,6 +200,8 @@ def fused_mp_adamw_steps_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    grad_scale: float | None = None,
+    grad_coef: float | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_mp_adamw_` with torch's step bookkeeping: each tensor's own step tensor.
@@ -213,6 +217,12 @@ def fused_mp_adamw_steps_(
     Same checks as :func:`fused_mp_adamw_` (all before the first write, the step increments
     included), plus: every step tensor is a one-element fp32 CPU tensor, and every step is finite
     and >= 1 after the increments.
+
+    ``grad_scale``, ``grad_coef`` (the fp32 values of ``offload._kernels.Hyper``'s tensors; None:
+    not applied): each gradient element is used as ``g / grad_scale`` (fp32 division, as
+    ``torch._fused_adamw_(grad_scale=)`` on the upcast gradient), then ``* grad_coef`` rounded to
+    the gradient's dtype (as ``torch._foreach_mul_(grads, coef)``), inside the kernel; the
+    gradients are only read.
     """
     check_lists(
         params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
@@ -223,7 +233,8 @@ def fused_mp_adamw_steps_(
         list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
         list(state_steps), steps_to_increment=list(steps_to_increment), lr=float(lr),
         beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
-        loader=loader,
+        grad_scale=None if grad_scale is None else float(grad_scale),
+        grad_coef=None if grad_coef is None else float(grad_coef), loader=loader,
     )
 
 
@@ -241,6 +252,8 @@ def call_steps_unchecked(
     beta2: float,
     eps: float,
     weight_decay: float,
+    grad_scale: float | None = None,
+    grad_coef: float | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_mp_adamw_steps_` without its Python-side checks, for the offload pipeline.
@@ -254,7 +267,7 @@ def call_steps_unchecked(
     module.fused_mp_adamw_steps_(
         params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps,
         steps_to_increment=steps_to_increment, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay,
+        weight_decay=weight_decay, grad_scale=grad_scale, grad_coef=grad_coef,
     )
 
 
@@ -272,15 +285,18 @@ def call_f32_unchecked(
     beta2: float,
     eps: float,
     weight_decay: float,
+    grad_scale: float | None = None,
+    grad_coef: float | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """The fp32 entry point (each parameter its own master, fp32 gradients; ``outs`` empty or a
     copy target per parameter), with the step bookkeeping of :func:`fused_mp_adamw_steps_`.
     Bitwise equal to ``torch._fused_adamw_`` on the builds of :data:`BITWISE_VERIFIED` (the
-    same lane arithmetic as the mixed-precision master update). Checks as :func:`call_steps_unchecked`."""
+    same lane arithmetic as the mixed-precision master update). Checks as :func:`call_steps_unchecked`;
+    ``grad_scale``, ``grad_coef`` as in :func:`fused_mp_adamw_steps_`."""
     module = _module(loader)
     module.adamw_f32_steps_(
         params, grads, exp_avgs, exp_avg_sqs, state_steps, outs=outs,
         steps_to_increment=steps_to_increment, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay,
+        weight_decay=weight_decay, grad_scale=grad_scale, grad_coef=grad_coef,
     )

@@ -27,7 +27,7 @@ from torch import Tensor
 from offload._buffers import LowpBuffers, Scratch, SlabListCache
 from offload._jobs import KIND_MP, Call, CallSteps, ChunkJob, Item, StageRecord
 from offload._kernels import KernelSet
-from offload._operands import build_calls, call_steps, flat, grad_operand, param_operand, param_view
+from offload._operands import build_calls, call_steps, flat, grad_operand, param_operand, param_view, torch_grads
 from offload._slabs import HostSlabs
 
 __all__ = ["HostTransport"]
@@ -152,11 +152,9 @@ class HostTransport:
         ) and job.materialize
         if upcast:
             t0 = time.perf_counter()
-            views = self._scratch.views([items[i].view.numel for i in upcast])
-            for i, dst in zip(upcast, views):
-                it = items[i]
-                dst.copy_(flat(it.grad)[it.view.start : it.view.stop])  # type: ignore[arg-type]
-                grads[i] = dst
+            sources = [flat(it.grad)[it.view.start : it.view.stop] if g is None else g  # type: ignore[arg-type]
+                       for it, g in zip(items, grads)]
+            grads = torch_grads(job, sources, upcast, self._scratch)  # type: ignore[assignment]
             t1 = time.perf_counter()
             records.append(StageRecord(job.chunk, "d2h", t0, t1, t1 - t0))
         job.grads = grads  # type: ignore[assignment]

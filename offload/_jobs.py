@@ -138,6 +138,10 @@ class ChunkJob:
     """The job's kernel calls ran (read by the optimizer for early launches)."""
     skipped_stale: bool = False
     """An early launch whose gradients changed before its kernel: nothing was updated."""
+    coef_in_grads: bool = False
+    """The transport multiplied the torch kernel's gradient operands by ``hyper.grad_coef``
+    already (a low-precision gradient is rounded to its dtype first, as torch's ``_foreach_mul_``
+    does): its calls run without the coefficient (see :func:`offload._operands.torch_grads`)."""
     direct: bool = False
     """Host: every item's kernel reads its gradient where it is and writes its parameter itself
     (no upcast, no materialize copy); set by :meth:`HostTransport.finish_d2h` or ``prepare``."""

@@ -15,12 +15,15 @@ from typing import Any
 from torch import Tensor
 
 from offload._buffers import SlabListCache
-from offload._jobs import KIND_F32, KIND_MP, Call, CallSteps, ChunkJob, Item, ItemKind
+import torch
+
+from offload._jobs import KIND_F32, KIND_MP, KIND_TORCH, Call, CallSteps, ChunkJob, Item, ItemKind
 from offload._kernels import KernelSet
 from offload._slabs import HostSlabs
 
 __all__ = [
     "build_calls",
+    "torch_grads",
     "call_steps",
     "flat",
     "grad_operand",
@@ -122,3 +125,31 @@ def build_calls(
                 fn = functools.partial(kernels.native_adamw_f32, outs=f32_outs)
             calls.append((kind, fn, (masters, gs, slab["exp_avg"], slab["exp_avg_sq"], steps)))
     return calls
+
+
+def torch_grads(job: ChunkJob, sources: list[Tensor], upcast: list[int], scratch: Any) -> list[Tensor]:
+    """The gradient operands of ``job``'s items from ``sources`` (each item's gradient where the
+    kernel could read it): those in ``upcast`` (low-precision gradients of torch's kernel) copied
+    into fp32 ``scratch`` views. With a clip coefficient (``hyper.grad_coef``) and any upcast,
+    every torch-kernel operand is the product, made here: a low-precision gradient multiplied in
+    its own dtype (torch's ``_foreach_mul_`` rounds there) and then upcast, an fp32 one into the
+    scratch too; ``job.coef_in_grads`` tells the worker its torch calls run without the
+    coefficient. (Without an upcast the torch kernel takes the coefficient itself.)"""
+    grads = list(sources)
+    coef = job.hyper.grad_coef
+    if coef is not None and upcast:
+        upcast = [i for i, it in enumerate(job.items) if it.kind == KIND_TORCH]
+    if not upcast:
+        return grads
+    views = scratch.views([job.items[i].view.numel for i in upcast])
+    for i, dst in zip(upcast, views):
+        src = sources[i]
+        if coef is None:
+            dst.copy_(src)
+        elif src.dtype == torch.float32:
+            torch.mul(src, coef, out=dst)
+        else:
+            dst.copy_(torch.mul(src, coef))
+        grads[i] = dst
+    job.coef_in_grads = coef is not None
+    return grads

@@ -45,19 +45,19 @@ from offload._masters import (
     own_master_flags,
     state_entry,
 )
-from offload._clip import ClipRequest, amp_arguments, clip_request
-from offload._early import EarlyWork
+from offload._clip import ClipRequest, NonFiniteNorm, amp_arguments, clip_request
+from offload._early import EarlyWork, ddp_comm_hook
 from offload._params import ParamRecord, ParamRegistry, check_params, param_names
 from offload._placement import NumaBinder, NumaPlacement
-from offload._rebind import BoundParams, check_rebound, copy_sources, plan_sources
+from offload._rebind import BoundParams, check_rebound, relayout_rebound
 from offload._host_transport import HostTransport
 from offload._pipeline import Pipeline
 from offload._transport import Transport
 from offload._settings import OffloadSettings, StepStats
 from offload._slabs import HostSlabs, plan_chunks
-from offload._stepjobs import collect_grads, item_kernel, submit_step
+from offload._stepjobs import collect_grads, submit_step
 from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
-from offload._speculation import checksums_reference
+from offload._speculation import checksums_of
 from offload._stats import StatsBuilder
 from offload._threads import ThreadPlan
 
@@ -72,9 +72,9 @@ class CPUOffloadAdamW(Optimizer):
     Bitwise equal to ``torch.optim.AdamW(fused=True)`` on fp32 parameters, and to a mixed-precision
     reference (fp32 master updated by that optimizer from the upcast gradient, cast back) on bf16
     or fp16 parameters, whatever the settings. The model's parameters stay where they are (CPU or
-    one CUDA device) in their own dtype; ``step()`` updates them in place. Parameters of an FSDP2
-    (``fully_shard``) model are DTensors sharded ``Shard(0)`` on a 1-D mesh: the host state holds
-    this rank's shard only (see ``offload/_dtensor.py``). Parameters re-bound in ``param_groups``
+    one CUDA device) in their own dtype; ``step()`` updates them in place. DTensor parameters (FSDP2,
+    HSDP, tensor and expert parallel: ``Shard``, ``_StridedShard``, ``Replicate`` on any mesh):
+    the host state holds this rank's local tensor only (see ``offload/_dtensor.py``). Parameters re-bound in ``param_groups``
     (accelerate's FSDP2 swap) are followed, their state carried over (``offload/_rebind.py``).
 
     Args:
@@ -175,6 +175,7 @@ class CPUOffloadAdamW(Optimizer):
         self._clip: ClipRequest | None = None  # set by clip_grad_norm_, taken by the next step()
         self._speculation_limit = check_limit(speculation_limit, overlap_backward)
         self._overlap: EarlyWork | None = None
+        self._ddp = False  # attach_ddp: gradients reach the overlap after DDP's all-reduce
         if overlap_backward:
             self._start_overlap(calibrated=False)
 
@@ -202,8 +203,8 @@ class CPUOffloadAdamW(Optimizer):
 
     def _start_overlap(self, *, calibrated: bool) -> None:
         """Backward hooks on every parameter (``calibrated``: their hook counts are learned)."""
-        self._overlap = EarlyWork(self, calibrated=calibrated, checksums=checksums_reference,
-                                  limit_numel=self._speculation_limit)
+        self._overlap = EarlyWork(self, calibrated=calibrated, checksums=checksums_of(self._kernels.grad_stats),
+                                  limit_numel=self._speculation_limit, external=self._ddp)
 
     def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
         return own_master_flags(self.param_groups, self._registry.records,
@@ -273,23 +274,7 @@ class CPUOffloadAdamW(Optimizer):
             return
         self._abandon_early("a param_groups re-bind")  # early chunks of the old layout
         check_rebound(self._bound, groups, self.defaults, launched=False)
-        old, old_registry = self._slabs, self._registry
-        recheck = {id(old_registry[s]) for s in self._recheck_masters}  # records, by identity
-        self._registry = ParamRegistry(groups, old_registry, by_identity=True)
-        records = self._registry.records
-        sources = plan_sources(self._bound, groups, old_registry.records, records, self.state)
-        self._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in groups],
-                                self._own_masters(self._overlap is not None))
-        steps = copy_sources(old, self._slabs, records, sources, self.state)
-        entries = {records[s].param: {**self.state[records[s].param], **self._state_entry(s, st)}
-                   for s, st in steps.items()}
-        self.state.clear()
-        self.state.update(entries)
-        moved = [s for s in steps if sources[s].old_slot is None]
-        self._edits.record(records, moved)  # their masters were just seeded from them
-        self._recheck_masters = {rec.slot for rec in records if id(rec) in recheck}
-        logger.info("CPUOffloadAdamW: param_groups re-bound: %d params, %d with state (%d migrated)",
-                    len(records), len(steps), len(moved))
+        relayout_rebound(self, groups)
         self._new_layout()
 
     def _new_layout(self) -> None:
@@ -388,10 +373,23 @@ class CPUOffloadAdamW(Optimizer):
         if self._in_step:
             raise RuntimeError("CPUOffloadAdamW.clip_grad_norm_() called while step() is running")
         grads = {r.slot: r.param.grad for r in self._registry if r.param.grad is not None}
-        self._clip = clip_request(self._registry.records, grads, max_norm=max_norm, norm_type=norm_type,
-                                  error_if_nonfinite=error_if_nonfinite, foreach=foreach,
-                                  device=self._registry.device)
+        try:
+            self._clip = clip_request(self._registry.records, grads, max_norm=max_norm, norm_type=norm_type,
+                                      error_if_nonfinite=error_if_nonfinite, foreach=foreach,
+                                      device=self._registry.device, grad_stats=self._kernels.grad_stats)
+        except NonFiniteNorm:  # the loop skips this step: the early chunks must not show
+            self._abandon_early("clip_grad_norm_() (a non-finite norm)")
+            raise
         return self._clip.total_norm
+
+    def attach_ddp(self, model: Any) -> None:
+        """With ``overlap_backward``: start chunks after DDP's all-reduce of their gradients (it
+        registers a comm hook, ``offload/_early.py``; call before the first backward). Without it
+        DDP stays exact, but every chunk started during backward is redone in ``step()``."""
+        if self._overlap is None:
+            raise ValueError("attach_ddp() needs CPUOffloadAdamW(overlap_backward=True)")
+        model.register_comm_hook(None, ddp_comm_hook(self))
+        self._ddp = self._overlap.overlap.external = True
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW(fused=True)``'s keys: per parameter ``step``, ``exp_avg``,
@@ -399,7 +397,7 @@ class CPUOffloadAdamW(Optimizer):
         bf16/fp16 weight lacks the master's bits); per group torch's flags, ``fused=True`` and
         ``decoupled_weight_decay=True`` (a torch AdamW loading it runs fused, as this step does).
 
-        For a DTensor (FSDP2) parameter the state tensors are DTensors with its mesh, placements
+        For a DTensor parameter the state tensors are DTensors with its mesh, placements
         and global shape over this rank's slab memory (``torch.distributed.checkpoint`` saves,
         loads in place and reshards them; ``torch.save`` and ``copy.deepcopy`` work); ``step`` is
         a plain tensor, as in torch's AdamW.
@@ -593,5 +591,5 @@ class CPUOffloadAdamW(Optimizer):
         if self._overlap is not None:
             self._overlap.abandon(what, threads=self._settings.threads or 1)
 
-    def _item_kernel(self, hyper: Hyper) -> str:
-        return item_kernel(self._settings.kernel, self._kernels, hyper)
+    def _item_kernel(self, hyper: Hyper) -> str:  # every kernel takes a grad coefficient and scale
+        return self._settings.kernel

@@ -79,6 +79,10 @@ class BackwardOverlap:
         self._eligible: list[bool] = []
         self._pending: list[int] = []
         self._launched: dict[int, Launch] = {}
+        self.external = False
+        """Gradients arrive through :meth:`on_grad` with ``external=True`` only (a DDP comm hook,
+        after the all-reduce); the autograd hooks (before it) are ignored."""
+        self._source: dict[int, Tensor] = {}  # slot -> the reduced gradient an external call gave
         for rec in self._records:
             rec.hooks_fired = 0
         ref = weakref.ref(self)
@@ -123,10 +127,13 @@ class BackwardOverlap:
         with self._lock:
             return bool(self._launched)
 
-    def on_grad(self, slot: int) -> None:
+    def on_grad(self, slot: int, grad: Tensor | None = None, *, external: bool = False) -> None:
+        """A gradient of ``slot`` arrived (``grad``: where to read it, else ``param.grad``)."""
         with self._lock:
-            if self._accumulating:
+            if self._accumulating or external != self.external:
                 return
+            if grad is not None:
+                self._source[slot] = grad
             rec = self._records[slot]
             rec.hooks_fired += 1
             if not self.calibrated or rec.hooks_fired != rec.hooks_expected:
@@ -149,7 +156,9 @@ class BackwardOverlap:
         versions: dict[int, int] = {}
         for slot in {v.slot for v in chunk.views}:
             p = self._records[slot].param
-            g = None if p.grad is None else local(p.grad)  # FSDP2: the reduce-scattered shard
+            g = self._source.get(slot)
+            if g is None:
+                g = None if p.grad is None else local(p.grad)  # FSDP2: the reduce-scattered shard
             if g is None or g.is_sparse:
                 return None  # not launchable early; step() runs it
             grads[slot], versions[slot] = g, g._version
@@ -162,6 +171,7 @@ class BackwardOverlap:
         """At ``step()``: stop early launches for this step, learn counts, return the launches."""
         with self._lock:
             launched, self._launched = self._launched, {}
+            self._source = {}
             recs = self._records
             fired = [r.hooks_fired for r in recs]
             for r in recs:

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload._dtensor import ShardLayout, layout_of, local
+from offload._dtensor import ShardLayout, check_grad_layout, layout_of, local
 
-__all__ = ["SUPPORTED_DTYPES", "ParamRecord", "ParamRegistry", "check_params", "param_names", "raise_bad_grad"]
+__all__ = ["SUPPORTED_DTYPES", "ParamRecord", "ParamRegistry", "check_grad", "check_params", "param_names",
+           "raise_bad_grad"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,7 +32,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class ParamRecord:
     """What the optimizer knows about one parameter (mutable: updated as the run goes)."""
 
-    __slots__ = ("param", "layout", "slot", "step", "real_master", "stamp", "hooks_fired",
+    __slots__ = ("param", "layout", "slot", "name", "step", "real_master", "stamp", "hooks_fired",
                  "hooks_expected")
 
     def __init__(self, param: Tensor, layout: ShardLayout | None, slot: int) -> None:
@@ -41,6 +42,8 @@ class ParamRecord:
         """Its shard layout, or None for a plain tensor."""
         self.slot = slot
         """Position over all param groups: slab places, chunk views and state_dict keys use it."""
+        self.name = f"parameter {slot}"
+        """``parameter i`` with its name where the groups carry ``param_names`` (for errors)."""
         self.step: Tensor | None = None
         """The step tensor of its state entry when its cached Items were made (offload/_items.py);
         a user who replaces ``state[p]["step"]`` (as torch's AdamW allows) invalidates them."""
@@ -97,10 +100,22 @@ def check_params(params: list[Tensor], names: list[str]) -> tuple[torch.device, 
                 "every parameter on one device"
             )
         if not p.is_contiguous():
-            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+            where = "" if layouts[i] is None else (
+                f", the local tensor of a DTensor with placements {layouts[i].placements!r}")  # type: ignore[union-attr]
+            raise ValueError(f"{names[i]} (shape {tuple(p.shape)}, strides {p.stride()}{where}) is not "
+                             "contiguous: expected a contiguous tensor (the optimizer writes it through a flat view)")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"parameters are on {device}: expected cpu or cuda")
     return device, layouts
+
+
+def check_grad(rec: ParamRecord, grad: Tensor) -> None:
+    """``RuntimeError`` unless the gradient of a DTensor parameter has its mesh and placements
+    (a ``Partial`` gradient: never reduced), naming the parameter (``offload/_dtensor.py``).
+    Call it only where ``rec.layout is not None`` (the step's hot path skips plain tensors).
+    FSDP gives a gradient its parameter's DTensorSpec: that case costs one identity test."""
+    if getattr(grad, "_spec", None) is not rec.param._spec:
+        check_grad_layout(rec.name, rec.param, grad)
 
 
 def raise_bad_grad(slot: int, p: Tensor, g: Tensor) -> None:
@@ -136,7 +151,8 @@ class ParamRegistry:
         params: list[Tensor] = [p for g in param_groups for p in g["params"]]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in the optimizer's param_groups")
-        self.device, layouts = check_params(params, param_names(param_groups))
+        names = param_names(param_groups)
+        self.device, layouts = check_params(params, names)
         old = previous.records if previous is not None else []
         known = previous._by_id if previous is not None and by_identity else {}
         records = []
@@ -149,6 +165,7 @@ class ParamRegistry:
                 rec.param, rec.layout = p, layout
             else:
                 rec = ParamRecord(p, layout, slot)
+            rec.name = names[slot]
             records.append(rec)
         self.records: list[ParamRecord] = records
         self.sharded = any(lay is not None for lay in layouts)

@@ -44,14 +44,15 @@ import torch
 from torch import Tensor
 
 from offload._checks import check_param_group
-from offload._dtensor import local
+from offload._dtensor import local, local_part_of
 from offload._kernels import new_step_tensor
-from offload._params import ParamRecord
+from offload._params import ParamRecord, ParamRegistry
 from offload._slabs import HostSlabs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BoundParams", "Source", "check_rebound", "copy_sources", "local_part", "plan_sources"]
+__all__ = ["BoundParams", "Source", "check_rebound", "copy_sources", "local_part", "plan_sources",
+           "relayout_rebound"]
 
 
 class BoundParams:
@@ -131,7 +132,7 @@ def plan_sources(bound: BoundParams, param_groups: Sequence[dict[str, Any]],
 
 def local_part(t: Tensor, rec: ParamRecord, what: str) -> Tensor | None:
     """``t`` (a state tensor) as the flat local part of ``rec``'s parameter: itself where it has
-    the local size, this rank's rows where it is the whole tensor of a ``Shard(0)`` DTensor
+    the local size, this rank's local part where it is the whole tensor of a DTensor
     parameter; None where it is neither (a shard of another layout)."""
     t = local(t).detach().reshape(-1)
     shard = rec.local()
@@ -140,12 +141,10 @@ def local_part(t: Tensor, rec: ParamRecord, what: str) -> Tensor | None:
     layout = rec.layout
     if layout is None or t.numel() != math.prod(layout.shape):
         return None
-    rows = math.ceil(layout.shape[0] / layout.mesh.size())
-    start = min(layout.mesh.get_local_rank() * rows, layout.shape[0])
-    part = t.reshape(layout.shape)[start:start + shard.shape[0]].reshape(-1)
+    part = local_part_of(t, layout).reshape(-1)  # any placements, any mesh (offload/_dtensor.py)
     if part.numel() != shard.numel():
-        raise RuntimeError(f"{what}: this rank's rows {start}:{start + shard.shape[0]} of "
-                           f"{tuple(layout.shape)} are not its shard {tuple(shard.shape)}")
+        raise RuntimeError(f"{what}: this rank's part ({part.numel()} elements) of {tuple(layout.shape)} "
+                           f"is not its local tensor {tuple(shard.shape)}")
     return part
 
 
@@ -194,3 +193,26 @@ def _followed_master(master: Tensor | None, param: Tensor) -> Tensor:
         return value.to(torch.float32)
     master = master.to(torch.float32)
     return torch.where(master.to(param.dtype) == value, master, value.to(torch.float32))
+
+
+def relayout_rebound(opt: Any, groups: list[dict[str, Any]]) -> None:
+    """``CPUOffloadAdamW``'s new registry, slabs and state entries for re-bound ``groups`` (its
+    ``_follow_groups``; the caller lays out chunks and worker next): every new parameter takes
+    the state :func:`plan_sources` maps it to."""
+    old, old_registry = opt._slabs, opt._registry
+    recheck = {id(old_registry[s]) for s in opt._recheck_masters}  # records, by identity
+    opt._registry = ParamRegistry(groups, old_registry, by_identity=True)
+    records = opt._registry.records
+    sources = plan_sources(opt._bound, groups, old_registry.records, records, opt.state)
+    opt._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in groups],
+                            opt._own_masters(opt._overlap is not None))
+    steps = copy_sources(old, opt._slabs, records, sources, opt.state)
+    entries = {records[s].param: {**opt.state[records[s].param], **opt._state_entry(s, st)}
+               for s, st in steps.items()}
+    opt.state.clear()
+    opt.state.update(entries)
+    moved = [s for s in steps if sources[s].old_slot is None]
+    opt._edits.record(records, moved)  # their masters were just seeded from them
+    opt._recheck_masters = {rec.slot for rec in records if id(rec) in recheck}
+    logger.info("CPUOffloadAdamW: param_groups re-bound: %d params, %d with state (%d migrated)",
+                len(records), len(steps), len(moved))

@@ -20,7 +20,8 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
   A step that does not happen (``zero_grad()`` before ``step()``, a GradScaler overflow, an error)
   restores every early chunk and the step counters (:meth:`Speculation.abandon`).
 
-The checksum is the 64-bit wrapping sum of the gradient's words (offload/_grad_stats.py): any
+The checksum is the 64-bit wrapping sum of the gradient's words (``offload/_grad_stats.py``, one
+native pass at memory speed on the CPU, torch ops on a device): any
 change of one element changes it; a change that keeps the sum (swapping two elements, or two
 compensating changes of exactly opposite bit patterns) is not seen. The checksum of a parameter is
 taken once per window, at the first early chunk holding it, over its whole gradient (final then:
@@ -45,7 +46,7 @@ from offload._slabs import SLAB_KINDS, Chunk, HostSlabs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Speculation", "SpeculativeChunk", "checksums_reference", "same_hyper"]
+__all__ = ["Speculation", "SpeculativeChunk", "checksums_of", "same_hyper"]
 
 Checksums = Callable[[list[Tensor]], Tensor]
 """``checksums(tensors)``: a 1-D int64 tensor, one content checksum per tensor."""
@@ -222,17 +223,12 @@ class Speculation:
         self._device_sums.clear()
 
 
-def checksums_reference(tensors: list[Tensor]) -> Tensor:
-    """The content checksums in torch ops (slow on the CPU: about 1 GB/s): per tensor, the
-    64-bit wrapping sum of its 32-bit words (16-bit words, zero-extended, for 2-byte dtypes)."""
-    out = []
-    for t in tensors:
-        flat_t = t.detach().reshape(-1)
-        if flat_t.element_size() == 4:
-            words = flat_t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        elif flat_t.element_size() == 2:
-            words = flat_t.view(torch.int16).to(torch.int64) & 0xFFFF
-        else:
-            raise TypeError(f"gradient dtype {t.dtype}: expected a 2- or 4-byte floating dtype")
-        out.append(words.sum().reshape(1))  # on the tensor's device: no sync for CUDA
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+def checksums_of(grad_stats: Any) -> Checksums:
+    """The checksum half of ``KernelSet.grad_stats`` (``offload/_grad_stats.py``); a gradient that
+    is not one dense block of memory (rare) is checksummed from a contiguous copy."""
+
+    def checksums(tensors: list[Tensor]) -> Tensor:
+        dense = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        return grad_stats(dense)[1]
+
+    return checksums

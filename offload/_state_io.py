@@ -9,8 +9,9 @@ state by reference); per group torch's flags, with ``fused=True`` and
 torch AdamW that loads the state keeps running fused: torch's ``load_state_dict`` takes the
 loaded group's flags). ``master_param`` (fp32) only for a parameter that is not fp32: an fp32
 weight is its own master (equal after every step), a bf16/fp16 one lacks the master's bits.
-For a DTensor (FSDP2) parameter the tensors are DTensors with its mesh, placements and global
-shape (:func:`as_dtensor_state`; ``step`` stays a plain tensor) over standalone aliases of the
+For a DTensor parameter (FSDP2, HSDP, TP, EP: any layout ``offload/_dtensor.py`` supports) the
+tensors are DTensors with its mesh, placements, global shape and stride
+(:func:`as_dtensor_state`; ``step`` stays a plain tensor) over standalone aliases of the
 slab views (:func:`standalone`): a DTensor over a view with a storage offset cannot be pickled
 (``torch.save``, ``copy.deepcopy``: "invalid python storage"). Clones would cost the state's
 size at each ``state_dict()``: measured on a 25.2M-parameter fp32 FSDP2 model (1 gloo rank, the
@@ -18,8 +19,9 @@ size at each ``state_dict()``: measured on a 25.2M-parameter fp32 FSDP2 model (1
 
 Loaded (:func:`load_state`): a state dict of this class or of ``torch.optim.AdamW`` (then
 without ``master_param``: the master is the current parameter), plain or DTensor (this rank's
-shard is taken). Everything is checked before anything is written: group and parameter counts,
-each group's options and hyper-parameters, each tensor's element count. Loaded masters with bits
+local tensor is taken; a DTensor of another layout than the parameter's raises: DCP reshards).
+Everything is checked before anything is written: group and parameter counts, each group's
+options and hyper-parameters, each tensor's layout and element count. Loaded masters with bits
 their parameter lacks get a master place first (``offload/_masters.py``).
 """
 
@@ -35,7 +37,7 @@ import torch
 from torch import Tensor
 
 from offload._checks import check_hyper, check_options
-from offload._dtensor import as_dtensor, local
+from offload._dtensor import as_dtensor, is_dtensor, local
 from offload._kernels import new_step_tensor
 from offload._masters import load_master
 from offload._params import ParamRecord, ParamRegistry
@@ -117,7 +119,18 @@ def check_loaded(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], d
         for name in ("step", "exp_avg", "exp_avg_sq"):
             if name not in value:
                 raise ValueError(f"loaded state of parameter id {key!r} has no {name!r}")
-        # DTensor state (a DCP checkpoint, torch AdamW's of an FSDP2 model): this rank's shard.
+        # DTensor state (a DCP checkpoint, torch AdamW's of a DTensor model): this rank's local
+        # tensor, of the parameter's layout (another layout's local tensor of the same size, e.g.
+        # Shard(1) for Shard(0) of a square matrix, would load silently wrong).
+        layout = registry.of(id_map[key]).layout
+        for name, v in value.items():
+            if layout is not None and is_dtensor(v) and (
+                    tuple(v.placements) != layout.placements or v.device_mesh != layout.mesh):
+                raise ValueError(
+                    f"loaded {name} of parameter id {key!r} is a DTensor with placements "
+                    f"{tuple(v.placements)!r} on {v.device_mesh!r}: expected the parameter's "
+                    f"{layout.placements!r} on {layout.mesh!r} (torch.distributed.checkpoint "
+                    "reshards a checkpoint of another layout into this optimizer's state_dict())")
         value = {k: local(v) if isinstance(v, Tensor) else v for k, v in value.items()}
         for name in ("exp_avg", "exp_avg_sq", "master_param"):
             if name in value and value[name].numel() != numel:

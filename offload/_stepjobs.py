@@ -15,14 +15,14 @@ from torch import Tensor
 
 from offload._items import ItemCache
 from offload._jobs import ChunkJob
-from offload._kernels import Hyper, KernelSet
+from offload._kernels import Hyper
 from offload._dtensor import local
-from offload._params import ParamRecord, raise_bad_grad
+from offload._params import ParamRecord, check_grad, raise_bad_grad
 from offload._pipeline import Pipeline
 from offload._slabs import Chunk
 from offload._speculation import SpeculativeChunk
 
-__all__ = ["StepJobs", "collect_grads", "item_kernel", "submit_step"]
+__all__ = ["StepJobs", "collect_grads", "submit_step"]
 
 
 @dataclass(slots=True)
@@ -78,6 +78,8 @@ def collect_grads(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[st
         if param.grad is None:
             continue
         slot = rec.slot
+        if rec.layout is not None:  # a DTensor: its gradient must have its placements (not Partial)
+            check_grad(rec, param.grad)
         p, g = rec.local(), local(param.grad)
         # .data may have been replaced since construction (contiguity was checked there)
         if g.is_sparse or not p.is_contiguous() or g.device != p.device or g.shape != p.shape:
@@ -95,10 +97,3 @@ def collect_grads(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[st
         grads[slot] = g
     return grads
 
-
-def item_kernel(kernel: str, kernels: KernelSet, hyper: Hyper) -> str:
-    """The kernel setting for items stepped with ``hyper``: the native kernels take a gradient
-    coefficient or scale only where ``kernels.grad_transforms``; else such steps run torch's."""
-    if (hyper.grad_coef is None and hyper.grad_scale is None) or getattr(kernels, "grad_transforms", False):
-        return kernel
-    return "torch"

@@ -21,13 +21,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from offload._buffers import SlabListCache
-from offload._jobs import ChunkJob, DrainResult, StageRecord
+from offload._jobs import KIND_TORCH, ChunkJob, DrainResult, StageRecord
 from offload._kernels import KernelSet
 from offload._operands import build_calls, call_steps
 from offload._slabs import HostSlabs
@@ -175,9 +175,13 @@ class Worker:
             steps_of = call_steps(job.items, calls)
         # Each parameter's step goes up once per optimizer step, in the first chunk holding it
         # that runs (set.add returns None: the test adds the slot as it goes).
-        for (_, fn, args), (slots, steps) in zip(calls, steps_of):
+        hyper = job.hyper
+        for (kind, fn, args), (slots, steps) in zip(calls, steps_of):
             new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
-            fn(*args, steps_to_increment=new, hyper=job.hyper)
+            if job.coef_in_grads and kind == KIND_TORCH:  # the operands are the products already
+                hyper = replace(job.hyper, grad_coef=None)
+            fn(*args, steps_to_increment=new, hyper=hyper)
+            hyper = job.hyper
         job.calls = job.call_steps = None
         job.grads = None
         self._record_kernel(job, t0)

@@ -33,7 +33,8 @@ from _dist_util import run_workers
 STEPS, ACCUM, MAX_NORM = 3, 2, 0.05  # the first backward calibrates: two steps overlap
 FSDP_SCENARIOS = [f"fsdp2 clip={c} sync={s}" for c in ("none", "torch", "ours")
                   for s in ("every-micro-batch", "last-micro-batch")]
-DDP_SCENARIOS = [f"ddp clip={c}" for c in ("none", "torch", "ours")]
+DDP_SCENARIOS = [f"ddp clip={c}" for c in ("none", "torch", "ours")] + [
+    f"ddp attached clip={c}" for c in ("none", "ours")]  # opt.attach_ddp: chunks start after the all-reduce
 
 
 def _scenarios(world_size: int) -> list[str]:
@@ -62,7 +63,10 @@ def _train(kind: str, scenario: str, rank: int, shared: dict[int, torch.Tensor])
     else:
         opt = CPUOffloadAdamW(groups(model), lr=1e-3, overlap_backward=kind == "on",
                               settings=OffloadSettings(threads=1, chunk_numel=1024, kernel="torch"))
+    if kind == "on" and "attached" in scenario:
+        opt.attach_ddp(model)
     errors: list[str] = []
+    committed = 0
 
     def guarded(fn, *args, **kwargs):
         try:
@@ -113,6 +117,8 @@ def _train(kind: str, scenario: str, rank: int, shared: dict[int, torch.Tensor])
             clipped += int(float(total) > MAX_NORM)
             returned.append(total.detach().clone())
         guarded(opt.step)
+        if kind == "on":
+            committed += opt.last_stats.committed_chunks
     params = list(model.parameters())
     state = {key: [local(opt.state.get(p)[key]).detach().clone().reshape(-1) for p in params
                    if opt.state.get(p)] for key in ("exp_avg", "exp_avg_sq", "step")}
@@ -120,7 +126,7 @@ def _train(kind: str, scenario: str, rank: int, shared: dict[int, torch.Tensor])
         opt.close()
     return {"params": [local(p).detach().clone() for p in params], "returned": returned,
             "has_state": [bool(opt.state.get(p)) for p in params], **state, "errors": errors,
-            "clipped": clipped}
+            "clipped": clipped, "committed": committed}
 
 
 def _compare(actual: dict[str, Any], expected: dict[str, Any], what: str) -> str | None:
@@ -155,6 +161,8 @@ def _contract_worker(rank: int, world_size: int) -> dict[str, str]:
         problems += [m for m in (_compare(runs["on"], runs["off"], "overlap on vs off"),
                                  _compare(runs["off"], runs["torch"], "overlap off vs torch AdamW"))
                      if m is not None]
+        if "attached clip=none" in scenario and runs["on"]["committed"] == 0:
+            problems.append("attach_ddp: no chunk started after the all-reduce was committed")
         if "clip=none" not in scenario and runs["torch"]["clipped"] == 0:
             problems.append("the clip was never active (max_norm too large for this loop)")
         outcome[scenario] = problems[0] if problems else "ok"

@@ -25,6 +25,14 @@
 //   Builds without FMA instructions (CPU_CAPABILITY DEFAULT) fuse nothing, as torch's DEFAULT
 //   kernel does not.
 //
+// Gradient transforms (offload._kernels.Hyper.grad_scale / grad_coef), applied to the fp32 value
+// of each gradient element as it is loaded, so they cost no pass of their own; the gradient in
+// memory is never written. First `g / grad_scale` (torch's fused AdamW with a GradScaler: an fp32
+// IEEE division, vector and scalar alike), then `* grad_coef` rounded to the gradient's dtype
+// (what torch._foreach_mul_(grads, coef) stores into a bf16/fp16 gradient: the fp32 product
+// rounded to nearest-even by the same at::vec conversions; only NaN payloads may differ, as they
+// differ between torch's own vector and scalar paths).
+//
 // Validation happens entirely before the first write; errors are Python ValueError / TypeError
 // naming the argument, the index and the offending dtype or size.
 
@@ -32,6 +40,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
@@ -41,8 +50,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -65,6 +79,64 @@ inline float madd(float a, float b, float c) {
   } else {
     return a * b + c;
   }
+}
+
+// What is done to each gradient element before the update (see the header comment).
+struct GradXform {
+  bool scale = false;  // divide by s
+  bool coef = false;   // then multiply by c, rounded to the gradient's dtype
+  float s = 1.0f;
+  float c = 1.0f;
+  bool any() const { return scale || coef; }
+};
+
+GradXform make_xform(const std::optional<double>& grad_scale,
+                     const std::optional<double>& grad_coef) {
+  GradXform x;
+  if (grad_scale.has_value()) {
+    x.scale = true;
+    x.s = static_cast<float>(*grad_scale);  // the fp32 value of a 0-d fp32 tensor: exact
+  }
+  if (grad_coef.has_value()) {
+    x.coef = true;
+    x.c = static_cast<float>(*grad_coef);
+  }
+  return x;
+}
+
+// Two float vectors holding one low-precision (or two fp32) gradient vector(s) of type grad_t.
+template <typename grad_t>
+inline void xform_pair(fVec& g0, fVec& g1, const GradXform& x) {
+  if (x.scale) {
+    g0 = g0 / fVec(x.s);
+    g1 = g1 / fVec(x.s);
+  }
+  if (x.coef) {
+    g0 = g0 * fVec(x.c);
+    g1 = g1 * fVec(x.c);
+    if constexpr (!std::is_same_v<grad_t, float>) {
+      std::tie(g0, g1) =
+          at::vec::convert_to_float<grad_t>(at::vec::convert_from_float<grad_t>(g0, g1));
+    }
+  }
+}
+
+template <typename grad_t>
+inline void xform_one(fVec& g0, const GradXform& x) {
+  fVec g1 = g0;
+  xform_pair<grad_t>(g0, g1, x);  // lane-wise: the duplicate changes nothing in g0
+}
+
+template <typename grad_t>
+inline float xform_scalar(float g, const GradXform& x) {
+  if (x.scale) g = g / x.s;
+  if (x.coef) {
+    g = g * x.c;
+    if constexpr (!std::is_same_v<grad_t, float>) {
+      g = static_cast<float>(static_cast<grad_t>(g));  // round to nearest even, as Tensor.mul_
+    }
+  }
+  return g;
 }
 
 // Parallel work unit, in elements. A multiple of every Vectorized<float>::size() and of every
@@ -182,7 +254,8 @@ inline float adamw_scalar(float param, float grad_val, float* exp_avg_ptr, float
 // Updates `size` consecutive elements. `size` is a multiple of kUnit except at a tensor's end.
 template <typename param_t, typename grad_t>
 void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* exp_avg,
-                float* exp_avg_sq, int64_t size, const Coeffs& c, bool stream) {
+                float* exp_avg_sq, int64_t size, const Coeffs& c, bool stream,
+                const GradXform& x) {
   using pVec = at::vec::Vectorized<param_t>;
   using gVec = at::vec::Vectorized<grad_t>;
   static_assert(pVec::size() == 2 * fVec::size() && gVec::size() == 2 * fVec::size(),
@@ -193,6 +266,7 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
   auto pair = [&](int64_t d) {
     fVec g0, g1;
     at::vec::load_to_float<grad_t>(grad + d, g0, g1);
+    if (x.any()) xform_pair<grad_t>(g0, g1, x);
     const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
     const fVec p1 =
         adamw_vec(fVec::loadu(master + d + kW), g1, exp_avg + d + kW, exp_avg_sq + d + kW, k);
@@ -223,6 +297,7 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
   if (d + kW <= size) {
     fVec g0;
     at::vec::load_to_float<grad_t>(grad + d, g0);
+    if (x.any()) xform_one<grad_t>(g0, x);
     const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
     p0.store(master + d);
     at::vec::convert_from_float<param_t>(p0, p0).store(param_lowp + d, kW);
@@ -230,8 +305,9 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
   }
   const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
   for (; d < size; ++d) {
-    const float p = adamw_scalar(master[d], static_cast<float>(grad[d]), exp_avg + d,
-                                 exp_avg_sq + d, d < block_end, c);
+    const float g = x.any() ? xform_scalar<grad_t>(static_cast<float>(grad[d]), x)
+                            : static_cast<float>(grad[d]);
+    const float p = adamw_scalar(master[d], g, exp_avg + d, exp_avg_sq + d, d < block_end, c);
     master[d] = p;
     param_lowp[d] = static_cast<param_t>(p);  // round to nearest even, like Tensor.to()
   }
@@ -244,19 +320,21 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
 // and scalar tail is torch's (one float vector at a time, the last size % fVec::size() scalar).
 // Traffic: 4 (grad) + 8 + 8 + 8 = 28 bytes per parameter, the same as torch's fused kernel.
 void adamw_span_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                    float* out, int64_t size, const Coeffs& c) {
+                    float* out, int64_t size, const Coeffs& c, const GradXform& x) {
   constexpr int64_t kW = fVec::size();
   const VecCoeffs k(c);
   int64_t d = 0;
   for (; d + kW <= size; d += kW) {
-    const fVec p = adamw_vec(fVec::loadu(param + d), fVec::loadu(grad + d), exp_avg + d,
-                             exp_avg_sq + d, k);
+    fVec g = fVec::loadu(grad + d);
+    if (x.any()) xform_one<float>(g, x);
+    const fVec p = adamw_vec(fVec::loadu(param + d), g, exp_avg + d, exp_avg_sq + d, k);
     p.store(param + d);
     if (out != nullptr) p.store(out + d);
   }
   const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
   for (; d < size; ++d) {
-    const float p = adamw_scalar(param[d], grad[d], exp_avg + d, exp_avg_sq + d, d < block_end, c);
+    const float g = x.any() ? xform_scalar<float>(grad[d], x) : grad[d];
+    const float p = adamw_scalar(param[d], g, exp_avg + d, exp_avg_sq + d, d < block_end, c);
     param[d] = p;
     if (out != nullptr) out[d] = p;
   }
@@ -311,6 +389,14 @@ std::string dtype_name(at::ScalarType t) {
     case at::kBFloat16: return "torch.bfloat16";
     case at::kHalf: return "torch.float16";
     case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
     default: return std::string("torch.") + c10::toString(t);
   }
 }
@@ -382,7 +468,8 @@ Span span_of(const at::Tensor& t, const char* name) {
 template <typename param_t, typename grad_t>
 void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
-         const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<Coeffs>& coeffs) {
+         const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<Coeffs>& coeffs,
+         const GradXform& x) {
   const size_t n = masters.size();
   std::vector<param_t*> p_lp(n);
   std::vector<const grad_t*> g_lp(n);
@@ -401,7 +488,7 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   const bool stream = total >= kStreamMinElements;
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
     adamw_span<param_t, grad_t>(p_lp[i] + lo, g_lp[i] + lo, m32[i] + lo, ea[i] + lo, eas[i] + lo,
-                                hi - lo, coeffs[i], stream);
+                                hi - lo, coeffs[i], stream, x);
   });
 }
 
@@ -472,18 +559,21 @@ void bump_versions(const std::vector<at::Tensor>& params_lowp,
 void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
             const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
             const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
-            at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs) {
+            at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs,
+            const GradXform& x = GradXform{}) {
   if (masters.empty()) return;
   pybind11::gil_scoped_release no_gil;
   if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
     run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs,
-                                      coeffs);
+                                      coeffs, x);
   } else if (p_dtype == at::kBFloat16) {
-    run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs);
+    run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
+                                  x);
   } else if (g_dtype == at::kBFloat16) {
-    run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs);
+    run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
+                                  x);
   } else {
-    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs);
+    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs, x);
   }
 }
 
@@ -591,7 +681,8 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                            const std::vector<at::Tensor>& exp_avg_sqs,
                            const std::vector<at::Tensor>& state_steps,
                            const std::vector<at::Tensor>& steps_to_increment, double lr,
-                           double beta1, double beta2, double eps, double weight_decay) {
+                           double beta1, double beta2, double eps, double weight_decay,
+                           std::optional<double> grad_scale, std::optional<double> grad_coef) {
   const char* fn = "fused_mp_adamw_steps_";
   const auto [p_dtype, g_dtype] =
       check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
@@ -601,7 +692,8 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                                                  weight_decay, incremented);
   bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment);
   for (const auto& [p, v] : incremented) *p = v;  // the first write
-  update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs);
+  update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
+         make_xform(grad_scale, grad_coef));
 }
 
 // fp32 parameters (each its own master) with fp32 gradients, torch's step bookkeeping as in
@@ -613,7 +705,8 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& state_steps,
                       const std::vector<at::Tensor>& outs,
                       const std::vector<at::Tensor>& steps_to_increment, double lr, double beta1,
-                      double beta2, double eps, double weight_decay) {
+                      double beta2, double eps, double weight_decay,
+                      std::optional<double> grad_scale, std::optional<double> grad_coef) {
   const char* fn = "adamw_f32_steps_";
   const size_t n = params.size();
   const bool with_out = !outs.empty();
@@ -661,11 +754,300 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
     op[i] = with_out ? outs[i].mutable_data_ptr<float>() : nullptr;
     numel[i] = params[i].numel();
   }
+  const GradXform x = make_xform(grad_scale, grad_coef);
   pybind11::gil_scoped_release no_gil;
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
     adamw_span_f32(pp[i] + lo, gp[i] + lo, ea[i] + lo, eas[i] + lo,
-                   op[i] == nullptr ? nullptr : op[i] + lo, hi - lo, coeffs[i]);
+                   op[i] == nullptr ? nullptr : op[i] + lo, hi - lo, coeffs[i], x);
   });
+}
+
+// ---- grad_stats: per-tensor norm terms and content checksums (offload/_grad_stats.py) ------
+//
+// One read of every element: per tensor, its norm term in double (sum of g^2, sum of |g|, or
+// max |g|) and the wrapping 64-bit sum of its words (fp32: the 32-bit word as a signed int, as
+// `g.view(torch.int32).sum(dtype=torch.int64)`; bf16/fp16: the 16-bit word zero-extended).
+// Determinism: a tensor is cut into blocks of kStatsBlock elements counted from its first element
+// (in memory order); a block is reduced into kStatsLanes lanes (element e of the block goes to lane
+// e % kStatsLanes, in element order), the lanes are added in lane order, and a tensor's blocks in
+// block order after the parallel pass. Nothing depends on the thread count, on which thread took a
+// block, or on the other tensors of the call. g^2 of an fp32/bf16/fp16 value is exact in double.
+
+// Elements per block (64 KB of fp32): the unit of work and of the fixed summation order.
+constexpr int64_t kStatsBlock = int64_t(1) << 14;
+// Independent accumulators per block (eight 256-bit double vectors: hides the FMA latency).
+constexpr int kStatsLanes = 32;
+static_assert(kStatsLanes % fVec::size() == 0, "lanes must hold whole float vectors");
+// 16-bit words (and the low halves of 32-bit ones) are summed in 32-bit lanes: at most
+// kStatsBlock / kStatsLanes (+1 from the tail) of 0xFFFF each; high halves likewise, signed.
+static_assert((kStatsBlock / kStatsLanes) * 0xFFFFull < (1ull << 32), "32-bit lane overflow");
+// How far ahead of the loads the vector loop prefetches (one read stream per thread leaves the
+// hardware prefetcher short of requests in flight on the VM this was measured on).
+constexpr int64_t kStatsPrefetchBytes = 2048;
+// Blocks a thread takes from the shared counter at a time (256 KB of fp32).
+constexpr int64_t kStatsTake = 4;
+// Elements per worker below which more threads cost more than they bring (a parallel region
+// costs microseconds to start, and a thread of a loaded machine may be scheduled late).
+constexpr int64_t kStatsGrain = int64_t(1) << 17;
+
+enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2 };
+
+struct BlockStats {
+  double term = 0.0;
+  uint64_t sum = 0;
+};
+
+template <typename T>
+inline uint64_t word_of(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    int32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return static_cast<uint64_t>(static_cast<int64_t>(w));  // sign-extended, as view(int32)
+  } else {
+    uint16_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return w;  // zero-extended
+  }
+}
+
+template <typename T, int64_t K>
+inline void lane_update(double& acc, float& mx, uint32_t& bad, float f) {
+  if constexpr (K == kNormL2) {
+    const double v = static_cast<double>(f);
+    acc = acc + v * v;
+  } else if constexpr (K == kNormL1) {
+    acc = acc + std::abs(static_cast<double>(f));
+  } else {
+    const float a = std::abs(f);
+    mx = mx < a ? a : mx;
+    bad |= static_cast<uint32_t>(f != f);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// 32 elements into the 32 lanes: acc[k] holds lanes 4k..4k+3 (element e of the group is lane e),
+// exactly the scalar lane_update's operations (fma(v, v, acc) == acc + v * v: the square of a
+// float is exact in double). Words: a 16-bit word into its 32-bit lane of s32; a 32-bit word w as
+// w & 0xFFFF into s32 and w >> 16 (arithmetic) into hi32, so that the sum of the words is
+// sum(s32) + 65536 * sum(hi32) (no lane can overflow within one block), with no cross-lane
+// widening. 256-bit vectors on AVX-512 builds too: on the 2-core VM (Xeon, AVX-512) the 512-bit
+// float-to-double conversions ran this loop at 5-16 GB/s from L1/L2, the 256-bit ones at 40-58
+// GB/s (a standalone loop over 64 KB, best of 5), since 512-bit work has two ports, 256-bit three.
+template <typename T, int64_t K>
+inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s32)[4], __m256i (&hi32)[4]) {
+  const __m256d sign = _mm256_set1_pd(-0.0);
+  for (int h = 0; h < 4; ++h) {
+    [[maybe_unused]] __m256 f;
+    if constexpr (std::is_same_v<T, float>) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * h));
+      s32[h] = _mm256_add_epi32(s32[h], _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
+      hi32[h] = _mm256_add_epi32(hi32[h], _mm256_srai_epi32(w, 16));
+    } else {
+      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * h));
+      const __m256i w32 = _mm256_cvtepu16_epi32(w);
+      s32[h] = _mm256_add_epi32(s32[h], w32);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        f = _mm256_castsi256_ps(_mm256_slli_epi32(w32, 16));
+      } else {
+        #if defined(CPU_CAPABILITY_AVX512)  // no -mf16c there: the AVX-512 conversion, low half
+        f = _mm512_castps512_ps256(_mm512_cvtph_ps(_mm256_castsi128_si256(w)));
+#else
+        f = _mm256_cvtph_ps(w);
+#endif
+      }
+    }
+    for (int q = 0; q < 2; ++q) {
+      __m256d v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm256_cvtps_pd(_mm_loadu_ps(x + 8 * h + 4 * q));
+      } else {
+        v = _mm256_cvtps_pd(q == 0 ? _mm256_castps256_ps128(f) : _mm256_extractf128_ps(f, 1));
+      }
+      __m256d& a = acc[2 * h + q];
+      if constexpr (K == kNormL2) {
+        a = _mm256_fmadd_pd(v, v, a);
+      } else {
+        a = _mm256_add_pd(a, _mm256_andnot_pd(sign, v));
+      }
+    }
+  }
+}
+#endif
+
+template <typename T, int64_t K>
+BlockStats block_stats(const T* x, int64_t n) {
+  alignas(64) double acc[kStatsLanes] = {};
+  float mx[kStatsLanes] = {};
+  uint32_t bad[kStatsLanes] = {};
+  alignas(64) uint64_t s64[kStatsLanes] = {};
+  alignas(64) uint32_t s32[kStatsLanes] = {};
+  alignas(64) int32_t hi32[kStatsLanes] = {};
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (K != kNormInf) {
+    __m256d va[8];
+    __m256i v32[4], vhi[4];
+    for (auto& a : va) a = _mm256_setzero_pd();
+    for (auto& a : v32) a = _mm256_setzero_si256();
+    for (auto& a : vhi) a = _mm256_setzero_si256();
+    for (; i + kStatsLanes <= n; i += kStatsLanes) {
+      const char* ahead = reinterpret_cast<const char*>(x + i) + kStatsPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if constexpr (sizeof(T) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      stats_vec32<T, K>(x + i, va, v32, vhi);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_store_pd(acc + 4 * k, va[k]);
+    for (int k = 0; k < 4; ++k) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s32 + 8 * k), v32[k]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hi32 + 8 * k), vhi[k]);
+    }
+  }
+#endif
+  for (; i + kStatsLanes <= n; i += kStatsLanes) {  // inf norms, and builds without AVX2
+    for (int j = 0; j < kStatsLanes; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        s64[j] += word_of(x + i + j);
+      } else {
+        s32[j] += static_cast<uint32_t>(word_of(x + i + j));
+      }
+      lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i + j]));
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {  // the tail: lane j, the same operations one at a time
+    if constexpr (std::is_same_v<T, float>) {
+      s64[j] += word_of(x + i);
+    } else {
+      s32[j] += static_cast<uint32_t>(word_of(x + i));
+    }
+    lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i]));
+  }
+  BlockStats out;
+  float m = 0.0f;
+  uint32_t any_bad = 0;
+  for (int j = 0; j < kStatsLanes; ++j) {
+    out.term += acc[j];
+    out.sum += s64[j] + s32[j] + (static_cast<uint64_t>(static_cast<int64_t>(hi32[j])) << 16);
+    m = m < mx[j] ? mx[j] : m;
+    any_bad |= bad[j];
+  }
+  if constexpr (K == kNormInf) {
+    out.term = any_bad ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(m);
+  }
+  return out;
+}
+
+template <int64_t K>
+BlockStats block_stats_of(at::ScalarType dtype, const void* base, int64_t lo, int64_t hi) {
+  switch (dtype) {
+    case at::kFloat: return block_stats<float, K>(static_cast<const float*>(base) + lo, hi - lo);
+    case at::kBFloat16:
+      return block_stats<c10::BFloat16, K>(static_cast<const c10::BFloat16*>(base) + lo, hi - lo);
+    default: return block_stats<c10::Half, K>(static_cast<const c10::Half*>(base) + lo, hi - lo);
+  }
+}
+
+// Returns (terms float64[n], checksums int64[n]). `norm`: kNormL2, kNormL1 or kNormInf.
+std::tuple<at::Tensor, at::Tensor> grad_stats_(const std::vector<at::Tensor>& tensors,
+                                               int64_t norm) {
+  const char* fn = "grad_stats";
+  if (norm != kNormL2 && norm != kNormL1 && norm != kNormInf) {
+    fail_value(std::string(fn) + ": norm kind " + std::to_string(norm) +
+               ": expected 0 (L2), 1 (L1) or 2 (inf)");
+  }
+  const size_t n = tensors.size();
+  std::vector<const void*> base(n);
+  std::vector<at::ScalarType> dtype(n);
+  std::vector<int64_t> numel(n), block_start(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    const auto where = [&]() { return std::string(fn) + ": tensors[" + std::to_string(i) + "]"; };
+    if (!t.defined()) fail_value(where() + " is an undefined tensor");
+    if (t.device().type() != c10::DeviceType::CPU) {
+      fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
+    }
+    if (t.layout() != c10::kStrided) fail_value(where() + ": expected a dense (strided) tensor");
+    const at::ScalarType dt = t.scalar_type();
+    if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) {
+      fail_type(where() + " has dtype " + dtype_name(dt) +
+                ": expected torch.float32, torch.bfloat16 or torch.float16");
+    }
+    if (!t.is_non_overlapping_and_dense()) {
+      const auto tuple = [](c10::IntArrayRef v) {  // as Python prints a tuple
+        std::ostringstream out;
+        out << "(";
+        for (size_t k = 0; k < v.size(); ++k) out << (k ? ", " : "") << v[k];
+        out << (v.size() == 1 ? ",)" : ")");
+        return out.str();
+      };
+      std::ostringstream msg;
+      msg << where() << " (shape " << tuple(t.sizes()) << ", strides " << tuple(t.strides())
+          << ") does not cover one dense block of memory: expected a contiguous tensor or a "
+             "permutation of one";
+      fail_value(msg.str());
+    }
+    if (t.is_conj() || t.is_neg()) fail_value(where() + " has a lazy conj/neg bit set");
+    // A dense tensor with non-negative strides starts at its lowest address: its elements are
+    // the numel() consecutive ones from there, whatever the order of its dimensions.
+    base[i] = t.const_data_ptr();
+    dtype[i] = dt;
+    numel[i] = t.numel();
+    block_start[i + 1] = block_start[i] + (numel[i] + kStatsBlock - 1) / kStatsBlock;
+  }
+  at::Tensor terms = at::zeros({static_cast<int64_t>(n)}, at::kDouble);
+  at::Tensor sums = at::zeros({static_cast<int64_t>(n)}, at::kLong);
+  const int64_t total = block_start[n];
+  if (total == 0) return {terms, sums};
+  std::vector<BlockStats> blocks(static_cast<size_t>(total));
+  {
+    pybind11::gil_scoped_release no_gil;
+    const auto run_blocks = [&](int64_t begin, int64_t end) {
+      size_t i = static_cast<size_t>(
+          std::upper_bound(block_start.begin(), block_start.end(), begin) - block_start.begin() - 1);
+      for (int64_t b = begin; b < end; ++b) {
+        while (block_start[i + 1] <= b) ++i;
+        const int64_t lo = (b - block_start[i]) * kStatsBlock;
+        const int64_t hi = std::min(numel[i], lo + kStatsBlock);
+        blocks[static_cast<size_t>(b)] =
+            norm == kNormL2   ? block_stats_of<kNormL2>(dtype[i], base[i], lo, hi)
+            : norm == kNormL1 ? block_stats_of<kNormL1>(dtype[i], base[i], lo, hi)
+                              : block_stats_of<kNormInf>(dtype[i], base[i], lo, hi);
+      }
+    };
+    int64_t elements = 0;
+    for (size_t i = 0; i < n; ++i) elements += numel[i];
+    const int64_t takes = (total + kStatsTake - 1) / kStatsTake;
+    const int64_t workers = std::min<int64_t>(
+        {static_cast<int64_t>(at::get_num_threads()), takes, elements / kStatsGrain + 1});
+    if (workers <= 1 || at::in_parallel_region()) {
+      run_blocks(0, total);
+    } else {
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+        for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < takes;
+             k = next.fetch_add(1, std::memory_order_relaxed)) {
+          run_blocks(k * kStatsTake, std::min(total, (k + 1) * kStatsTake));
+        }
+      });
+    }
+  }
+  double* tp = terms.mutable_data_ptr<double>();
+  int64_t* sp = sums.mutable_data_ptr<int64_t>();
+  for (size_t i = 0; i < n; ++i) {
+    double term = 0.0;
+    uint64_t sum = 0;
+    for (int64_t b = block_start[i]; b < block_start[i + 1]; ++b) {
+      const BlockStats& s = blocks[static_cast<size_t>(b)];
+      if (norm == kNormInf) {
+        if (!std::isnan(term) && (std::isnan(s.term) || s.term > term)) term = s.term;
+      } else {
+        term += s.term;
+      }
+      sum += s.sum;  // wraps modulo 2**64
+    }
+    tp[i] = term;
+    sp[i] = static_cast<int64_t>(sum);
+  }
+  return {terms, sums};
 }
 
 // Distinct intra-op threads one parallel_for used: checks that the kernel's parallel regions run
@@ -704,12 +1086,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("grads_lowp"), pybind11::arg("masters"), pybind11::arg("exp_avgs"),
         pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"), pybind11::kw_only(),
         pybind11::arg("steps_to_increment"), pybind11::arg("lr"), pybind11::arg("beta1"),
-        pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"));
+        pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
+        pybind11::arg("grad_scale") = pybind11::none(),
+        pybind11::arg("grad_coef") = pybind11::none());
   m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
         pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
         pybind11::kw_only(), pybind11::arg("outs"), pybind11::arg("steps_to_increment"),
         pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
-        pybind11::arg("weight_decay"));
+        pybind11::arg("weight_decay"), pybind11::arg("grad_scale") = pybind11::none(),
+        pybind11::arg("grad_coef") = pybind11::none());
+  m.def("grad_stats_", &grad_stats_, pybind11::arg("tensors"), pybind11::kw_only(),
+        pybind11::arg("norm"),
+        "Per-tensor norm terms (float64) and word checksums (int64); see offload/_grad_stats.py.");
   m.def("capability", &capability, "CPU_CAPABILITY this build was compiled for.");
   m.def("threads_used", &threads_used, pybind11::arg("units"),
         "Distinct intra-op threads a parallel_for over `units` work items ran on.");

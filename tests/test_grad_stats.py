@@ -1,0 +1,196 @@
+"""grad_stats: per-tensor norm terms and content checksums (issue 16, items 2 and 3).
+
+Checksums against the torch reference (bitwise) and against every small change of content; norm
+terms against float64 (1e-6 relative, the clipping contract) and the reference (1e-12); both
+bitwise identical across thread counts and splits of the tensor list.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from offload._fused_mp import fused_mp_available
+from offload._fused_mp_build import KernelLoader
+from offload._grad_stats import STATS_BLOCK, grad_stats_, grad_stats_reference
+from offload._kernels import KernelSet
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Empty, below and around the 32 lanes, around the 16 Ki block, several blocks with a tail.
+SIZES = (0, 1, 31, 32, 33, STATS_BLOCK - 1, STATS_BLOCK, STATS_BLOCK + 1, 3 * STATS_BLOCK + 77)
+
+
+@pytest.fixture(scope="module")
+def native() -> None:
+    ok, reason = fused_mp_available()
+    if not ok:
+        if reason.startswith(("no C++ compiler", "ninja is not installed")):
+            pytest.skip(f"the native pass needs a C++ toolchain: {reason}")
+        pytest.fail(f"the native extension failed to build on a machine with a toolchain: {reason}")
+
+
+def _tensors(gen: torch.Generator) -> list[torch.Tensor]:
+    out = []
+    for i, n in enumerate(SIZES):
+        dtype = DTYPES[i % 3]
+        out.append((torch.randn(n, generator=gen) * 10 ** (4 * torch.rand(n, generator=gen) - 2))
+                   .to(dtype))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _float64_term(t: torch.Tensor, p: float) -> float:
+    x = t.double().abs()
+    if t.numel() == 0:
+        return 0.0
+    return float(x.max()) if p == math.inf else float(x.pow(p).sum())
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_native_equals_the_reference_and_float64(native, norm_type) -> None:
+    tensors = _tensors(torch.Generator().manual_seed(0))
+    terms, sums = grad_stats_(tensors, norm_type=norm_type)
+    ref_terms, ref_sums = grad_stats_reference(tensors, norm_type=norm_type)
+    assert terms.dtype == torch.float64 and sums.dtype == torch.int64
+    assert terms.shape == sums.shape == (len(tensors),)
+    assert torch.equal(sums, ref_sums)
+    for i, t in enumerate(tensors):
+        want = _float64_term(t, norm_type)
+        assert terms[i].item() == pytest.approx(want, rel=1e-6, abs=0), f"tensors[{i}] vs float64"
+        assert terms[i].item() == pytest.approx(ref_terms[i].item(), rel=1e-12, abs=0)
+        if t.numel() == 0:
+            assert terms[i].item() == 0.0 and sums[i].item() == 0
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_identical_across_threads_and_list_splits(native, norm_type) -> None:
+    gen = torch.Generator().manual_seed(1)
+    tensors = _tensors(gen) + [torch.randn(5 * STATS_BLOCK + 3, generator=gen)]
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(grad_stats_(tensors, norm_type=norm_type))
+            halves = [grad_stats_(part, norm_type=norm_type) for part in (tensors[:4], tensors[4:])]
+            results.append(tuple(torch.cat(x) for x in zip(*halves)))
+            singles = [grad_stats_([t], norm_type=norm_type) for t in tensors]
+            results.append(tuple(torch.cat(x) for x in zip(*singles)))
+    finally:
+        torch.set_num_threads(previous)
+    for terms, sums in results[1:]:
+        assert torch.equal(terms.view(torch.int64), results[0][0].view(torch.int64))
+        assert torch.equal(sums, results[0][1])
+
+
+def _changed(t: torch.Tensor, how: str) -> torch.Tensor:
+    u = t.clone()
+    k = t.numel() // 2
+    if how == "times 2":
+        u.mul_(2)
+    elif how == "times 0.5":
+        u.mul_(0.5)
+    elif how == "one ulp at one element":
+        _bits(u)[k] += 1
+    elif how == "one element to 0":
+        u[k] = 0
+    else:
+        u[k] = float("nan")
+    return u
+
+
+@pytest.mark.parametrize("how", ["times 2", "times 0.5", "one ulp at one element",
+                                 "one element to 0", "one element to nan"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_checksum_sees_every_change(native, dtype, how) -> None:
+    gen = torch.Generator().manual_seed(2)
+    t = (torch.randn(3 * STATS_BLOCK + 5, generator=gen) + 0.1).to(dtype)
+    u = _changed(t, how)
+    assert not torch.equal(_bits(t), _bits(u))
+    (_, before), (_, after) = grad_stats_([t]), grad_stats_([u])
+    assert before.item() != after.item(), f"{dtype} {how}: checksum unchanged"
+    assert after.item() == grad_stats_reference([u])[1].item()
+
+
+def test_nan_and_inf_reach_the_terms(native) -> None:
+    t = torch.ones(100)
+    t[7] = float("inf")
+    u = torch.ones(100)
+    u[70] = float("nan")
+    for p in (2.0, 1.0, math.inf):
+        terms, _ = grad_stats_([t, u], norm_type=p)
+        ref, _ = grad_stats_reference([t, u], norm_type=p)
+        assert math.isinf(terms[0].item()) and math.isinf(ref[0].item())
+        assert math.isnan(terms[1].item()) and math.isnan(ref[1].item())
+
+
+def test_permuted_tensors_are_handled_and_strided_ones_refused(native) -> None:
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(300, 70, generator=gen)
+    permuted = base.t()  # dense, not contiguous: the same elements in memory
+    assert not permuted.is_contiguous()
+    for fn in (grad_stats_, grad_stats_reference):
+        assert torch.equal(fn([permuted])[1], fn([base])[1])
+        assert fn([permuted])[0].item() == pytest.approx(fn([base])[0].item(), rel=1e-12)
+    for fn in (grad_stats_, grad_stats_reference):
+        with pytest.raises(ValueError, match=r"tensors\[1\] \(shape \(300, 35\), strides \(70, 2\)\)"
+                                             " does not cover one dense block of memory"):
+            fn([base, base[:, ::2]])
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (torch.ones(3, dtype=torch.float64), TypeError, r"tensors\[0\] has dtype torch.float64"),
+        (torch.ones(3, dtype=torch.int32), TypeError, r"tensors\[0\] has dtype torch.int32"),
+    ],
+)
+def test_bad_tensors_name_the_index(native, value, error, message) -> None:
+    for fn in (grad_stats_, grad_stats_reference):
+        with pytest.raises(error, match=message):
+            fn([value])
+
+
+@pytest.mark.parametrize("norm_type", [0.0, -1.0, float("nan"), "2", True])
+def test_bad_norm_types_are_refused(norm_type) -> None:
+    with pytest.raises((TypeError, ValueError), match="norm_type="):
+        grad_stats_([torch.ones(2)], norm_type=norm_type)
+
+
+def test_other_norm_types_and_no_extension_use_the_reference(tmp_path) -> None:
+    gen = torch.Generator().manual_seed(6)
+    tensors = [torch.randn(1000, generator=gen), torch.randn(77, generator=gen).bfloat16()]
+    terms, sums = grad_stats_(tensors, norm_type=3.0)
+    for i, t in enumerate(tensors):
+        assert terms[i].item() == pytest.approx(float(t.double().abs().pow(3).sum()), rel=1e-12)
+    missing = KernelLoader(tmp_path / "missing.cpp", tmp_path / "cache")
+    kernels = KernelSet(loader=missing)
+    t_ref, s_ref = grad_stats_reference(tensors)
+    t_got, s_got = kernels.grad_stats(tensors)
+    assert torch.equal(s_got, s_ref) and torch.equal(t_got, t_ref)
+    assert torch.equal(s_got, sums)
+
+
+def test_the_reference_is_deterministic_across_threads() -> None:
+    x = torch.randn(4 * STATS_BLOCK + 9, generator=torch.Generator().manual_seed(8))
+    previous = torch.get_num_threads()
+    try:
+        got = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got.append(grad_stats_reference([x])[0])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got[0].view(torch.int64), got[1].view(torch.int64))
+
+
+def test_empty_list() -> None:
+    for fn in (grad_stats_, grad_stats_reference):
+        terms, sums = fn([])
+        assert terms.shape == sums.shape == (0,)
+        assert terms.dtype == torch.float64 and sums.dtype == torch.int64
