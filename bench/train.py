@@ -5,6 +5,13 @@
     torchrun --nproc-per-node 2 -m bench.train --optim-cpu-offload --device cpu --steps 10
     torchrun --nproc-per-node 2 -m bench.train --fsdp --optim-cpu-offload --overlap-backward --autotune
     torchrun --nproc-per-node 2 -m bench.train --fsdp --fsdp-cpu-offload --autotune --device cpu
+    python -m bench.train --optim-cpu-offload --overlap-backward --clip-grad-norm 1.0 --amp fp16
+
+``--clip-grad-norm X`` clips before each step (``opt.clip_grad_norm_(X)`` with the offloaded
+optimizer: the coefficient is applied inside its kernel; else ``torch.nn.utils.clip_grad_norm_``);
+``--amp fp16`` runs forward under fp16 autocast with a ``torch.amp.GradScaler`` (unscaled before
+the clip). The summary gives the last step's total gradient norm and, with overlap, the share of
+the chunks started during backward that were committed (``bench/_train_summary.py``).
 
 Rank 0 prints one line per step (loss, step wall time, the optimizer's stage times) and a final
 summary, and writes ``--summary-json`` once, atomically. With ``--trace-dir DIR`` every run gets
@@ -37,7 +44,9 @@ from typing import Any, Sequence
 import torch
 
 from bench import _dist
-from bench._stats import atomic_write_json, iqr, median
+from bench._stats import atomic_write_json
+from bench._train_summary import (SpeculationTally, build_summary, format_step, opt_knobs, plot_note,
+                                   print_summary, stats_dict)
 from bench.model import GPT, PRESETS, SyntheticTokens, count_params, preset
 
 logger = logging.getLogger("bench.train")
@@ -64,8 +73,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class _SetupError(Exception):
     """A bad --trace-dir or environment value: reported in one line, exit status 2."""
-#: StepStats fields summarised per step (seconds).
-_STAGES = ("step_s", "d2h_s", "adam_kernel_s", "materialize_s", "drain_s")
 
 
 def _positive_int(text: str) -> int:
@@ -116,6 +123,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _clip_norm(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite max norm > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.train", description=__doc__.split("\n\n")[0],
@@ -149,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-backward", action="store_true",
                    help="start each chunk's update during backward (one process, or several with --fsdp)")
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
+    p.add_argument("--clip-grad-norm", type=_clip_norm, default=None, metavar="X",
+                   help="clip the total gradient norm to X before each step: opt.clip_grad_norm_(X) with "
+                        "--optim-cpu-offload, else torch.nn.utils.clip_grad_norm_")
+    p.add_argument("--amp", choices=("fp16",), default=None,
+                   help="fp16 autocast of forward and torch.amp.GradScaler (scaled backward, scaler.step; "
+                        "scaler.unscale_ before --clip-grad-norm)")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2: fully_shard each block and the root (see bench/_fsdp.py)")
     p.add_argument("--fsdp-cpu-offload", action="store_true",
@@ -190,6 +213,12 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                             ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
             if value:
                 p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
+    if args.amp is not None:
+        for flag, value in (("--dtype bf16", args.dtype != "fp32"), ("--fsdp-param-dtype", args.fsdp_param_dtype),
+                            ("--fsdp-cpu-offload", args.fsdp_cpu_offload)):
+            if value:
+                p.error(f"--amp {args.amp} with {flag}: autocast with GradScaler expects fp32 parameters on the "
+                        "device; drop one of them")
     if (args.fsdp_param_dtype is not None or args.tp > 1 or args.hsdp > 1) and not args.fsdp:
         p.error("--fsdp-param-dtype, --tp and --hsdp configure FSDP2: add --fsdp")
     if (args.cache is not None) and not args.autotune:
@@ -266,44 +295,6 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
     )
 
 
-def _stats_dict(opt: torch.optim.Optimizer) -> dict[str, float] | None:
-    stats = getattr(opt, "last_stats", None)
-    if stats is None:
-        return None
-    return {name: float(getattr(stats, name)) for name in _STAGES}
-
-
-def _opt_knobs(opt: torch.optim.Optimizer) -> tuple[int, int | None]:
-    """(threads, chunk_numel) the optimizer used in its last step."""
-    stats = getattr(opt, "last_stats", None)
-    if stats is not None:
-        return int(stats.threads), int(stats.chunk_numel)
-    return getattr(opt, "threads", None) or torch.get_num_threads(), None  # tune_step_threads: its step's
-
-
-def _tuner_summary(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    tuner = getattr(opt, "tuner", None)
-    if tuner is None:
-        return {"state": "off", "cache_hit": None, "probe_steps": None, "baseline": None, "winner": None}
-    summary = dict(tuner.summary())
-    for key in ("state", "cache_hit", "probe_steps", "baseline", "winner"):
-        summary.setdefault(key, None)
-    return summary
-
-
-def _format_step(step: int, steps: int, loss: float, step_s: float, opt_s: float,
-                 stats: dict[str, float] | None, knobs: tuple[int, int | None]) -> str:
-    line = f"step {step:>4}/{steps} | loss {loss:8.4f} | step {step_s * 1e3:9.1f} ms | opt {opt_s * 1e3:8.1f} ms"
-    if stats is not None:
-        line += (
-            f" (d2h {stats['d2h_s'] * 1e3:.1f} adam {stats['adam_kernel_s'] * 1e3:.1f}"
-            f" mat {stats['materialize_s'] * 1e3:.1f} drain {stats['drain_s'] * 1e3:.1f}"
-            f" step {stats['step_s'] * 1e3:.1f})"
-        )
-    line += f" | threads {knobs[0]} chunk {knobs[1] if knobs[1] is not None else '-'}"
-    return line
-
-
 def _run_dir(args: argparse.Namespace, info: _dist.DistInfo) -> Path | None:
     """This run's ``--trace-dir/run-N``: made by each node's local rank 0 on that node's file
     system (the same path on the node's ranks; nodes may have different N), the path its tuner's
@@ -325,16 +316,30 @@ def _run_dir(args: argparse.Namespace, info: _dist.DistInfo) -> Path | None:
     return everyone[info.rank - info.local_rank]
 
 
-def _plot_note(run_dir: Path | None, autotune: bool) -> str | None:
-    """Why this run has no tuning.png, when it should have one."""
-    if run_dir is None or not autotune:
+def _clip_and_step(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    """Unscale (GradScaler), clip, step; the total gradient norm when clipping (unscaled), else None."""
+    norm = None
+    if args.clip_grad_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if args.optim_cpu_offload:
+            norm = opt.clip_grad_norm_(args.clip_grad_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    return norm
+
+
+def _norm_value(norm: torch.Tensor | None) -> float | None:
+    if norm is None:
         return None
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return (f"no {run_dir}/tuning.png: matplotlib is not installed "
-                "(pip install -c constraints.txt -e '.[plot]', or python -m autotune plot later)")
-    return None
+    full = getattr(norm, "full_tensor", None)  # torch's clip of DTensor gradients returns a DTensor
+    return float((full() if full is not None else norm).item())
 
 
 def _sync(device: torch.device) -> None:
@@ -408,11 +413,17 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
         step_log = open(run_dir / TRAIN_STEPS, "w", encoding="utf-8")
 
     overlap = args.optim_cpu_offload and args.overlap_backward
+    scaler = torch.amp.GradScaler(device.type) if args.amp else None
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if args.amp else contextlib.nullcontext
+    scale = scaler.get_scale() if scaler is not None else None
+    skipped = 0
+    speculation = SpeculationTally()
+    grad_norms: list[float] = []
     losses: list[float] = []
     step_times: list[float] = []
     opt_times: list[float] = []
     stats_rows: list[dict[str, float]] = []
-    knobs_used = _opt_knobs(opt)
+    knobs_used = opt_knobs(opt)
     local_loss = math.nan
     try:
         for step in range(1, args.steps + 1):
@@ -427,14 +438,15 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
                 if args.fsdp:  # reduce-scatter once, after the last micro-batch
                     model.set_requires_gradient_sync(last)
                 with ctx:
-                    loss = model(x, y) / args.grad_accum
-                    loss.backward()
+                    with autocast():
+                        loss = model(x, y) / args.grad_accum
+                    (loss if scaler is None else scaler.scale(loss)).backward()
                 loss_sum += loss.detach()
             if not args.fsdp:  # FSDP2 already averaged them in its reduce-scatter
                 _dist.average_gradients(model.parameters(), info, step=step)
             _sync(device)
             t_opt = time.perf_counter()
-            opt.step()
+            norm = _clip_and_step(args, model, opt, scaler)
             _sync(device)
             opt_s = time.perf_counter() - t_opt
             opt.zero_grad(set_to_none=True)
@@ -444,18 +456,27 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
             _sync(device)
             step_s = time.perf_counter() - t0
 
-            stats = _stats_dict(opt)
-            knobs_used = _opt_knobs(opt)
+            stats = stats_dict(opt)
+            knobs_used = opt_knobs(opt)
+            grad_norm = _norm_value(norm)
+            if grad_norm is not None:
+                grad_norms.append(grad_norm)
+            if scaler is not None:  # GradScaler lowers the scale after a step it skipped (inf/nan)
+                skipped += scaler.get_scale() < scale
+                scale = scaler.get_scale()
+            commit = speculation.add(opt)
             losses.append(loss_value)
             step_times.append(step_s)
             opt_times.append(opt_s)
             if stats is not None:
                 stats_rows.append(stats)
             if is_main:
-                print(_format_step(step, args.steps, loss_value, step_s, opt_s, stats, knobs_used), flush=True)
+                print(format_step(step, args.steps, loss_value, step_s, opt_s, stats, knobs_used, grad_norm, commit),
+                      flush=True)
                 if step_log is not None:
                     row = {"step": step, "loss": loss_value, "step_s": step_s, "opt_s": opt_s,
-                           "threads": knobs_used[0], "chunk_numel": knobs_used[1], "stats": stats}
+                           "threads": knobs_used[0], "chunk_numel": knobs_used[1], "stats": stats,
+                           "grad_norm": grad_norm, "commit": commit}
                     step_log.write(json.dumps(row) + "\n")
                     step_log.flush()
     finally:
@@ -478,86 +499,21 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
         "loss_last_local": local_loss if losses else None,
     }
     ranks = _dist.gather_objects(rank_entry, info, step=args.steps)
-    summary = _summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_times,
-                       opt_times, stats_rows)
+    summary = build_summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_times, opt_times,
+                            stats_rows, grad_norms=grad_norms, speculation=speculation,
+                            skipped_steps=skipped if scaler is not None else None)
     if is_main:
-        _print_summary(summary)
+        print_summary(summary)
         if args.summary_json is not None:
             atomic_write_json(args.summary_json, summary)
             logger.info("summary written to %s", args.summary_json)
         if run_dir is not None:
             atomic_write_json(run_dir / RUN_SUMMARY, summary)
             print(f"trace: {run_dir} (inspect: python -m autotune show --run {args.trace_dir})", flush=True)
-            note = _plot_note(run_dir, args.autotune)
+            note = plot_note(run_dir, args.autotune)
             if note is not None:
                 print(note, flush=True)
     return summary
-
-
-def _summary(args, info, device, n_params, seq_len, opt, ranks, losses, step_times, opt_times,
-             stats_rows) -> dict[str, Any]:
-    # The first step pays one-off costs (allocation, state init, lazy kernels): it is kept in
-    # step_times_s but left out of the medians when there is more than one step.
-    skip = 1 if len(step_times) > 1 else 0
-    measured = step_times[skip:]
-    opt_stats_median = None
-    if stats_rows:
-        rows = stats_rows[skip:] if len(stats_rows) > 1 else stats_rows
-        opt_stats_median = {name: median([r[name] for r in rows]) for name in _STAGES}
-    return {
-        "ranks": ranks,
-        "tuner": _tuner_summary(opt),
-        "step_s_median": median(measured),
-        "step_s_iqr": iqr(measured),
-        "opt_s_median": median(opt_times[skip:]),
-        "steps_measured": len(measured),
-        "step_times_s": step_times,
-        "loss_first": losses[0] if losses else None,
-        "loss_last": losses[-1] if losses else None,
-        "losses": losses,
-        "params": n_params,
-        "model_size": args.model_size,
-        "dtype": args.dtype,
-        "device": str(device),
-        "world_size": info.world_size,
-        "backend": info.backend,
-        "optimizer": "CPUOffloadAdamW" if args.optim_cpu_offload else "torch.optim.AdamW(fused=True)"
-                     + (" + tune_step_threads" if hasattr(opt, "wrapped") else ""),
-        "fsdp_cpu_offload": bool(args.fsdp_cpu_offload),
-        "overlap_backward": bool(args.overlap_backward),
-        "fsdp": bool(args.fsdp),
-        "fsdp_param_dtype": args.fsdp_param_dtype,
-        "opt_stats_median": opt_stats_median,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "seq_len": seq_len,
-        "grad_accum": args.grad_accum,
-        "seed": args.seed,
-        "lr": args.lr,
-        "torch": torch.__version__,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-    }
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    print(f"summary: {s['params']:,} params {s['dtype']} on {s['device']} x{s['world_size']} | "
-          f"step median {s['step_s_median'] * 1e3:.1f} ms IQR {s['step_s_iqr'] * 1e3:.1f} ms "
-          f"(n={s['steps_measured']}) | opt median {s['opt_s_median'] * 1e3:.1f} ms | "
-          f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}", flush=True)
-    med = s["opt_stats_median"]
-    if med:
-        print("optimizer stage medians: " + " ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in med.items()),
-              flush=True)
-    t = s["tuner"]
-    if t["state"] == "off":
-        print("tuner: off", flush=True)
-    else:
-        print(f"tuner: state {t['state']} cache_hit {t['cache_hit']} probe_steps {t['probe_steps']} "
-              f"baseline {t['baseline']} winner {t['winner']}", flush=True)
-    for r in s["ranks"]:
-        chunk = r["chunk_numel"] if r["chunk_numel"] is not None else "n/a (stock optimizer)"
-        print(f"rank {r['rank']}: threads {r['threads']} chunk {chunk} compute_threads "
-              f"{r['compute_threads']} params sha256 {r['param_sha256'][:16]}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

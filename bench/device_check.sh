@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in under 8 minutes on one GPU machine (issue 16 item 9):
+#   1. the CUDA tests (-k cuda over tests/test_cuda_*.py and the files with a cuda marker or test),
+#   2. python -m bench.bandwidth --device cuda (50M parameters, fp32 and bf16, 2 thread counts),
+#   3. the trainer on the GPU with the offloaded optimizer: --overlap-backward --clip-grad-norm 1.0,
+#      the same without overlap, and with --amp fp16 (125m GPT, 12 steps each).
+# What it measured goes to bench/results/device/ (or $DEVICE_CHECK_OUT): the console log, pytest's
+# report, the bandwidth .json/.md, the trainer summaries, and status.txt (each step's exit status).
+#
+#   bash bench/device_check.sh                  # PYTHON=python3 by default; installs nothing
+#   PYTHON=.venv/bin/python bash bench/device_check.sh
+#   DEVICE_CHECK_PLAN=1 bash bench/device_check.sh   # print the commands, run nothing (any machine)
+#
+# Without a CUDA device it prints one line saying so and exits 0. Each step has its own timeout
+# (their sum is under 8 minutes); the exit status is 1 if any step failed or timed out.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+PYTHON=${PYTHON:-python3}
+OUT=${DEVICE_CHECK_OUT:-bench/results/device}
+CPUS=$(nproc 2>/dev/null || echo 2)
+HALF=$(( CPUS > 1 ? CPUS / 2 : 1 ))
+# Test files with CUDA tests (test_cuda_*.py, a cuda marker, a test_cuda function); not all of tests/, whose client tests
+# import packages the device machine may lack.
+CUDA_TESTS=$( { ls tests/test_cuda_*.py; grep -lE "mark\.cuda|def test_cuda" tests/test_*.py; } | sort -u | tr '\n' ' ')
+TRAIN="-m bench.train --device cuda --model-size 125m --batch-size 8 --seq-len 512 --steps 12 --optim-cpu-offload --log-level WARNING"
+
+# name|timeout seconds|command (run with $PYTHON; word-split on purpose)
+STEPS=(
+  "pytest|210|-m pytest -q -p no:cacheprovider -k cuda $CUDA_TESTS --junitxml $OUT/pytest.xml"
+  "bandwidth|120|-m bench.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 2 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
+  "train-overlap-clip|45|$TRAIN --overlap-backward --clip-grad-norm 1.0 --summary-json $OUT/train-overlap-clip.json"
+  "train-clip|40|$TRAIN --clip-grad-norm 1.0 --summary-json $OUT/train-clip.json"
+  "train-overlap-clip-amp|45|$TRAIN --overlap-backward --clip-grad-norm 1.0 --amp fp16 --summary-json $OUT/train-overlap-clip-amp.json"
+)
+
+if [ -n "${DEVICE_CHECK_PLAN:-}" ]; then
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name limit cmd <<<"$s"
+    echo "$name|$limit|$PYTHON $cmd"
+  done
+  exit 0
+fi
+
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+  echo "device_check: PYTHON=$PYTHON is not an executable here; set PYTHON to a python with torch" >&2
+  exit 2
+fi
+# One interpreter start (importing torch takes seconds): 0 a CUDA device, 4 none, else no torch.
+"$PYTHON" -c "import sys
+try:
+    import torch
+except Exception:
+    sys.exit(3)
+sys.exit(0 if torch.cuda.is_available() else 4)" >/dev/null 2>&1
+probe=$?
+if [ "$probe" -eq 4 ]; then
+  echo "device_check: no CUDA device (torch.cuda.is_available() is False for $PYTHON): nothing to check, skipped"
+  exit 0
+elif [ "$probe" -ne 0 ]; then
+  echo "device_check: $PYTHON cannot import torch (status $probe); set PYTHON to a python with torch (nothing is installed)" >&2
+  exit 2
+fi
+
+mkdir -p "$OUT" || exit 2
+LOG="$OUT/device_check.log"
+: >"$LOG"
+: >"$OUT/status.txt"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  echo "== environment ($(date -u +%FT%TZ))"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+  "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  echo "cpus $CPUS; git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+} 2>&1 | tee -a "$LOG"
+
+failed=0
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$s"
+  echo "== $name (timeout ${limit}s): $PYTHON $cmd" | tee -a "$LOG"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "$limit" "$PYTHON" $cmd 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc seconds=$(( $(date +%s) - start ))" | tee -a "$LOG" >>"$OUT/status.txt"
+  [ "$rc" -eq 0 ] || failed=1
+done
+echo "== done: $(tr '\n' ' ' <"$OUT/status.txt")" | tee -a "$LOG"
+exit "$failed"

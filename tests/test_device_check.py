@@ -1,0 +1,71 @@
+"""``bench/device_check.sh``: without a GPU it says so in one line and exits 0, writing nothing;
+its plan (``DEVICE_CHECK_PLAN=1``) names test files that exist, flags the benchmarks accept, and
+timeouts that fit the 8-minute budget."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import bandwidth, train
+
+REPO = Path(__file__).absolute().parents[1]
+SCRIPT = REPO / "bench" / "device_check.sh"
+
+
+def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHON": sys.executable, "DEVICE_CHECK_OUT": str(tmp_path / "out"), **env}
+    return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=full, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_without_a_gpu_it_prints_one_line_and_exits_0(tmp_path: Path) -> None:
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and "skipped" in lines[0], proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_python_without_torch_is_one_line_and_status_2(tmp_path: Path) -> None:
+    fake = tmp_path / "python-without-torch"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    proc = _run(tmp_path, PYTHON=str(fake))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and "cannot import torch" in proc.stderr
+
+
+def test_the_plan_fits_8_minutes_and_every_command_parses(tmp_path: Path) -> None:
+    proc = _run(tmp_path, DEVICE_CHECK_PLAN="1")
+    assert proc.returncode == 0, proc.stderr
+    steps = [line.split("|", 2) for line in proc.stdout.splitlines()]
+    names = [name for name, _, _ in steps]
+    assert names[:2] == ["pytest", "bandwidth"] and "train-overlap-clip" in names
+    assert sum(int(limit) for _, limit, _ in steps) <= 8 * 60 - 20  # 20 s for the environment lines
+    out = str(tmp_path / "out")
+    for name, _, command in steps:
+        words = shlex.split(command)
+        assert words[:2] == [sys.executable, "-m"], command
+        module, rest = words[2], words[3:]
+        if module == "pytest":
+            files = [w for w in rest if w.startswith("tests/")]
+            assert {"tests/test_cuda_path.py", "tests/test_cuda_schedule.py"} <= set(files)
+            assert all((REPO / f).is_file() for f in files) and "cuda" in rest
+        elif module == "bench.bandwidth":
+            args = bandwidth.build_parser().parse_args(rest)
+            assert args.device == "cuda" and str(args.out_dir) == out
+        else:
+            assert module == "bench.train", command
+            args = train.build_parser().parse_args(rest)
+            assert args.device == "cuda" and args.optim_cpu_offload and args.clip_grad_norm == 1.0
+            assert str(args.summary_json).startswith(out)
+    overlap = train.build_parser().parse_args(shlex.split(dict((n, c) for n, _, c in steps)["train-overlap-clip"])[3:])
+    assert overlap.overlap_backward
