@@ -326,13 +326,44 @@ def _clip_and_step(args: argparse.Namespace, model: torch.nn.Module, opt: torch.
         if args.optim_cpu_offload:
             norm = opt.clip_grad_norm_(args.clip_grad_norm)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+            norm = _stock_clip(model, args.clip_grad_norm)
     if scaler is None:
         opt.step()
     else:
         scaler.step(opt)
         scaler.update()
     return norm
+
+
+def _stock_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` for the stock optimizer; with parameters on several meshes
+    (``--tp`` with ``--fsdp``: torch's function cannot stack norms across meshes) the norm per
+    mesh by torch's ``get_total_norm``, combined, and torch's coefficient on the local gradients."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if hasattr(p, "device_mesh")}
+    if len(meshes) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = torch.zeros((), dtype=torch.float32)
+    for key in meshes:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if id(getattr(p, "device_mesh", None)) == key])
+        total = total + _full(norm).float().cpu() ** 2
+    plain = [p.grad for p in params if not hasattr(p, "device_mesh")]
+    if plain:
+        total = total + torch.nn.utils.get_total_norm(plain).float().cpu() ** 2
+    total = total.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_([_local(p.grad) for p in params], coef)
+    return total
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _norm_value(norm: torch.Tensor | None) -> float | None:
