@@ -106,6 +106,10 @@ class EarlyWork:
         if not launched:
             return {}, 0
         opt._pipeline.on_worker(lambda: None, threads=1)  # the early kernels (and checksums) ran
+        if self._step_counts_change(opt, launched):
+            self.abandon("step() (a gradient dropped or a step tensor replaced after backward)",
+                         threads=threads)
+            return {}, len(launched)
         groups = {c.index: c.group for c in opt._chunks}
         stale = self.speculation.stale_chunks(launched, opt._registry.records, hyper_now,
                                               groups.__getitem__, late)
@@ -113,6 +117,20 @@ class EarlyWork:
             opt._pipeline.on_worker(lambda: self.speculation.restore(stale), threads=threads)
             logger.debug("overlap_backward: %d of %d early chunks redone in step()", len(stale), len(launched))
         return {c: s for c, s in launched.items() if c not in stale}, len(launched)
+
+    @staticmethod
+    def _step_counts_change(opt: Any, launched: dict[int, SpeculativeChunk]) -> bool:
+        """Would undoing only the stale chunks leave a step counter wrong? Yes when a parameter an
+        early kernel counted has no gradient now (step() must not count it) or its step tensor
+        was replaced (the early kernel counted the old one): then every early chunk is undone."""
+        records = opt._registry.records
+        for spec in launched.values():
+            for s in spec.slots:
+                p = records[s].param
+                st = opt.state.get(p)
+                if p.grad is None or not st or st.get("step") is not spec.steps[s]:
+                    return True
+        return False
 
     def abandon(self, what: str, *, threads: int) -> None:
         """Undo every early chunk of the window (a step that does not happen, or not as they saw

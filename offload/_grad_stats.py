@@ -11,11 +11,15 @@ both in that one read (``grad_stats_`` in ``offload/csrc/fused_mp_adamw.cpp``), 
   each, added in a fixed order, so the term is bitwise the same for any thread count and any
   split of the tensor list, and within about 1e-13 (relative) of ``g.double().pow(2).sum()``
   (each square is exact in double);
-* the checksum: the int64 wrapping sum of the tensor's words (fp32: each 32-bit word as a signed
-  int, ``g.view(torch.int32).sum(dtype=torch.int64)``; bf16/fp16: each 16-bit word zero-extended).
-  An integer sum, so exact and order-independent; it changes whenever one element changes (any
-  bit), and when all elements are scaled by a power of two. Like any sum it cannot see two
-  elements swapped, or two changes that cancel exactly.
+* the checksum: per lane (element ``i`` of the tensor is in lane ``i % 32``) the sum of the
+  lane's words (fp32: each 32-bit word as a signed int; bf16/fp16: each 16-bit word
+  zero-extended), weighted by an odd 64-bit constant per lane (:data:`LANE_WEIGHTS`), summed
+  with 64-bit wrap-around. Integer arithmetic, so exact and order-independent; it changes whenever
+  one element changes (any bit). The lane weights are there because a plain sum of words misses
+  a negated gradient with as many negative as positive elements (each sign bit moves a word by
+  2**31: +-2**31 cancel; a review found it, one tensor in ~30 of 768 elements): now a change is
+  missed only if it cancels within every lane and between the weighted lanes (elements 32 apart
+  swapped, say).
 
 Speed: :data:`MEASURED` (``python -m bench.grad_stats``: 50M fp32 = 200 MB, 2 threads, the
 pass, ``torch.linalg.vector_norm`` and a copy interleaved round by round). The pass is one read
@@ -46,7 +50,7 @@ from torch import Tensor
 from offload._fused_mp import process_loader
 from offload._fused_mp_build import ExtensionLoader
 
-__all__ = ["MEASURED", "STATS_BLOCK", "grad_stats_", "grad_stats_reference"]
+__all__ = ["LANE_WEIGHTS", "MEASURED", "STATS_BLOCK", "grad_stats_", "grad_stats_reference"]
 
 #: Elements per block of the fixed summation order (the native kernel's kStatsBlock).
 STATS_BLOCK = 1 << 14
@@ -107,10 +111,31 @@ def _memory_flat(t: Tensor, i: int) -> Tensor:
     return t.as_strided((t.numel(),), (1,))
 
 
+def _splitmix64(x: int) -> int:
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+#: Per lane (element ``i`` of a tensor is in lane ``i % 32``): the odd weight of its word sum in
+#: the checksum (the native kernel's ``lane_weight``).
+LANE_WEIGHTS = tuple(_splitmix64(j) | 1 for j in range(32))
+_SIGNED_WEIGHTS = [w - (1 << 64) if w >= 1 << 63 else w for w in LANE_WEIGHTS]
+
+
 def _checksum(flat: Tensor) -> Tensor:
     if flat.dtype == torch.float32:
-        return flat.view(torch.int32).sum(dtype=torch.int64)
-    return (flat.view(torch.int16).to(torch.int32) & 0xFFFF).sum(dtype=torch.int64)
+        words = flat.view(torch.int32).to(torch.int64)
+    else:
+        words = flat.view(torch.int16).to(torch.int64) & 0xFFFF
+    pad = (-words.numel()) % 32
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad)])
+    lanes = words.view(-1, 32).sum(0, dtype=torch.int64)  # exact: far from 2**63 per lane
+    # int64 products and sum wrap around as the kernel's uint64 ones do (on the device: no sync)
+    return (lanes * torch.tensor(_SIGNED_WEIGHTS, dtype=torch.int64, device=flat.device)).sum()
 
 
 def _term(flat: Tensor, p: float) -> Tensor | float:

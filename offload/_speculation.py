@@ -88,6 +88,8 @@ class SpeculativeChunk:
     """The parameters of the chunk."""
     grads: dict[int, Tensor]
     """Per slot: the gradient object it read (kept alive until the step ends)."""
+    steps: dict[int, Tensor]
+    """Per slot: the step tensor its kernel counts."""
     saved: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     """(slab view, backup view) pairs filled by the worker before the kernel."""
 
@@ -130,7 +132,8 @@ class Speculation:
             for s, v in zip(cuda, self._checksums([grads[s] for s in cuda])):
                 self._device_sums[s] = v
         host = [s for s in first if grads[s].device.type != "cuda"]
-        spec = SpeculativeChunk(job, tuple(grads), dict(grads))
+        spec = SpeculativeChunk(job, tuple(grads), dict(grads),
+                                {s: state[records[s].param]["step"] for s in grads})
         self._launched[chunk.index] = spec
         job.before_kernel = lambda job, spec=spec, host=host, chunk=chunk: self._before_kernel(
             job, spec, host, chunk)

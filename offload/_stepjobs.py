@@ -46,7 +46,8 @@ def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[
                 event: Any, sharded: bool) -> StepJobs:
     """Submit every chunk's job of this step (see the module doc)."""
     out = StepJobs()
-    for chunk in chunks:
+    writes = []  # the committed chunks' weight writes go last: a failure in an update before them
+    for chunk in chunks:  # leaves no weight written, so step() can undo the early chunks wholly
         spec = committed.get(chunk.index)
         if spec is not None:  # its kernel ran during backward: only the weights to write
             job = ChunkJob(chunk=chunk.index, items=spec.job.items, hyper=spec.job.hyper,
@@ -64,6 +65,11 @@ def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[
         out.native = out.native or native
         out.numel += n
         out.chunks += 1
+        if job.update:
+            pipeline.submit(job)
+        else:
+            writes.append(job)
+    for job in writes:
         pipeline.submit(job)
     return out
 

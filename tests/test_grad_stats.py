@@ -194,3 +194,17 @@ def test_empty_list() -> None:
         terms, sums = fn([])
         assert terms.shape == sums.shape == (0,)
         assert terms.dtype == torch.float64 and sums.dtype == torch.int64
+
+
+def test_checksum_sees_a_balanced_tensor_negated_and_neighbours_swapped() -> None:
+    """A plain sum of words missed both (a sign bit moves a word by 2**31): the lanes' weights."""
+    from offload._grad_stats import grad_stats_, grad_stats_reference
+
+    g = torch.tensor([1.0, -3.0, 0.5, -0.25] * 8)
+    for fn in (grad_stats_, grad_stats_reference):
+        base = fn([g])[1]
+        assert not torch.equal(fn([-g])[1], base)
+        assert not torch.equal(fn([g[[1, 0] + list(range(2, 32))]])[1], base)
+        for dtype in (torch.bfloat16, torch.float16):
+            h = g.to(dtype)
+            assert not torch.equal(fn([-h])[1], fn([h])[1])

@@ -246,3 +246,31 @@ def test_a_gradient_written_before_the_launch_checksum_is_what_the_kernel_reads(
         assert_bitwise(_state(models[1], over, key), _state(models[0], plain, key), key)
     plain.close()
     over.close()
+
+
+@pytest.mark.parametrize("change", ["negate", "drop-a-grad", "new-step-tensor"])
+def test_review_found_loops_are_exact(change: str) -> None:
+    """Found by review: a negated gradient with as many negative as positive elements kept a plain
+    word sum (gradient ascent by hand: ``p.grad.neg_()``); a gradient set to None after an early
+    kernel counted its step; a step tensor replaced after backward."""
+    pair = _pair(kernel="torch")
+    for step in (5, 6, 7):
+        for model, opt in pair:
+            opt.zero_grad()
+            model(batch(step)).backward()
+            if opt._overlap is not None:
+                assert opt._overlap.has_launched()
+            params = list(model.parameters())
+            with torch.no_grad():
+                if change == "negate":
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.neg_()
+                elif change == "drop-a-grad":
+                    params[step % len(params)].grad = None
+                elif opt.state.get(params[0]):  # a new tensor, not read from the window's state
+                    opt.state[params[0]]["step"] = torch.tensor(float(step))
+            opt.step()
+    _same(pair)
+    for _, opt in pair:
+        opt.close()

@@ -792,6 +792,17 @@ constexpr int64_t kStatsGrain = int64_t(1) << 17;
 
 enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2 };
 
+// The checksum weighs lane j (element i of a tensor lies in lane i % 32) by an odd 64-bit
+// constant, so that flipping signs (a sign bit moves a word by 2^31) or swapping neighbours does
+// not cancel out as it does in a plain sum of words (offload/_grad_stats.py: LANE_WEIGHTS).
+constexpr uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+constexpr uint64_t lane_weight(int j) { return splitmix64(static_cast<uint64_t>(j)) | 1ull; }
+
 struct BlockStats {
   double term = 0.0;
   uint64_t sum = 0;
@@ -926,7 +937,8 @@ BlockStats block_stats(const T* x, int64_t n) {
   uint32_t any_bad = 0;
   for (int j = 0; j < kStatsLanes; ++j) {
     out.term += acc[j];
-    out.sum += s64[j] + s32[j] + (static_cast<uint64_t>(static_cast<int64_t>(hi32[j])) << 16);
+    out.sum += (s64[j] + s32[j] + (static_cast<uint64_t>(static_cast<int64_t>(hi32[j])) << 16)) *
+               lane_weight(j);
     m = m < mx[j] ? mx[j] : m;
     any_bad |= bad[j];
   }
