@@ -88,6 +88,17 @@ def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor], wha
             )
 
 
+@pytest.fixture(scope="session")
+def kernel_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the subprocess examples (README, docs/integrations.md) build the native kernel: the
+    caller's ``TORCH_EXTENSIONS_DIR``, else one directory for the session (a first build per
+    example cost ~33 s each in CI; a first run's build is tests/test_first_run.py's)."""
+    import os
+
+    given = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(given) if given else tmp_path_factory.mktemp("ext")
+
+
 @pytest.fixture(scope="module")
 def single_threaded_main():
     """Tiny models: intra-op threads in the test's own thread only add contention on a loaded

@@ -3,7 +3,6 @@ prints "ok" last (``py`` blocks are recipes for frameworks CI does not install, 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -19,15 +18,14 @@ CLIENTS = ("transformers", "accelerate", "lightning")
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_python_example_runs(index: int, tmp_path: Path) -> None:
+def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path) -> None:
     code = BLOCKS[index]
     for name in CLIENTS:
         if re.search(rf"^(import|from) {name}\b", code, flags=re.M):
             require(name)
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(tmp_path / "xdg"),
-           "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    if "TORCH_EXTENSIONS_DIR" in os.environ:
-        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+           "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

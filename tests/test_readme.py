@@ -19,20 +19,13 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
-@pytest.fixture(scope="module")
-def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One native-kernel build for all examples (a first build per example cost ~30 s each in CI;
-    a first run's build is tests/test_first_run.py's)."""
-    return tmp_path_factory.mktemp("ext")
-
-
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
-def test_python_example_runs(index: int, tmp_path: Path, kernel_dir: Path) -> None:
+def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path) -> None:
     code = _blocks("python")[index]
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
                                             "XDG_CACHE_HOME": str(tmp_path / "xdg"),
-                                            "TORCH_EXTENSIONS_DIR": str(kernel_dir)})
+                                            "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Each example prints what its comments promise.
     if "opt.tuner.state" in code:
