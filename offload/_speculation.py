@@ -104,7 +104,7 @@ class Speculation:
         self._launched: dict[int, SpeculativeChunk] = {}
         self._steps0: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (step tensor, its value)
         self._sums: dict[int, Tensor] = {}  # slot -> checksum of the gradient read
-        self._device_sums: dict[int, Tensor] = {}  # CUDA gradients: checksums taken at launch
+        self._device_sums: dict[int, tuple[Tensor, Any]] = {}  # CUDA: (checksum at launch, its event)
 
     @property
     def backup_bytes(self) -> int:
@@ -129,8 +129,11 @@ class Speculation:
             self._steps0[s] = (step, step.clone())
         cuda = [s for s in first if grads[s].device.type == "cuda"]
         if cuda:  # enqueued on the stream that produced the gradients: asynchronous, cheap
-            for s, v in zip(cuda, self._checksums([grads[s] for s in cuda])):
-                self._device_sums[s] = v
+            sums = self._checksums([grads[s] for s in cuda])
+            done = torch.cuda.Event()
+            done.record()  # on this thread's stream (a DDP comm hook may run on another one)
+            for s, v in zip(cuda, sums):
+                self._device_sums[s] = (v, done)
         host = [s for s in first if grads[s].device.type != "cuda"]
         spec = SpeculativeChunk(job, tuple(grads), dict(grads),
                                 {s: state[records[s].param]["step"] for s in grads})
@@ -194,7 +197,10 @@ class Speculation:
                 grads_now.append(g)
         if now:
             for s, v in zip(now, self._checksums(grads_now)):
-                was = self._device_sums.get(s, self._sums.get(s))
+                was = self._sums.get(s)
+                if s in self._device_sums:
+                    was, done = self._device_sums[s]
+                    done.synchronize()  # the launch's checksum is on its stream, not ours
                 if was is None or not bool(torch.equal(v.cpu(), was.cpu())):
                     changed.add(s)
         stale = []
