@@ -20,10 +20,10 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
   A step that does not happen (``zero_grad()`` before ``step()``, a GradScaler overflow, an error)
   restores every early chunk and the step counters (:meth:`Speculation.abandon`).
 
-The checksum is the 64-bit wrapping sum of the gradient's words (``offload/_grad_stats.py``, one
-native pass at memory speed on the CPU, torch ops on a device): any
-change of one element changes it; a change that keeps the sum (swapping two elements, or two
-compensating changes of exactly opposite bit patterns) is not seen. The checksum of a parameter is
+The checksum is a lane-weighted 64-bit sum of the gradient's words (``offload/_grad_stats.py``,
+one native pass on the CPU, torch ops on a device): any change of one element changes it, and so
+do sign flips and swapped neighbours; changes that cancel within every lane and across the
+weighted lanes (elements 32 apart swapped) are not seen. The checksum of a parameter is
 taken once per window, at the first early chunk holding it, over its whole gradient (final then:
 a chunk starts only when all its parameters' hooks fired).
 """
