@@ -72,7 +72,7 @@ class EarlyWork:
         return self.overlap.has_launched()
 
     # ------------------------------------------------------------ from a backward hook
-    def _start_early(self, chunk: Chunk, grads: dict[int, Tensor], versions: dict[int, int]) -> ChunkJob | None:
+    def _start_early(self, chunk: Chunk, grads: dict[int, Tensor]) -> ChunkJob | None:
         """Submit ``chunk``'s d2h + kernel as a speculation (under the overlap's lock)."""
         opt = self._opt()
         if opt is None:
@@ -85,8 +85,7 @@ class EarlyWork:
         self._numel += chunk.numel
         opt._edits.launch(records, opt._slabs, grads)
         hyper = replace(hyper_of(opt.param_groups[chunk.group]), grad_scale=self._grad_scale)
-        items = fresh_items(chunk, grads, records, opt.state, kernel=opt._item_kernel(hyper),
-                            versions=versions)
+        items = fresh_items(chunk, grads, records, opt.state, kernel=opt._settings.kernel)
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=opt._settings.threads or 1,
                        update=True, materialize=False,
                        ready_event=opt._ready_event())

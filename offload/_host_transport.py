@@ -83,12 +83,12 @@ class HostTransport:
         the whole call is known at submit time. Making it here, while the worker runs the previous
         chunk's kernel with the GIL released, leaves the worker nothing but the call: no Python
         per parameter between two kernels, when the memory bus would idle. (Jobs launched during
-        backward write a staging buffer and check gradient versions; the worker prepares those.)
+        backward write a staging buffer and are checked at step(); the worker prepares those.)
 
         The calls of a chunk are made once for the item list the optimizer reuses from step to
         step (see ``CPUOffloadAdamW._items``); a later step only puts in its gradients.
         """
-        if not (job.update and job.materialize and not job.check_versions):
+        if not (job.update and job.materialize):
             return
         items = job.items
         entry = self._prepared.get(job.chunk)

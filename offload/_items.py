@@ -50,10 +50,10 @@ def item_kind(kernel: str, param_dtype: torch.dtype, grad_dtype: torch.dtype | N
     return KIND_F32 if param_dtype == torch.float32 else KIND_TORCH
 
 
-def new_item(view: View, *, param: Tensor, grad: Tensor | None, grad_version: int, step: Tensor,
+def new_item(view: View, *, param: Tensor, grad: Tensor | None, step: Tensor,
              kind: int) -> Item:
     """The Item of ``view`` (the one place Items are made; ``kind`` from :func:`item_kind`)."""
-    return Item(view=view, param=param, grad=grad, grad_version=grad_version, step=step, kind=kind)
+    return Item(view=view, param=param, grad=grad, step=step, kind=kind)
 
 
 def resolve_kernel(settings: OffloadSettings, kernels: KernelSet = DEFAULT_KERNELS) -> OffloadSettings:
@@ -135,7 +135,7 @@ class ItemCache:
                 param = rec.local()
                 # Its kind for a gradient of the parameter's dtype (the reuse condition below).
                 kind = item_kind(kernel, p.dtype, p.dtype)
-                made.append(new_item(v, param=param, grad=None, grad_version=0, step=step, kind=kind))
+                made.append(new_item(v, param=param, grad=None, step=step, kind=kind))
             else:
                 cached = CachedItems(chunk=chunk, kernel=kernel, gen=gen, items=made,
                                      dtypes=[it.param.dtype for it in made],
@@ -148,7 +148,7 @@ class ItemCache:
                 g = get(it.view.slot)
                 if g is None or g.dtype != dtype:
                     break
-                it.grad = g  # grad_version is read only by jobs started in backward (own Items)
+                it.grad = g
                 if sharded:  # FSDP2 may give a DTensor a new local tensor (lazy init, load)
                     it.param = records[it.view.slot].local()
             else:
@@ -165,18 +165,16 @@ class ItemCache:
 
 
 def fresh_items(chunk: Chunk, grads: Mapping[int, Tensor], records: Sequence[ParamRecord],
-                state: Mapping[Tensor, dict[str, Any]], *, kernel: str,
-                versions: Mapping[int, int] | None = None) -> list[Item]:
+                state: Mapping[Tensor, dict[str, Any]], *, kernel: str) -> list[Item]:
     """Items of this step only, for the views of ``chunk`` whose parameter has a gradient in
-    ``grads``; ``versions``: each gradient's version when it was read (else read now)."""
+    ``grads``."""
     items = []
     for v in chunk.views:
         g = grads.get(v.slot)
         if g is None:
             continue
         rec = records[v.slot]
-        version = g._version if versions is None else versions[v.slot]
         p = rec.param
-        items.append(new_item(v, param=rec.local(), grad=g, grad_version=version,
-                              step=state[p]["step"], kind=item_kind(kernel, p.dtype, g.dtype)))
+        items.append(new_item(v, param=rec.local(), grad=g, step=state[p]["step"],
+                              kind=item_kind(kernel, p.dtype, g.dtype)))
     return items

@@ -56,8 +56,6 @@ class Item:
     """The model parameter (written by materialize)."""
     grad: Tensor | None
     """The parameter's gradient captured when the job was made (read by d2h)."""
-    grad_version: int
-    """``grad._version`` when the job was made (checked by jobs started during backward)."""
     step: Tensor
     """The parameter's fp32 step tensor."""
     kind: ItemKind = KIND_TORCH
@@ -114,8 +112,6 @@ class ChunkJob:
     """Run d2h and adam_kernel."""
     materialize: bool
     """Write the new weights into the parameters."""
-    check_versions: bool = False
-    """Early launch: skip the kernel if a gradient changed since the job was made."""
     ready_event: Any = None
     """CUDA: event after which the gradients are final (d2h waits on it)."""
     write_event: Any = None
@@ -136,8 +132,6 @@ class ChunkJob:
     """CUDA: the h2d ring slot the kernel wrote the new weights into (see CudaTransport)."""
     kernel_ran: bool = False
     """The job's kernel calls ran (read by the optimizer for early launches)."""
-    skipped_stale: bool = False
-    """An early launch whose gradients changed before its kernel: nothing was updated."""
     coef_in_grads: bool = False
     """The transport multiplied the torch kernel's gradient operands by ``hyper.grad_coef``
     already (a low-precision gradient is rounded to its dtype first, as torch's ``_foreach_mul_``

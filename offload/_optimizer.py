@@ -503,7 +503,7 @@ class CPUOffloadAdamW(Optimizer):
             raise
 
         sub = submit_step(self._pipeline, self._chunks, committed, grads, self._registry.records, self.state,
-                          self._items, hyper_now=hyper_now, item_kernel=self._item_kernel, threads=threads,
+                          self._items, hyper_now=hyper_now, kernel=self._settings.kernel, threads=threads,
                           event=self._ready_event(), sharded=self._registry.sharded)
         result = self._pipeline.drain()
         self._items.release_grads()
@@ -590,6 +590,3 @@ class CPUOffloadAdamW(Optimizer):
         """Undo the chunks started during backward (a call between backward and step())."""
         if self._overlap is not None:
             self._overlap.abandon(what, threads=self._settings.threads or 1)
-
-    def _item_kernel(self, hyper: Hyper) -> str:  # every kernel takes a grad coefficient and scale
-        return self._settings.kernel

@@ -40,19 +40,17 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BackwardOverlap", "Launch", "StartEarly"]
 
-StartEarly = Callable[[Chunk, dict[int, Tensor], dict[int, int]], "ChunkJob | None"]
-"""``start_early(chunk, grads, versions)``: submit ``chunk``'s d2h + kernel from ``grads`` (slot ->
-local gradient, read now) and their ``versions``; None when the chunk cannot start early (a
+StartEarly = Callable[[Chunk, dict[int, Tensor]], "ChunkJob | None"]
+"""``start_early(chunk, grads)``: submit ``chunk``'s d2h + kernel from ``grads`` (slot -> local
+gradient, read now); None when the chunk cannot start early (a
 parameter without state yet)."""
 
 
 @dataclass(slots=True)
 class Launch:
-    """A chunk started during backward, and the gradients it read."""
+    """A chunk started during backward (what it read: ``offload/_speculation.py``)."""
 
     job: ChunkJob
-    grads: dict[int, tuple[Tensor | None, int]]
-    """For every parameter of the chunk: its gradient object at launch and that gradient's version."""
 
 
 def _grad_hook(overlap_ref: weakref.ref[BackwardOverlap], slot: int, _param: Tensor) -> None:
@@ -153,7 +151,6 @@ class BackwardOverlap:
         if start_early is None:
             return None
         grads: dict[int, Tensor] = {}
-        versions: dict[int, int] = {}
         for slot in {v.slot for v in chunk.views}:
             p = self._records[slot].param
             g = self._source.get(slot)
@@ -161,11 +158,11 @@ class BackwardOverlap:
                 g = None if p.grad is None else local(p.grad)  # FSDP2: the reduce-scattered shard
             if g is None or g.is_sparse:
                 return None  # not launchable early; step() runs it
-            grads[slot], versions[slot] = g, g._version
-        job = start_early(chunk, grads, versions)
+            grads[slot] = g
+        job = start_early(chunk, grads)
         if job is None:
             return None
-        return Launch(job, {s: (g, versions[s]) for s, g in grads.items()})
+        return Launch(job)
 
     def end_window(self) -> dict[int, Launch]:
         """At ``step()``: stop early launches for this step, learn counts, return the launches."""

@@ -205,7 +205,7 @@ class Speculation:
                     changed.add(s)
         stale = []
         for c, spec in sorted(launched.items()):
-            if (spec.job.skipped_stale or not spec.job.kernel_ran or changed.intersection(spec.slots)
+            if (not spec.job.kernel_ran or changed.intersection(spec.slots)
                     or not same_hyper(spec.job.hyper, hyper_now(chunk_group(c)))):
                 stale.append(c)
         return stale

@@ -42,7 +42,7 @@ class StepJobs:
 def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[int, SpeculativeChunk],
                 grads: Mapping[int, Tensor], records: Sequence[ParamRecord],
                 state: Mapping[Tensor, dict[str, Any]], items: ItemCache, *,
-                hyper_now: Callable[[int], Hyper], item_kernel: Callable[[Hyper], str], threads: int,
+                hyper_now: Callable[[int], Hyper], kernel: str, threads: int,
                 event: Any, sharded: bool) -> StepJobs:
     """Submit every chunk's job of this step (see the module doc)."""
     out = StepJobs()
@@ -54,7 +54,7 @@ def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[
                            threads=threads, update=False, materialize=True)
         else:
             hyper = hyper_now(chunk.group)
-            its = items.items(chunk, grads, records, state, kernel=item_kernel(hyper), sharded=sharded)
+            its = items.items(chunk, grads, records, state, kernel=kernel, sharded=sharded)
             if not its:
                 continue
             job = ChunkJob(chunk=chunk.index, items=its, hyper=hyper, threads=threads, update=True,

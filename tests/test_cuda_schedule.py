@@ -173,7 +173,7 @@ def _run(kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
         items = []
         for c in chunks:
             (v,) = c.views
-            items.append(Item(v, params[v.slot], grads[v.slot], 0, steps[v.slot], kind))
+            items.append(Item(v, params[v.slot], grads[v.slot], steps[v.slot], kind))
             # early: as during backward (kernel into a pinned buffer, weights unchanged)
             pipe.submit(ChunkJob(chunk=c.index, items=[items[-1]], hyper=hyper, threads=1, update=True,
                                  materialize=not early))

@@ -204,7 +204,7 @@ def _pipeline_steps(transport: HostTransport, steps: int = 3) -> list[torch.Tens
     chunks = plan_chunks(list(slabs.slots), 3000)
     step_tensors = [new_step_tensor() for _ in params]
     hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
-    items = {c.index: [Item(v, params[v.slot], None, 0, step_tensors[v.slot], KIND_MP) for v in c.views]
+    items = {c.index: [Item(v, params[v.slot], None, step_tensors[v.slot], KIND_MP) for v in c.views]
              for c in chunks}
     pipe = Pipeline(slabs, transport, name="prepare-test")
     try:
