@@ -1,5 +1,5 @@
 """docs/integrations.md's examples run: every ```python block executes in a fresh interpreter and
-prints "ok" last (``py`` blocks are recipes for frameworks CI does not install, see the doc)."""
+prints "ok" last (``sh`` blocks are install commands)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from _client_util import require
 REPO = Path(__file__).absolute().parents[1]
 DOC = (REPO / "docs" / "integrations.md").read_text(encoding="utf-8")
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC, flags=re.S)
-CLIENTS = ("transformers", "accelerate", "lightning")
+CLIENTS = ("transformers", "accelerate", "lightning", "torchtitan")
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
@@ -33,6 +33,6 @@ def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path)
 
 
 def test_every_client_has_a_section() -> None:
-    assert len(BLOCKS) == 4
+    assert len(BLOCKS) == 5
     for title in ("## HF Trainer", "## accelerate", "## Lightning", "## torchtitan", "## prime-rl"):
         assert title in DOC
