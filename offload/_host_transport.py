@@ -33,7 +33,7 @@ from offload._slabs import HostSlabs
 __all__ = ["HostTransport"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Prepared:
     """The kernel calls of one chunk's reusable item list (see :meth:`HostTransport.prepare`)."""
 
@@ -120,7 +120,7 @@ class HostTransport:
             if not self._reads_in_place(it) or (
                 it.kind != KIND_MP and slots[it.view.slot].master_offset >= 0
             ):
-                return _Prepared(items, False, [], [], [], [], [])
+                return _Prepared(items=items, direct=False, calls=[], index=[], partial=[], whole=[], steps=[])
         calls = build_calls(job, lists.slabs, lists, [grad_operand(it) for it in items],
                             param_operand, None, kernels)
         # The templates must not keep this step's gradients alive: their place is filled per step.
@@ -134,8 +134,8 @@ class HostTransport:
         for idx in index:
             members = range(len(items)) if idx is None else idx
             partial.append([(j, i) for j, i in enumerate(members) if not items[i].view.whole])
-        return _Prepared(items, True, calls, index, partial, [it.view.whole for it in items],
-                         call_steps(items, calls))
+        return _Prepared(items=items, direct=True, calls=calls, index=index, partial=partial,
+                         whole=[it.view.whole for it in items], steps=call_steps(items, calls))
 
     def issue_d2h(self, job: ChunkJob) -> None:
         job.transfer = time.perf_counter()

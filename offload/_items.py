@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from offload._params import ParamRecord
-from offload._jobs import KIND_F32, KIND_MP, KIND_TORCH, Item
+from offload._jobs import KIND_F32, KIND_MP, KIND_TORCH, Item, ItemKind
 from offload._kernels import DEFAULT_KERNELS, KernelSet
 from offload._settings import OffloadSettings
 from offload._slabs import Chunk, View
@@ -39,7 +39,7 @@ __all__ = ["LOWP_DTYPES", "CachedItems", "ItemCache", "item_kind", "new_item", "
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def item_kind(kernel: str, param_dtype: torch.dtype, grad_dtype: torch.dtype | None) -> int:
+def item_kind(kernel: str, param_dtype: torch.dtype, grad_dtype: torch.dtype | None) -> ItemKind:
     """Which kernel updates a parameter this step (an Item kind): with ``kernel="fused-mp"`` its
     mixed-precision entry for bf16/fp16 with a same-dtype gradient, its fp32 entry for fp32 with
     an fp32 gradient; else torch's kernel (``grad_dtype`` None: not known yet, torch's)."""
@@ -51,7 +51,7 @@ def item_kind(kernel: str, param_dtype: torch.dtype, grad_dtype: torch.dtype | N
 
 
 def new_item(view: View, *, param: Tensor, grad: Tensor | None, step: Tensor,
-             kind: int) -> Item:
+             kind: ItemKind) -> Item:
     """The Item of ``view`` (the one place Items are made; ``kind`` from :func:`item_kind`)."""
     return Item(view=view, param=param, grad=grad, step=step, kind=kind)
 
