@@ -17,7 +17,7 @@ import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -29,15 +29,41 @@ from offload._overlap import BackwardOverlap
 from offload._slabs import Chunk
 from offload._speculation import Checksums, Speculation, SpeculativeChunk
 
+if TYPE_CHECKING:
+    from offload._edits import WeightEdits
+    from offload._items import ItemCache
+    from offload._params import ParamRegistry
+    from offload._pipeline import Pipeline
+    from offload._settings import OffloadSettings
+    from offload._slabs import HostSlabs
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["EarlyWork", "ddp_comm_hook"]
+__all__ = ["EarlyWork", "OverlapHost", "ddp_comm_hook"]
+
+
+class OverlapHost(Protocol):
+    """What :class:`EarlyWork` and :func:`ddp_comm_hook` read of ``CPUOffloadAdamW`` (its parts,
+    not copies: the optimizer replaces them on a relayout, so they are read at every use)."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+    _registry: ParamRegistry
+    _slabs: HostSlabs
+    _chunks: tuple[Chunk, ...]
+    _edits: WeightEdits
+    _settings: OffloadSettings
+    _pipeline: Pipeline
+    _items: ItemCache
+    _overlap: EarlyWork | None
+
+    def _ready_event(self) -> Any: ...
 
 
 class EarlyWork:
     """The backward hooks, early launches and speculation of one optimizer (see module doc)."""
 
-    def __init__(self, opt: Any, *, calibrated: bool, checksums: Checksums,
+    def __init__(self, opt: OverlapHost, *, calibrated: bool, checksums: Checksums,
                  limit_numel: int | None, external: bool = False) -> None:
         """``opt``: the optimizer (held weakly); ``calibrated``: its records' hook counts are
         learned already (after a relayout); ``limit_numel``: at most this many elements are
@@ -118,7 +144,7 @@ class EarlyWork:
         return {c: s for c, s in launched.items() if c not in stale}, len(launched)
 
     @staticmethod
-    def _step_counts_change(opt: Any, launched: dict[int, SpeculativeChunk]) -> bool:
+    def _step_counts_change(opt: OverlapHost, launched: dict[int, SpeculativeChunk]) -> bool:
         """Would undoing only the stale chunks leave a step counter wrong? Yes when a parameter an
         early kernel counted has no gradient now (step() must not count it) or its step tensor
         was replaced (the early kernel counted the old one): then every early chunk is undone."""
@@ -167,7 +193,7 @@ class EarlyWork:
         self._grad_scale = grad_scale
 
 
-def ddp_comm_hook(opt: Any) -> Callable[[Any, Any], Any]:
+def ddp_comm_hook(opt: OverlapHost) -> Callable[[Any, Any], Any]:
     """A DDP communication hook for ``CPUOffloadAdamW.attach_ddp``: DDP's all-reduce (torch's
     ``allreduce_hook``: divide by the world size, sum), then, as each bucket's reduced gradients
     exist, hand them to the optimizer's overlap, so a chunk starts on the gradients ``step()``

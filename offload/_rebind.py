@@ -38,7 +38,7 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -49,10 +49,29 @@ from offload._kernels import new_step_tensor
 from offload._params import ParamRecord, ParamRegistry
 from offload._slabs import HostSlabs
 
+if TYPE_CHECKING:
+    from offload._edits import WeightEdits
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["BoundParams", "Source", "check_rebound", "copy_sources", "local_part", "plan_sources",
-           "relayout_rebound"]
+__all__ = ["BoundParams", "RebindHost", "Source", "check_rebound", "copy_sources", "local_part",
+           "plan_sources", "relayout_rebound"]
+
+
+class RebindHost(Protocol):
+    """What :func:`relayout_rebound` reads and replaces of ``CPUOffloadAdamW``."""
+
+    state: Any
+    _registry: ParamRegistry
+    _slabs: HostSlabs
+    _bound: BoundParams
+    _recheck_masters: set[int]
+    _edits: WeightEdits
+    _overlap: object | None
+
+    def _own_masters(self, overlap_backward: bool) -> list[list[bool]]: ...
+
+    def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]: ...
 
 
 class BoundParams:
@@ -195,7 +214,7 @@ def _followed_master(master: Tensor | None, param: Tensor) -> Tensor:
     return torch.where(master.to(param.dtype) == value, master, value.to(torch.float32))
 
 
-def relayout_rebound(opt: Any, groups: list[dict[str, Any]]) -> None:
+def relayout_rebound(opt: RebindHost, groups: list[dict[str, Any]]) -> None:
     """``CPUOffloadAdamW``'s new registry, slabs and state entries for re-bound ``groups`` (its
     ``_follow_groups``; the caller lays out chunks and worker next): every new parameter takes
     the state :func:`plan_sources` maps it to."""

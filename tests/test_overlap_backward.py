@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
@@ -97,18 +99,57 @@ def _same(pair) -> None:
         assert_bitwise(_state(m1, o1, key), _state(m0, o0, key), key)
 
 
+class _LaunchChecksums:
+    """A ``KernelSet.grad_stats`` that counts the checksums the worker takes for early chunks,
+    right before their kernels (step()'s re-reads run on the calling thread)."""
+
+    def __init__(self) -> None:
+        self._real = KernelSet().grad_stats
+        self.taken = 0
+        self._cond = threading.Condition()
+
+    def __call__(self, tensors, **kwargs):
+        out = self._real(tensors, **kwargs)
+        if threading.current_thread() is not threading.main_thread():
+            with self._cond:
+                self.taken += 1
+                self._cond.notify_all()
+        return out
+
+    def reset(self) -> None:
+        with self._cond:
+            self.taken = 0
+
+    def wait_for(self, count: int) -> None:
+        """Until ``count`` checksums were taken since :meth:`reset`: the early kernels ran."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.taken >= count, timeout=300), (self.taken, count)
+
+
 def test_gradient_clipped_after_backward_is_redone_exactly() -> None:
-    pair = _pair()
-    for step in (5, 6):
+    launches = _LaunchChecksums()
+    pair = _pair(kernels=KernelSet(grad_stats=launches))
+    per_window = None
+    for step in (4, 5, 6):
         for model, opt in pair:
             opt.zero_grad()
+            launches.reset()
             model(batch(step)).backward()
             if opt._overlap is not None:
                 assert opt._overlap.has_launched()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                if per_window is not None:
+                    # The early kernels read the unclipped gradients before the clip writes them
+                    # (a worker that only got to them after the clip would read clipped gradients
+                    # and rightly commit them: the outcome must not depend on the machine's speed).
+                    launches.wait_for(per_window)
+            if step > 4:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             opt.step()
+            if opt._overlap is not None and per_window is None:
+                per_window = launches.taken  # an unclipped step: the checksums of one window
+                assert per_window > 0 and opt.last_stats.committed_chunks == opt.last_stats.num_chunks
     stats = pair[1][1].last_stats
-    assert stats.speculated_chunks > 0 and stats.committed_chunks < stats.speculated_chunks
+    assert stats.speculated_chunks == stats.num_chunks and stats.committed_chunks == 0
     _same(pair)
     for _, opt in pair:
         opt.close()
