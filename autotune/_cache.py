@@ -163,7 +163,8 @@ class CacheEntry:
     baseline_median_s: float
     """The static plan's median step time when recorded."""
     measurements: tuple[dict[str, Any], ...]
-    """Every measured candidate: ``{"candidate": setting, "samples": [seconds, ...]}``."""
+    """Every measured candidate: ``{"candidate": setting, "samples": [seconds, ...]}``; other
+    keys (a :class:`~autotune._records.Decision`'s ``median_s``, ...) are not stored."""
     probe_steps: int
     """Probe steps the tuning session spent."""
     created_unix: float
@@ -179,7 +180,8 @@ class CacheEntry:
             "baseline": dict(self.baseline),
             "winner_median_s": self.winner_median_s,
             "baseline_median_s": self.baseline_median_s,
-            "measurements": [copy.deepcopy(dict(m)) for m in self.measurements],
+            "measurements": [{"candidate": dict(m["candidate"]), "samples": list(m["samples"])}
+                             for m in self.measurements],
             "probe_steps": self.probe_steps,
             "created_unix": self.created_unix,
             **({} if self.fingerprint is None else {"fingerprint": copy.deepcopy(dict(self.fingerprint))}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -97,6 +98,8 @@ def test_cache_entry_json_form_round_trips_and_names_a_bad_field(tmp_path: Path)
     with pytest.raises(CacheEntryError, match="entry=str: expected a dict"):
         CacheEntry.from_json("garbage")
     assert cache.records() == {"k": entry} and entry.speedup == 2.0
+    decided = tuple({**m, "median_s": 0.5, "n": 2} for m in entry.measurements)  # a Decision's form
+    assert dataclasses.replace(entry, measurements=decided).to_json() == make_entry()  # stores its own keys only
     old = make_entry()
     del old["fingerprint"]  # entries of older versions: still no such key once read and written back
     assert CacheEntry.from_json(old).fingerprint is None and CacheEntry.from_json(old).to_json() == old
