@@ -163,13 +163,15 @@ class CacheEntry:
     baseline_median_s: float
     """The static plan's median step time when recorded."""
     measurements: tuple[dict[str, Any], ...]
-    """Every measured candidate: ``{"candidate": setting, "samples": [seconds, ...]}``."""
+    """Every measured candidate: ``{"candidate": setting, "samples": [seconds, ...]}``; other
+    keys (a :class:`~autotune._records.Decision`'s ``median_s``, ...) are not stored."""
     probe_steps: int
     """Probe steps the tuning session spent."""
     created_unix: float
     """When the entry was made (``time.time()``)."""
-    fingerprint: dict[str, Any] = field(default_factory=dict)
-    """What the key was made of (machine, software, workload), for ``python -m autotune show``."""
+    fingerprint: dict[str, Any] | None = None
+    """What the key was made of (machine, software, workload), for ``python -m autotune show``;
+    None when not recorded (entries of older versions): the JSON form then has no such key."""
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON form (plain, deep-copied values)."""
@@ -178,10 +180,11 @@ class CacheEntry:
             "baseline": dict(self.baseline),
             "winner_median_s": self.winner_median_s,
             "baseline_median_s": self.baseline_median_s,
-            "measurements": [copy.deepcopy(dict(m)) for m in self.measurements],
+            "measurements": [{"candidate": dict(m["candidate"]), "samples": list(m["samples"])}
+                             for m in self.measurements],
             "probe_steps": self.probe_steps,
             "created_unix": self.created_unix,
-            "fingerprint": copy.deepcopy(dict(self.fingerprint)),
+            **({} if self.fingerprint is None else {"fingerprint": copy.deepcopy(dict(self.fingerprint))}),
         }
 
     @classmethod
@@ -201,8 +204,34 @@ class CacheEntry:
             ),
             probe_steps=value["probe_steps"],
             created_unix=value["created_unix"],
-            fingerprint=copy.deepcopy(value.get("fingerprint", {})),
+            fingerprint=copy.deepcopy(value.get("fingerprint")),
         )
+
+    @property
+    def speedup(self) -> float | None:
+        """Static plan median / winner median when recorded; None unless a finite number."""
+        if not self.winner_median_s > 0:
+            return None
+        value = self.baseline_median_s / self.winner_median_s
+        return value if math.isfinite(value) else None
+
+    def export_row(self) -> dict[str, Any]:
+        """The entry as a row of ``python -m autotune export --format csv`` (flattened there):
+        its JSON form with ``speedup`` after the medians and ``candidates_measured`` (a count)
+        in place of the measurements; ``fingerprint`` only when recorded."""
+        row = {
+            "created_unix": self.created_unix,
+            "winner": dict(self.winner),
+            "baseline": dict(self.baseline),
+            "winner_median_s": self.winner_median_s,
+            "baseline_median_s": self.baseline_median_s,
+            "speedup": self.speedup,
+            "probe_steps": self.probe_steps,
+            "candidates_measured": len(self.measurements),
+        }
+        if self.fingerprint is not None:
+            row["fingerprint"] = copy.deepcopy(self.fingerprint)
+        return row
 
     def why_unusable(self, space: SearchSpace) -> str | None:
         """None if the tuner of ``space`` may re-check this entry's winner, else why not."""
@@ -341,6 +370,11 @@ class TuningCache:
         file or bad entries are not set aside, no file is changed.
         """
         return copy.deepcopy(self._read_checked(repair=repair).entries)
+
+    def records(self, *, repair: bool = True) -> dict[str, CacheEntry]:
+        """All valid entries as :class:`CacheEntry` records, keyed by fingerprint key; bad input
+        is warned about and left out (and ``repair``-ed) exactly as by :meth:`entries`."""
+        return {key: CacheEntry.from_json(entry) for key, entry in self._read_checked(repair=repair).entries.items()}
 
     def put(self, key: str, entry: Mapping[str, Any] | CacheEntry) -> bool:
         """Store ``entry`` under ``key``, merging with entries other processes wrote meanwhile.

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autotune import knobs
-from autotune._cache import SCHEMA_VERSION, CacheWriteError, TuningCache
+from autotune._cache import SCHEMA_VERSION, CacheEntry, CacheWriteError, TuningCache
 from autotune._runs import resolve_run_dir
 from autotune._trace import (
     SUMMARY_JSON,
@@ -48,27 +48,16 @@ def _knobs_text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _speedup(entry: Mapping[str, Any]) -> float | None:
-    base, win = entry.get("baseline_median_s"), entry.get("winner_median_s")
-    if isinstance(base, (int, float)) and isinstance(win, (int, float)) and win > 0:
-        value = base / win
-        return value if math.isfinite(value) else None
-    return None
-
-
-def _created(entry: Mapping[str, Any]) -> str:
-    ts = entry.get("created_unix")
-    if not isinstance(ts, (int, float)):
-        return "-"
+def _created(entry: CacheEntry) -> str:
     try:
-        return datetime.datetime.fromtimestamp(ts).isoformat(sep=" ", timespec="seconds")
+        return datetime.datetime.fromtimestamp(entry.created_unix).isoformat(sep=" ", timespec="seconds")
     except (OverflowError, OSError, ValueError):
         return "-"
 
 
-def _machine(entry: Mapping[str, Any]) -> str:
-    fp = entry.get("fingerprint")
-    if not isinstance(fp, Mapping):
+def _machine(entry: CacheEntry) -> str:
+    fp = entry.fingerprint  # its keys are the fingerprint's (autotune._fingerprint), not the entry's
+    if fp is None:
         return "-"
     hw = fp.get("hardware") if isinstance(fp.get("hardware"), Mapping) else {}
     acc = hw.get("accelerator") if isinstance(hw.get("accelerator"), Mapping) else {}
@@ -143,10 +132,11 @@ def _show(args: argparse.Namespace, out: TextIO) -> int:
             _run_summary(run, summary, out)
         return 0
     cache = _cache(args)
-    entries = _select(cache.entries(repair=False), args.keys)  # inspection: never changes a file
-    if args.json or args.keys:
-        out.write(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+    if args.json or args.keys:  # the entries as stored (keys a later version added included)
+        raw = _select(cache.entries(repair=False), args.keys)  # inspection: never changes a file
+        out.write(json.dumps(raw, indent=2, sort_keys=True) + "\n")
         return 0
+    entries = cache.records(repair=False)
     out.write(f"cache: {cache.path} ({_count(len(entries), 'entry')})\n")
     bad = cache.bad_files()
     if bad:
@@ -154,15 +144,15 @@ def _show(args: argparse.Namespace, out: TextIO) -> int:
     if not entries:
         return 0
     rows = [["KEY", "CREATED", "WINNER", "BASELINE", "SPEEDUP", "PROBES", "MACHINE"]]
-    for key, entry in sorted(entries.items(), key=lambda kv: kv[1].get("created_unix", 0)):
-        speedup = _speedup(entry)
+    for key, entry in sorted(entries.items(), key=lambda kv: kv[1].created_unix):
+        speedup = entry.speedup
         rows.append([
             key[:_KEY_WIDTH],
             _created(entry),
-            _knobs_text(entry.get("winner")),
-            _knobs_text(entry.get("baseline")),
+            _knobs_text(entry.winner),
+            _knobs_text(entry.baseline),
             f"{speedup:.2f}x" if speedup is not None else "-",
-            str(entry.get("probe_steps", "-")),
+            str(entry.probe_steps),
             _machine(entry),
         ])
     _table(rows, out)
@@ -192,24 +182,6 @@ def _run_summary(run: Path, summary: Mapping[str, Any], out: TextIO) -> None:
     out.write(f"(all fields: python -m autotune show --run {run} --json)\n")
 
 
-def _entry_row(key: str, entry: Mapping[str, Any]) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "key": key,
-        "created": _created(entry),
-        "created_unix": entry.get("created_unix"),
-        "winner": entry.get("winner"),
-        "baseline": entry.get("baseline"),
-        "winner_median_s": entry.get("winner_median_s"),
-        "baseline_median_s": entry.get("baseline_median_s"),
-        "speedup": _speedup(entry),
-        "probe_steps": entry.get("probe_steps"),
-        "candidates_measured": len(entry.get("measurements", [])),
-    }
-    if isinstance(entry.get("fingerprint"), Mapping):
-        row["fingerprint"] = entry["fingerprint"]
-    return row
-
-
 def _export(args: argparse.Namespace, out: TextIO) -> int:
     if args.run is not None:
         run = _run_dir(args.run)
@@ -223,10 +195,12 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
             out.write(json.dumps(rows, indent=1) + "\n")
         return 0
     cache = _cache(args)
-    entries = _select(cache.entries(), args.keys)
     if args.format == "csv":
-        rows_to_csv([_entry_row(k, e) for k, e in sorted(entries.items())], out)
-    else:
+        records = _select(cache.records(), args.keys)
+        rows = [{"key": k, "created": _created(e), **e.export_row()} for k, e in sorted(records.items())]
+        rows_to_csv(rows, out)
+    else:  # the entries as stored (keys a later version added included)
+        entries = _select(cache.entries(), args.keys)
         out.write(json.dumps({"schema": SCHEMA_VERSION, "entries": entries}, indent=1, sort_keys=True) + "\n")
     return 0
 

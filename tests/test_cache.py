@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -11,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +97,69 @@ def test_cache_entry_json_form_round_trips_and_names_a_bad_field(tmp_path: Path)
         CacheEntry.from_json(bad)
     with pytest.raises(CacheEntryError, match="entry=str: expected a dict"):
         CacheEntry.from_json("garbage")
+    assert cache.records() == {"k": entry} and entry.speedup == 2.0
+    decided = tuple({**m, "median_s": 0.5, "n": 2} for m in entry.measurements)  # a Decision's form
+    assert dataclasses.replace(entry, measurements=decided).to_json() == make_entry()  # stores its own keys only
+    old = make_entry()
+    del old["fingerprint"]  # entries of older versions: still no such key once read and written back
+    assert CacheEntry.from_json(old).fingerprint is None and CacheEntry.from_json(old).to_json() == old
+
+
+#: Functions outside _cache.py that read the tuner's summary (summary.json), whose keys share
+#: names with the entry's (``winner``, ``probe_steps``, ...): the same facts in another record.
+_SUMMARY_READERS = {("autotune/_cli.py", "_run_summary")}
+
+
+def _str_constants(node: ast.AST, function: str | None = None) -> Iterator[tuple[str, str | None, int]]:
+    """(value, enclosing function, line) of each str constant below ``node``, except the names
+    of an ``__all__`` (``autotune.fingerprint`` is a function, not the entry's key)."""
+    if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+        return
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value, function, node.lineno
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        function = node.name
+    for child in ast.iter_child_nodes(node):
+        yield from _str_constants(child, function)
+
+
+def _uses_the_cache(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "autotune._cache":
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name in ("autotune._cache", "TuningCache", "CacheEntry") for a in node.names):
+                return True
+    return False
+
+
+def test_only_the_cache_module_spells_the_entry_json_keys() -> None:
+    """Issue 15: the entry's JSON form is owned by autotune/_cache.py; every other reader goes
+    through :class:`CacheEntry` fields. The keys come from a real ``to_json()``, so they cannot
+    go stale. Keys the tuner's summary also has are allowed in modules that never touch the
+    cache (there they are the summary's: bench/, the trace's plots, the tuner itself) and in
+    :data:`_SUMMARY_READERS`; the entry's own keys (``created_unix``, ...) are allowed nowhere."""
+    from autotune import Knob, OnlineTuner, SearchSpace
+
+    keys = set(CacheEntry(
+        winner={"t": 1}, baseline={"t": 1}, winner_median_s=1.0, baseline_median_s=1.0, measurements=(),
+        probe_steps=0, created_unix=0.0, fingerprint={"f": 1},
+    ).to_json())
+    summary = OnlineTuner(SearchSpace((Knob("t", (1, 2)),)), baseline={"t": 1}, apply=lambda s: None).summary()
+    shared = keys & set(summary)
+    assert "created_unix" in keys - shared and "winner" in shared  # the split below is not empty
+    offenders: list[str] = []  # one per spelling (a line may hold two: a key and its lookup)
+    for package in ("autotune", "offload", "bench"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel == "autotune/_cache.py":
+                continue
+            tree = ast.parse(path.read_text(), filename=rel)
+            strict = _uses_the_cache(tree)
+            for value, function, line in _str_constants(tree):
+                if value in keys and (value not in shared or strict and (rel, function) not in _SUMMARY_READERS):
+                    offenders.append(f"{rel}:{line}: {value!r} (in {function or 'the module'})")
+    assert not offenders, "the cache entry's JSON keys spelled outside autotune/_cache.py:\n" + "\n".join(offenders)
 
 
 def test_default_path_follows_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
