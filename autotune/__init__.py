@@ -1,12 +1,14 @@
 """Online autotuning of a training step's performance knobs.
 
 Generic: this package knows named discrete knobs, step-time samples and process groups; it knows
-nothing of AdamW or offloading (``offload`` wires it in).
+nothing of AdamW or offloading (``offload`` wires it in). ``Agreement`` is the protocol of the
+collectives an ``OnlineTuner(group=)`` (and ``offload.plan_cpu_threads(agreement=)``) takes;
+``InProcessAgreement`` implements it for ranks that are threads of one process.
 """
 
 from __future__ import annotations
 
-from autotune._agree import AgreementError, AgreementMismatch, AgreementTimeout
+from autotune._agree import Agreement, AgreementError, AgreementMismatch, AgreementTimeout
 from autotune._cache import TuningCache
 from autotune._fingerprint import Fingerprint, fingerprint
 from autotune._inprocess import InProcessAgreement
@@ -17,6 +19,7 @@ from autotune._config import AutotuneConfig, StepSample
 from autotune._tuner import OnlineTuner
 
 __all__ = [
+    "Agreement",
     "AgreementError",
     "AgreementMismatch",
     "AgreementTimeout",

@@ -45,7 +45,7 @@ from typing import Sequence
 
 import numpy as np
 
-from offload._topology import CpuTopology
+from offload import CpuTopology
 
 __all__ = ["Hardware", "Node", "NoiseModel", "Workload", "pipeline_time"]
 

@@ -1,16 +1,35 @@
 """CPU-offloaded AdamW: fp32 master weights and moments in host memory, a chunked pipelined step,
-per-stage timings, and a thread budget that never oversubscribes."""
+per-stage timings, and a thread budget that never oversubscribes.
+
+Besides the optimizer, the thread plan and the stock-optimizer wrapper, the package exports the
+types its injection points take (docs/architecture.md, "Injection points"): ``KernelSet`` (with
+its ``KernelLoader`` / ``ExtensionLoader``) for ``CPUOffloadAdamW(kernels=)``, ``NumaBinding``
+(what a ``numa_binder=`` returns), and ``CpuTopology``, ``RankCpus`` and ``CgroupCpuLimit`` for
+``plan_cpu_threads(topology=, masks=)``.
+"""
 
 from __future__ import annotations
 
 from offload._optimizer import CPUOffloadAdamW
+from offload._fused_mp_build import ExtensionLoader, KernelLoader
+from offload._kernels import KernelSet
+from offload._numa import NumaBinding
 from offload._settings import OffloadSettings, StageSpan, StepStats
 from offload._stock import StepThreadsError, ThreadTunedOptimizer, tune_step_threads
+from offload._thread_rule import RankCpus
 from offload._threads import ThreadPlan, plan_cpu_threads, thread_limit
+from offload._topology import CgroupCpuLimit, CpuTopology
 
 __all__ = [
     "CPUOffloadAdamW",
+    "CgroupCpuLimit",
+    "CpuTopology",
+    "ExtensionLoader",
+    "KernelLoader",
+    "KernelSet",
+    "NumaBinding",
     "OffloadSettings",
+    "RankCpus",
     "StageSpan",
     "StepStats",
     "StepThreadsError",

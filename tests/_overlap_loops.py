@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offload import CPUOffloadAdamW, OffloadSettings, StepStats
+from offload import CPUOffloadAdamW, KernelSet, OffloadSettings, StepStats
 from offload._dtensor import local
-from offload._kernels import KernelSet
 
 IN, HID, OUT = 24, 40, 7
 SMALL = OffloadSettings(threads=1, chunk_numel=1024, kernel="torch")

@@ -15,9 +15,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from offload import KernelSet
 from offload._cuda_transport import CudaTransport
 from offload._jobs import KIND_F32, KIND_MP, KIND_TORCH, ChunkJob, Item
-from offload._kernels import DEFAULT_KERNELS, Hyper, KernelSet, new_step_tensor
+from offload._kernels import DEFAULT_KERNELS, Hyper, new_step_tensor
 from offload._pipeline import Pipeline
 from offload._slabs import HostSlabs, plan_chunks
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from autotune._fingerprint import Fingerprint, canonical_json, fingerprint, hardware_details, software_details
+from autotune import Fingerprint, fingerprint
+from autotune._fingerprint import canonical_json, hardware_details, software_details
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = {"params": 1_234_567, "dtypes": ["torch.bfloat16", "torch.float32"]}

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload import KernelLoader, KernelSet
 from offload._fused_mp import (
     STEP_RTOL,
     FusedMPUnavailable,
@@ -27,8 +28,8 @@ from offload._fused_mp import (
     fused_mp_available,
     process_loader,
 )
-from offload._fused_mp_build import KernelLoader, build_spec, pip_ninja_on_path
-from offload._kernels import Hyper, KernelSet, fused_adamw_, new_step_tensor, torch_mp_adamw_
+from offload._fused_mp_build import build_spec, pip_ninja_on_path
+from offload._kernels import Hyper, fused_adamw_, new_step_tensor, torch_mp_adamw_
 
 REPO = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}

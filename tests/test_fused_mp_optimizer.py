@@ -17,11 +17,10 @@ import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 from test_optimizer_numerics import MixedPrecisionReference
 
-from offload import CPUOffloadAdamW, OffloadSettings
-from offload._fused_mp_build import KernelLoader
+from offload import CPUOffloadAdamW, KernelLoader, KernelSet, OffloadSettings
 from offload._host_transport import HostTransport
 from offload._jobs import KIND_MP, ChunkJob, Item
-from offload._kernels import Hyper, KernelSet, new_step_tensor
+from offload._kernels import Hyper, new_step_tensor
 from offload._pipeline import Pipeline
 from offload._slabs import SLAB_KINDS, HostSlabs, plan_chunks
 from offload._fused_mp import STEP_RTOL, bitwise_matches_torch, fused_mp_available

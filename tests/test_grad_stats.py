@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 
+from offload import KernelLoader, KernelSet
 from offload._fused_mp import fused_mp_available
-from offload._fused_mp_build import KernelLoader
 from offload._grad_stats import STATS_BLOCK, grad_stats_, grad_stats_reference
-from offload._kernels import KernelSet
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Empty, below and around the 32 lanes, around the 16 Ki block, several blocks with a tail.

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from autotune import knobs
-from offload._fused_mp_build import KernelLoader, build_spec, needs_build
+from offload import KernelLoader
+from offload._fused_mp_build import build_spec, needs_build
 
 
 @pytest.mark.parametrize("cache", ["/dev/null", "c.json", "/somewhere/else/cache.json"])

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload import KernelSet
 from offload._fused_mp import fused_mp_available
 from offload._kernels import (
     Hyper,
-    KernelSet,
     fused_adamw_,
     mixed_precision_adamw_,
     native_adamw_f32_,

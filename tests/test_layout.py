@@ -4,11 +4,20 @@
 * no import cycle between modules, counting imports inside functions and under ``TYPE_CHECKING``
   (a package's ``__init__`` counts as a module; the implicit import of a parent package does not);
 * ``autotune`` imports neither ``offload`` nor ``bench``; ``offload`` never imports ``bench``;
-* no test or bench module patches a private name of ``offload`` or ``autotune``: no
-  ``monkeypatch.setattr``/``setattr``/attribute assignment whose target is a private module
-  (a dotted path with a part starting with ``_``), a name that is not exported by the package's
-  ``__init__``, or an attribute starting with ``_``. Tests reach the code through public injection
-  points (a plan, masks, a topology, a loader, a clock) instead.
+* no test or bench module patches a private name of ``offload`` or ``autotune``. A patch is a
+  ``setattr``/``delattr`` (builtin, ``monkeypatch.``, ``object.__setattr__``), ``mock.patch``
+  (a dotted string, also as ``target=``), ``patch.object``, ``patch.multiple``, ``patch.dict``,
+  ``monkeypatch.setitem``/``delitem``, or an assignment, augmented assignment or ``del`` of an
+  attribute or item; its target is private when it is in a private module (a dotted path with a
+  part starting with ``_``), is a name the package's ``__init__`` does not export, or is an
+  attribute starting with ``_``. A module is followed through imports, aliases
+  (``m = offload._x``), ``importlib.import_module("offload._x")``, ``sys.modules[...]``,
+  ``getattr(m, "x")``, ``vars(m)`` and ``m.__dict__`` (whose entries are the module's names);
+  replacing a private module in ``sys.modules`` is a patch too. A private attribute (``_name``, not a dunder) set or
+  deleted on any object counts, whatever the object, unless the object is ``self``/``cls`` or the
+  file's own (a class or function it defines, or a name bound to an instance of such a class).
+  Tests reach the code through public injection points (a plan, masks, a topology, a loader, a
+  clock) instead.
 """
 
 from __future__ import annotations
@@ -155,8 +164,24 @@ def _private_path(dotted: str) -> bool:
     return len(parts) > 1 and parts[1] not in _exported(parts[0]) and f"{parts[0]}.{parts[1]}" not in MODULES
 
 
+def _import_module_name(expr: ast.expr) -> str | None:
+    """The module ``importlib.import_module("x")`` / ``import_module("x")`` returns, or the one
+    ``__import__("x")`` returns (the top package unless a ``fromlist`` is given)."""
+    if not (isinstance(expr, ast.Call) and expr.args and isinstance(expr.args[0], ast.Constant)
+            and isinstance(expr.args[0].value, str)):
+        return None
+    fn, name = expr.func, expr.args[0].value
+    called = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+    if called == "import_module":
+        return name
+    if called == "__import__":
+        return name if len(expr.args) > 3 or any(k.arg == "fromlist" for k in expr.keywords) else name.split(".")[0]
+    return None
+
+
 def _names(tree: ast.Module) -> dict[str, str]:
-    """Local name -> dotted origin, for names bound by imports from the libraries."""
+    """Local name -> dotted origin, for names bound to something of the libraries: by an import, by
+    ``importlib.import_module(...)``, or by assigning such a name or expression to another name."""
     out: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -167,50 +192,185 @@ def _names(tree: ast.Module) -> dict[str, str]:
             if node.module.split(".")[0] in LIBRARIES:
                 for alias in node.names:
                     out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    aliases = [(t.id, node.value) for node in ast.walk(tree)
+               if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    for _ in range(4):  # an alias of an alias of ...
+        for name, value in aliases:
+            origin = _dotted(value, out)
+            if origin and origin.split(".")[0] in LIBRARIES:
+                out[name] = origin
     return out
 
 
 def _dotted(expr: ast.expr, names: dict[str, str]) -> str | None:
+    """The dotted path ``expr`` stands for, where it can be read off the file (None otherwise):
+    names, attributes, ``import_module("m")``, ``getattr(x, "a")``, ``sys.modules["m"]``, and
+    ``vars(x)`` as ``x.__dict__``."""
     if isinstance(expr, ast.Name):
         return names.get(expr.id)
     if isinstance(expr, ast.Attribute):
         base = _dotted(expr.value, names)
         return f"{base}.{expr.attr}" if base else None
+    if isinstance(expr, ast.Call) and (module := _import_module_name(expr)):
+        return module
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.args:
+        base = _dotted(expr.args[0], names)
+        if base and expr.func.id == "vars" and len(expr.args) == 1:
+            return f"{base}.__dict__"
+        if base and expr.func.id == "getattr" and len(expr.args) >= 2 and _text(expr.args[1]):
+            return f"{base}.{_text(expr.args[1])}"
+        return None
+    if isinstance(expr, ast.Subscript) and _is_sys_modules(expr.value):
+        return _text(expr.slice)
     return None
+
+
+def _text(expr: ast.expr | None) -> str | None:
+    return expr.value if isinstance(expr, ast.Constant) and isinstance(expr.value, str) else None
+
+
+def _is_sys_modules(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Attribute) and expr.attr == "modules" and isinstance(expr.value, ast.Name) \
+        and expr.value.id == "sys"
+
+
+def _root(expr: ast.expr) -> str | None:
+    while isinstance(expr, (ast.Attribute, ast.Subscript, ast.Call)):
+        expr = expr.func if isinstance(expr, ast.Call) else expr.value
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def _local_names(tree: ast.Module) -> set[str]:
+    """Names the file defines itself: ``self``/``cls``, its classes and functions, and names bound
+    to an instance of one of its classes (a private attribute of these is the file's own business)."""
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    instances = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                 and isinstance(n.value.func, ast.Name) and n.value.func.id in classes
+                 for t in n.targets if isinstance(t, ast.Name)}
+    return {"self", "cls"} | defined | instances
+
+
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+class _Patches:
+    """Every patch of a file whose target is a private name of the libraries (see the module doc)."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.names = _names(tree)
+        self.local = _local_names(tree)
+        self.found: list[tuple[int, str]] = []
+
+    def hit(self, node: ast.AST, target: str) -> None:
+        self.found.append((node.lineno, target))  # type: ignore[attr-defined]
+
+    def path(self, node: ast.AST, dotted: str | None) -> None:
+        """A dotted target (``"offload._x.y"``, or one read off an expression)."""
+        if dotted and dotted.split(".")[0] in LIBRARIES and _private_path(dotted):
+            self.hit(node, dotted)
+
+    def attr(self, node: ast.AST, obj: ast.expr | None, name: str | None) -> None:
+        """``obj.name`` set or deleted (``name`` None: an attribute not spelled in the file)."""
+        if obj is None:
+            return
+        if isinstance(obj, ast.Constant) and isinstance(obj.value, str):
+            self.path(node, f"{obj.value}.{name}" if name else obj.value)
+            return
+        base = _dotted(obj, self.names)
+        if base and base.split(".")[0] in LIBRARIES:
+            self.path(node, f"{base}.{name}" if name else base)
+        elif name and name.startswith("_") and not _dunder(name) and _root(obj) not in self.local:
+            self.hit(node, f"{ast.unparse(obj)}.{name}")  # a private attribute of something not of this file
+
+    def item(self, node: ast.AST, mapping: ast.expr | None, keys: list[ast.expr | None]) -> None:
+        """``mapping[key]`` set or deleted for each of ``keys`` (None: a key not spelled in the file)."""
+        if mapping is None:
+            return
+        if _is_sys_modules(mapping):
+            for key in keys:
+                self.path(node, _text(key))  # sys.modules["offload._x"] = fake
+            return
+        dotted = _text(mapping) or _dotted(mapping, self.names)
+        if dotted and dotted.endswith(".__dict__") and dotted.split(".")[0] in LIBRARIES:
+            module = dotted.removesuffix(".__dict__")
+            for key in keys:
+                if _text(key) is None:
+                    self.hit(node, dotted)  # some entry of a library's namespace
+                else:
+                    self.path(node, f"{module}.{_text(key)}")
+        else:
+            self.path(node, dotted)  # offload._x.TABLE[k] = v
+
+    def call(self, node: ast.Call) -> None:
+        fn = node.func
+        called = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+        kw = {k.arg: k.value for k in node.keywords if k.arg}
+        args: list[ast.expr | None] = [*node.args, None, None, None]
+        on_patch = isinstance(fn, ast.Attribute) and (
+            (isinstance(fn.value, ast.Attribute) and fn.value.attr == "patch")
+            or (isinstance(fn.value, ast.Name) and fn.value.id == "patch"))
+        if called in ("setattr", "delattr", "__setattr__", "__delattr__"):
+            obj, name = args[0] or kw.get("target"), args[1] or kw.get("name")
+            if _text(obj) is not None and _text(name) is None:
+                self.path(node, _text(obj))  # monkeypatch.setattr("offload._x.y", value)
+            else:
+                self.attr(node, obj, _text(name))
+        elif called == "patch" and not on_patch:
+            self.path(node, _text(args[0] or kw.get("target")))  # (mock.)patch("offload._x.y")
+        elif called == "object" and on_patch:
+            self.attr(node, args[0] or kw.get("target"), _text(args[1] or kw.get("attribute")))
+        elif called == "multiple" and on_patch:
+            target = args[0] or kw.get("target")
+            options = {"target", "spec", "create", "spec_set", "autospec", "new_callable"}
+            for name in [k for k in kw if k not in options] or [None]:
+                self.attr(node, target, name)
+        elif called == "dict" and on_patch:
+            values = args[1] or kw.get("values")
+            keys = [k for k in values.keys] if isinstance(values, ast.Dict) else [] if values is None else [None]
+            extra = [ast.Constant(k) for k in kw if k not in ("in_dict", "values", "clear")]
+            self.item(node, args[0] or kw.get("in_dict"), keys + extra or [None])
+        elif called in ("setitem", "delitem"):  # monkeypatch.setitem(mapping, key, value)
+            self.item(node, args[0] or kw.get("dic"), [args[1] or kw.get("name")])
+        elif called in ("__setitem__", "__delitem__", "update", "pop", "popitem", "setdefault", "clear") \
+                and isinstance(fn, ast.Attribute):
+            dotted = _dotted(fn.value, self.names)
+            if (dotted and dotted.endswith(".__dict__")) or _is_sys_modules(fn.value):
+                first = args[0]
+                if called == "update":  # update({...}), update(other), update(k=v)
+                    keys = list(first.keys) if isinstance(first, ast.Dict) else [] if first is None else [None]
+                    keys += [ast.Constant(k) for k in kw]
+                else:
+                    keys = [None] if called in ("popitem", "clear") else [first]
+                self.item(node, fn.value, keys)
+
+    def store(self, node: ast.AST, target: ast.expr) -> None:
+        """An assignment or ``del`` of ``target``."""
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for elt in target.elts:
+                self.store(node, elt)
+        elif isinstance(target, ast.Starred):
+            self.store(node, target.value)
+        elif isinstance(target, ast.Attribute):
+            self.attr(node, target.value, target.attr)
+        elif isinstance(target, ast.Subscript):
+            self.item(node, target.value, [target.slice])
 
 
 def _patches(path: Path, root: Path = ROOT) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    names = _names(tree)
-    found = []
+    scan = _Patches(tree)
     for node in ast.walk(tree):
-        target: str | None = None
         if isinstance(node, ast.Call):
-            fn = node.func
-            is_setattr = (isinstance(fn, ast.Attribute) and fn.attr in ("setattr", "delattr")) or (
-                isinstance(fn, ast.Name) and fn.id in ("setattr", "delattr"))
-            is_patch = isinstance(fn, (ast.Attribute, ast.Name)) and getattr(fn, "attr", getattr(fn, "id", "")) in (
-                "patch", "object")
-            if (is_setattr or is_patch) and node.args:
-                first = node.args[0]
-                if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                    target = first.value  # monkeypatch.setattr("offload._x.y", ...)
-                else:
-                    base = _dotted(first, names)
-                    attr = node.args[1] if len(node.args) > 1 else None
-                    if base and isinstance(attr, ast.Constant) and isinstance(attr.value, str):
-                        target = f"{base}.{attr.value}"
-                    elif base:
-                        target = base
-        elif isinstance(node, (ast.Assign, ast.AugAssign)):
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(t, ast.Attribute):
-                    base = _dotted(t.value, names)
-                    if base:
-                        target = f"{base}.{t.attr}"
-        if target and target.split(".")[0] in LIBRARIES and _private_path(target):
-            found.append(f"{path.relative_to(root)}:{node.lineno}: {target}")
-    return found
+            scan.call(node)
+        elif isinstance(node, (ast.Assign, ast.Delete)):
+            for t in node.targets:
+                scan.store(node, t)
+        elif isinstance(node, ast.AugAssign) or (isinstance(node, ast.AnnAssign) and node.value is not None):
+            scan.store(node, node.target)
+    return [f"{path.relative_to(root)}:{line}: {target}" for line, target in scan.found]
 
 
 def test_no_test_or_bench_module_patches_a_private_name() -> None:
@@ -220,20 +380,68 @@ def test_no_test_or_bench_module_patches_a_private_name() -> None:
 
 
 def test_the_checks_themselves_catch_what_they_claim(tmp_path: Path) -> None:
-    """The checkers flag a cycle, a private patch and an object from a private module."""
+    """The checkers flag a cycle, and every form of patch the module doc names (one per line, the
+    comment names the form); the lines after the last flagged one must not be flagged."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     sample = tmp_path / "sample.py"
     sample.write_text(
-        "import offload._pipeline as pm\nfrom offload._slabs import HostSlabs\nfrom offload import CPUOffloadAdamW\n"
-        "def t(monkeypatch):\n"
-        "    monkeypatch.setattr(pm, 'fused_adamw_', None)\n"
-        "    monkeypatch.setattr(HostSlabs, 'first_touch', None)\n"
-        "    monkeypatch.setattr(CPUOffloadAdamW, '_make_slabs', None)\n"
-        "    monkeypatch.setattr('offload._threads._exchange', None)\n"
-        "    monkeypatch.setattr(CPUOffloadAdamW, 'step', None)\n"
-        "    pm.x = 1\n"
+        "import importlib, sys\n"
+        "from unittest import mock\n"
+        "from unittest.mock import patch\n"
+        "import offload, offload._pipeline as pm\n"
+        "from offload._slabs import HostSlabs\n"
+        "from offload import CPUOffloadAdamW\n"
+        "threads = importlib.import_module('offload._threads')\n"
+        "alias = pm\n"
+        "class Mine:\n"
+        "    def __init__(self):\n"
+        "        self._state = 0\n"
+        "mine = Mine()\n"
+        "def t(monkeypatch, opt, thing):\n"
+        "    monkeypatch.setattr(pm, 'fused_adamw_', None)\n"  # a private module's name
+        "    monkeypatch.setattr(HostSlabs, 'first_touch', None)\n"  # an object of a private module
+        "    monkeypatch.setattr(CPUOffloadAdamW, '_make_slabs', None)\n"  # a private attribute
+        "    monkeypatch.setattr('offload._threads._exchange', None)\n"  # a dotted string
+        "    pm.x = 1\n"  # an assignment
+        "    monkeypatch.setattr(opt, '_pipeline', None)\n"  # a private attribute of an instance
+        "    setattr(opt, '_slabs', None)\n"  # ... by the builtin
+        "    object.__setattr__(opt, '_items', None)\n"  # ... past a __setattr__
+        "    opt._pipeline = None\n"  # ... assigned
+        "    thing.sub._count += 1\n"  # ... augmented
+        "    del opt._slabs\n"  # ... deleted
+        "    del pm.fused_adamw_\n"  # a private module's name deleted
+        "    monkeypatch.delattr(pm, 'fused_adamw_')\n"  # ... by monkeypatch
+        "    monkeypatch.setitem(pm.__dict__, 'new_item', None)\n"  # a module's namespace
+        "    monkeypatch.setitem(vars(offload._threads), 'thread_limit', None)\n"  # ... through vars()
+        "    pm.__dict__['Pipeline'] = None\n"  # ... assigned
+        "    pm.__dict__.update(Launch=None)\n"  # ... updated
+        "    monkeypatch.setitem(sys.modules, 'offload._numa', None)\n"  # a private module replaced
+        "    mock.patch.dict(pm.__dict__, {'Worker': None})\n"  # patch.dict on a namespace
+        "    mock.patch.dict('offload._items.KINDS', {'a': 1})\n"  # patch.dict on a private table
+        "    patch.multiple(pm, fused_adamw_=None)\n"  # patch.multiple
+        "    patch.multiple('offload._slabs', plan_chunks=None)\n"  # ... on a dotted string
+        "    mock.patch('offload._kernels.fused_adamw_')\n"  # mock.patch
+        "    patch(target='offload._threads._exchange')\n"  # a keyword target
+        "    mock.patch.object(target=alias, attribute='Queue', new=1)\n"  # an alias, keywords
+        "    monkeypatch.setattr(threads, 'thread_limit', None)\n"  # a module from import_module
+        "    monkeypatch.setattr(importlib.import_module('offload._numa'), 'bind', None)\n"  # ... inline
+        "    monkeypatch.setattr(sys.modules['offload._slabs'], 'HostSlabs', None)\n"  # from sys.modules
+        "    monkeypatch.setattr(getattr(offload, '_group'), 'thread_plan', None)\n"  # through getattr
+        "    monkeypatch.setattr(CPUOffloadAdamW, 'step', None)\n"  # not flagged: public
+        "    monkeypatch.setattr(offload, 'CPUOffloadAdamW', None)\n"
+        "    monkeypatch.setattr(opt, 'step', None)\n"
+        "    monkeypatch.setitem(sys.modules, 'matplotlib', None)\n"
+        "    mine._state = 1\n"  # this file's own object
+        "    Mine._state = 2\n"
     )
     hits = sorted(_patches(sample, tmp_path), key=lambda h: int(h.split(":")[1]))
     assert [h.split(": ", 1)[1] for h in hits] == [
         "offload._pipeline.fused_adamw_", "offload._slabs.HostSlabs.first_touch",
-        "offload.CPUOffloadAdamW._make_slabs", "offload._threads._exchange", "offload._pipeline.x"]
+        "offload.CPUOffloadAdamW._make_slabs", "offload._threads._exchange", "offload._pipeline.x",
+        "opt._pipeline", "opt._slabs", "opt._items", "opt._pipeline", "thing.sub._count", "opt._slabs",
+        "offload._pipeline.fused_adamw_", "offload._pipeline.fused_adamw_",
+        "offload._pipeline.new_item", "offload._threads.thread_limit", "offload._pipeline.Pipeline",
+        "offload._pipeline.Launch", "offload._numa", "offload._pipeline.Worker", "offload._items.KINDS",
+        "offload._pipeline.fused_adamw_", "offload._slabs.plan_chunks", "offload._kernels.fused_adamw_",
+        "offload._threads._exchange", "offload._pipeline.Queue", "offload._threads.thread_limit",
+        "offload._numa.bind", "offload._slabs.HostSlabs", "offload._group.thread_plan"]

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from conftest import batch, make_model, param_groups
 
-from offload import CPUOffloadAdamW, OffloadSettings, StepStats
-from offload._kernels import KernelSet, fused_adamw_
+from offload import CPUOffloadAdamW, KernelSet, OffloadSettings, StepStats
+from offload._kernels import fused_adamw_
 from offload._slabs import _ALIGN, plan_chunks
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
@@ -249,8 +249,7 @@ def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads() -> Non
 
 
 def test_threads_default_comes_from_the_thread_plan() -> None:
-    from offload._threads import plan_cpu_threads
-    from offload._topology import CpuTopology
+    from offload import CpuTopology, plan_cpu_threads
 
     plan = plan_cpu_threads(threads=5, topology=CpuTopology.from_cores([[c] for c in range(8)]), cpus=range(8))
     opt = CPUOffloadAdamW(_params(), plan=plan)

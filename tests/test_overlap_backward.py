@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 
-from offload import CPUOffloadAdamW, OffloadSettings
-from offload._kernels import KernelSet, fused_adamw_
+from offload import CPUOffloadAdamW, KernelSet, OffloadSettings
+from offload._kernels import fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 

@@ -35,8 +35,8 @@ from _overlap_loops import (
     train,
 )
 
-from offload import CPUOffloadAdamW, OffloadSettings
-from offload._kernels import KernelSet, fused_adamw_
+from offload import CPUOffloadAdamW, KernelSet, OffloadSettings
+from offload._kernels import fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from autotune import InProcessAgreement, knobs
+from offload import CgroupCpuLimit, CpuTopology, RankCpus, ThreadPlan, plan_cpu_threads, thread_limit
 from offload._numa import bind_to_device_numa_node, bind_to_numa_node
-from offload._thread_rule import RankCpus, ThreadPlanError, allocate_threads, static_rule_threads
-from offload._threads import ThreadPlan, apply_thread_plan, forget_logged_plans, plan_cpu_threads, thread_limit
+from offload._thread_rule import ThreadPlanError, allocate_threads, static_rule_threads
+from offload._threads import apply_thread_plan, forget_logged_plans
 from offload._topology import (
-    CgroupCpuLimit,
-    CpuTopology,
     TopologyError,
     format_cpulist,
     normalize_pci_bus_id,

@@ -22,7 +22,7 @@ own, shared = json.loads(sys.argv[3]), json.loads(sys.argv[4])
 os.sched_setaffinity(0, own[rank])
 
 import torch.distributed as dist
-from offload._threads import plan_cpu_threads
+from offload import plan_cpu_threads
 
 def record(plan):
     return {"threads": plan.threads, "planned": plan.planned_threads, "rank": plan.local_rank,

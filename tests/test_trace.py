@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune._trace import TraceWriter
+from autotune import TraceWriter
 
 REPO = Path(__file__).resolve().parents[1]
 WINNER = {"threads": 2, "chunk_numel": 1 << 20}

@@ -22,7 +22,7 @@ BASELINE = {"threads": 8, "chunk_numel": 1 << 20}
 
 
 def _space(chunks: tuple[int, ...] = CHUNKS) -> Any:
-    from autotune._space import Knob, SearchSpace
+    from autotune import Knob, SearchSpace
 
     return SearchSpace((Knob("threads", THREADS), Knob("chunk_numel", chunks, prefer="high")))
 
@@ -81,8 +81,7 @@ def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, 
 
 
 def _worker_agree(rank: int, world_size: int, *, cache_path: str) -> dict[str, Any]:
-    from autotune._cache import TuningCache
-    from autotune import AutotuneConfig
+    from autotune import AutotuneConfig, TuningCache
 
     records = _Records()
     logging.getLogger("autotune").addHandler(records)
@@ -222,9 +221,7 @@ def test_a_stopped_or_killed_rank_fails_every_survivor_in_time(tmp_path, victim,
 
 
 def _worker_two_caches(rank: int, world_size: int, *, tmp: str) -> dict[str, Any]:
-    from autotune import knobs
-    from autotune._cache import TuningCache
-    from autotune import AutotuneConfig
+    from autotune import AutotuneConfig, TuningCache, knobs
 
     records = _Records()
     logging.getLogger("autotune").addHandler(records)

@@ -14,11 +14,19 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+from autotune import (
+    AutotuneConfig,
+    Knob,
+    Measurement,
+    OnlineTuner,
+    SearchSpace,
+    StepSample,
+    geometric_ladder,
+    powers_of_two,
+)
 from autotune import _measurement, _space
-from autotune._measurement import Measurement, gain_threshold, significantly_faster
+from autotune._measurement import gain_threshold, significantly_faster
 from autotune._probe import choose, plan_budget
-from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
-from autotune import AutotuneConfig, OnlineTuner, StepSample
 
 THREADS = (1, 2, 4, 8)
 CHUNKS = (1 << 20, 1 << 21, 1 << 22)
@@ -642,7 +650,7 @@ def test_force_retune_ignores_a_valid_cached_choice():
 
 
 def test_real_cache_file_round_trip(tmp_path, monkeypatch):
-    from autotune._cache import TuningCache
+    from autotune import TuningCache
 
     best = {"threads": 2, "chunk_numel": 1 << 22}
     first = Client(valley(best))

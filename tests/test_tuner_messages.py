@@ -8,8 +8,8 @@ import re
 
 from test_tuner_logic import BASELINE, Client, FakeCache, make_tuner, table
 
-from autotune._measurement import Measurement, format_ms
-from autotune import AutotuneConfig
+from autotune import AutotuneConfig, Measurement
+from autotune._measurement import format_ms
 
 _OTHER_UNITS = re.compile(r"\d(?: s\b| us\b|e[-+]\d)")
 
