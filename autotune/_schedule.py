@@ -225,7 +225,7 @@ class Schedule:
                 baseline=decision.baseline,
                 winner_median_s=decision.winner_median_s,  # type: ignore[arg-type]  # measured: a float
                 baseline_median_s=decision.baseline_median_s,  # type: ignore[arg-type]
-                measurements=tuple({"candidate": m["candidate"], "samples": m["samples"]} for m in decision.measurements),
+                measurements=tuple(decision.measurements),  # to_json keeps what an entry stores of each
                 probe_steps=decision.session_probe_steps,
                 created_unix=time.time(),
                 fingerprint=self.fingerprint_details,

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Sequence
 
 import torch
 
@@ -29,6 +29,9 @@ from offload._mask_exchange import DEFAULT_EXCHANGE_TIMEOUT_S, MasksFrom, given_
 from offload._plan_text import plan_reason
 from offload._thread_rule import RankCpus, ThreadPlanError, allocate_threads, static_rule_threads
 from offload._topology import CpuTopology, format_cpulist, read_affinity, read_cpu_topology
+
+if TYPE_CHECKING:
+    from autotune import Agreement
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ def plan_cpu_threads(
     topology: CpuTopology | None = None,
     cpus: Iterable[int] | None = None,
     cpu_count: int | None = None,
-    agreement: Any = None,
+    agreement: Agreement | None = None,
     masks: Sequence[RankCpus | Iterable[int]] | None = None,
     local_rank: int | None = None,
 ) -> ThreadPlan:

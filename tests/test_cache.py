@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune import knobs
-from autotune._cache import SCHEMA_VERSION, CacheEntry, CacheEntryError, TuningCache
+from autotune import TuningCache, knobs
+from autotune._cache import SCHEMA_VERSION, CacheEntry, CacheEntryError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune import knobs
-from autotune._cache import TuningCache
+from autotune import TraceWriter, TuningCache, knobs
 from autotune._cli import main
-from autotune._trace import TraceWriter
 
 REPO = Path(__file__).resolve().parents[1]
 
