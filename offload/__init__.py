@@ -5,10 +5,14 @@ Besides the optimizer, the thread plan and the stock-optimizer wrapper, the pack
 types its injection points take (docs/architecture.md, "Injection points"): ``KernelSet`` (with
 its ``KernelLoader`` / ``ExtensionLoader``) for ``CPUOffloadAdamW(kernels=)``, ``NumaBinding``
 (what a ``numa_binder=`` returns), and ``CpuTopology``, ``RankCpus`` and ``CgroupCpuLimit`` for
-``plan_cpu_threads(topology=, masks=)``.
+``plan_cpu_threads(topology=, masks=)``. ``MasterParamLoadPlanner`` loads a torch AdamW DCP
+checkpoint of a bf16/fp16 model (imported on first use: ``torch.distributed.checkpoint`` is slow
+to import).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from offload._optimizer import CPUOffloadAdamW
 from offload._fused_mp_build import ExtensionLoader, KernelLoader
@@ -27,6 +31,7 @@ __all__ = [
     "ExtensionLoader",
     "KernelLoader",
     "KernelSet",
+    "MasterParamLoadPlanner",
     "NumaBinding",
     "OffloadSettings",
     "RankCpus",
@@ -39,3 +44,11 @@ __all__ = [
     "thread_limit",
     "tune_step_threads",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MasterParamLoadPlanner":
+        from offload._dcp import MasterParamLoadPlanner
+
+        return MasterParamLoadPlanner
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")

@@ -53,11 +53,12 @@ def groups(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def make_pair(kind: str) -> tuple[Net, Any]:
-    """A sharded model and its optimizer: "torch" (AdamW(fused=True)), "ours" or "ours-bf16"."""
+    """A sharded model and its optimizer: "torch" (AdamW(fused=True)), "ours", and their bf16
+    models "torch-bf16", "ours-bf16"."""
     from offload import CPUOffloadAdamW, OffloadSettings
 
-    model = sharded(torch.bfloat16 if kind == "ours-bf16" else torch.float32)
-    if kind == "torch":
+    model = sharded(torch.bfloat16 if kind.endswith("-bf16") else torch.float32)
+    if kind.startswith("torch"):
         return model, torch.optim.AdamW(groups(model), lr=1e-3, fused=True)
     return model, CPUOffloadAdamW(groups(model), lr=1e-3, settings=OffloadSettings(threads=1, chunk_numel=1024))
 

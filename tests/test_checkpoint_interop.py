@@ -192,11 +192,12 @@ def test_dcp_default_planner_both_ways(tmp_path: Path, direction: str) -> None:
 def test_dcp_bf16_master_param_is_a_key_only_ours_needs(tmp_path: Path, caplog) -> None:
     """bf16: ours -> torch loads with the default planner (the checkpoint's extra
     ``master_param`` is not asked for; torch keeps its moments in bf16, the parameter's dtype);
-    torch -> ours needs ``allow_partial_load=True`` (our destination asks for ``master_param``),
-    and then the loaded weights are the masters (the destination's own masters are stale: one
-    warning at the next step)."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+    torch -> ours: the default planner refuses (our destination asks for ``master_param``),
+    ``MasterParamLoadPlanner`` drops exactly those keys, and the loaded weights are the masters
+    (no stale master left behind: no warning at the next step)."""
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from offload import MasterParamLoadPlanner
 
     model = _dcp_model(torch.bfloat16)
     opt = CPUOffloadAdamW(param_groups(model), settings=SMALL)
@@ -215,15 +216,41 @@ def test_dcp_bf16_master_param_is_a_key_only_ours_needs(tmp_path: Path, caplog) 
     back = CPUOffloadAdamW(param_groups(back_model), settings=SMALL)
     with pytest.raises(CheckpointException, match="master_param"):
         _dcp_load(back_model, back, tmp_path / "torch")
-    _dcp_load(back_model, back, tmp_path / "torch", planner=DefaultLoadPlanner(allow_partial_load=True))
+    planner = MasterParamLoadPlanner()
+    _dcp_load(back_model, back, tmp_path / "torch", planner=planner)
     held = [p for p in ref_model.parameters() if ref.state.get(p)]
     mine = [p for p in back_model.parameters() if back.state.get(p)]
+    assert len(planner.dropped) == len(mine) > 0
+    assert all(key.endswith(".master_param") for key in planner.dropped)
     assert_bitwise(list(back_model.parameters()), list(ref_model.parameters()), "weights")
     for key in ("exp_avg", "exp_avg_sq", "step"):
         assert_bitwise([back.state[p][key] for p in mine], [ref.state[p][key].float() for p in held], key)
+    assert_bitwise([back.state[p]["master_param"] for p in mine], [p.detach().float() for p in held],
+                   "masters seeded from the loaded weights")
     with caplog.at_level(logging.WARNING, logger="offload._masters"):
         _train(back_model, back, range(4, 5))
-    stale = [r.getMessage() for r in caplog.records if "no longer rounds" in r.getMessage()]
-    assert len(stale) == 1, stale
+    assert not [r.getMessage() for r in caplog.records if "no longer rounds" in r.getMessage()]
     opt.close()
     back.close()
+
+
+def test_master_param_planner_still_refuses_any_other_missing_key(tmp_path: Path) -> None:
+    """Only ``master_param`` may be missing: a checkpoint without a moment still raises, naming it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from offload import MasterParamLoadPlanner
+
+    model = _dcp_model(torch.bfloat16)
+    opt = CPUOffloadAdamW(param_groups(model), settings=SMALL)
+    _train(model, opt, range(2))
+    saved = get_optimizer_state_dict(model, opt)
+    fqn = next(iter(saved["state"]))
+    saved["state"][fqn] = {k: v for k, v in saved["state"][fqn].items()  # (a copy: not opt.state's)
+                           if k not in ("exp_avg_sq", "master_param")}
+    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path / "ck"))
+    with pytest.raises(CheckpointException, match="exp_avg_sq"):
+        dcp.load({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path / "ck"),
+                 planner=MasterParamLoadPlanner())
+    opt.close()
