@@ -3,12 +3,14 @@
 Generic: this package knows named discrete knobs, step-time samples and process groups; it knows
 nothing of AdamW or offloading (``offload`` wires it in). ``Agreement`` is the protocol of the
 collectives an ``OnlineTuner(group=)`` (and ``offload.plan_cpu_threads(agreement=)``) takes;
-``InProcessAgreement`` implements it for ranks that are threads of one process.
+``InProcessAgreement`` implements it for ranks that are threads of one process;
+``make_agreement(group, timeout_s=)`` is the one an ``OnlineTuner`` builds for a group (``None``:
+this node's ranks), for a caller that shares it with other collectives (``offload`` does).
 """
 
 from __future__ import annotations
 
-from autotune._agree import Agreement, AgreementError, AgreementMismatch, AgreementTimeout
+from autotune._agree import Agreement, AgreementError, AgreementMismatch, AgreementTimeout, make_agreement
 from autotune._cache import TuningCache
 from autotune._fingerprint import Fingerprint, fingerprint
 from autotune._inprocess import InProcessAgreement
@@ -35,5 +37,6 @@ __all__ = [
     "TuningCache",
     "fingerprint",
     "geometric_ladder",
+    "make_agreement",
     "powers_of_two",
 ]

@@ -130,7 +130,7 @@ def agreed_kernels(
     if not has_lowp or not bitwise():
         return ()
     ok, reason = (available or _fused_mp.fused_mp_available)()
-    from autotune._agree import make_agreement
+    from autotune import make_agreement
 
     agree = agreement if agreement is not None else make_agreement(
         None, timeout_s=timeout_s, owner="offload kernel knob"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotune import AutotuneConfig
-from autotune._agree import Agreement, make_agreement
+from autotune import Agreement, make_agreement
 from offload._threads import ThreadPlan, plan_cpu_threads
 
 __all__ = ["NodeAgreement", "node_agreement", "plan_with", "thread_plan"]
