@@ -146,6 +146,15 @@ def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
     assert not bad, f"{package} must not import {forbidden}: {bad}"
 
 
+def test_offload_uses_only_the_public_autotune() -> None:
+    """``offload`` is a client of ``autotune``: it imports the package and its public ``knobs``
+    module, never a private module (what it needs is exported)."""
+    graph = _graph()
+    bad = sorted((m, t) for m, targets in graph.items() if m.split(".")[0] == "offload"
+                 for t in targets if t.split(".")[0] == "autotune" and _private_path(t))
+    assert not bad, f"offload imports private autotune modules: {bad}"
+
+
 def _exported(package: str) -> set[str]:
     tree = ast.parse((ROOT / package / "__init__.py").read_text())
     for node in tree.body:
