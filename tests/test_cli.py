@@ -6,9 +6,11 @@ import csv
 import io
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -45,14 +47,35 @@ def cache_path(tmp_path: Path) -> Path:
     return path
 
 
-def run_cli(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cache: Path | None = None, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.pop(knobs.CACHE_VAR, None)
     if cache is not None:
         env[knobs.CACHE_VAR] = str(cache)
-    return subprocess.run([sys.executable, "-m", "autotune", *args], env=env, cwd=REPO,
+    return subprocess.run([*prefix, sys.executable, "-m", "autotune", *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
+
+
+# The capabilities that let root read and write through file permissions (capabilities(7)).
+_ROOT_WRITE_CAPS = "-dac_override,-dac_read_search,-fowner"
+
+
+def _as_permission_bound() -> list[str] | None:
+    """A command prefix that makes the CLI subprocess obey file permissions, or None if none can.
+
+    Not root: nothing to add. Root (CI runs as root): ``setpriv`` drops the capabilities that
+    write through permissions from the child and everything it starts. None when root has no
+    working ``setpriv`` (not installed, or no CAP_SETPCAP to shrink the bounding set).
+    """
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    prefix = [setpriv, f"--inh-caps={_ROOT_WRITE_CAPS}", f"--bounding-set={_ROOT_WRITE_CAPS}", "--"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else None
 
 
 def call(*args: str) -> tuple[int, str, str]:
@@ -238,15 +261,19 @@ def test_clear_that_cannot_write_is_exit_1_with_one_line(cache_path: Path) -> No
     assert cache_path.read_bytes() == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only permissions")
 def test_clear_of_a_read_only_cache_is_exit_1(cache_path: Path) -> None:
+    prefix = _as_permission_bound()
+    if prefix is None:
+        pytest.skip("root without a working setpriv writes through read-only permissions")
+    before = cache_path.read_bytes()
     cache_path.chmod(0o444)
     cache_path.parent.chmod(0o555)
     try:
-        line = _one_line_error(run_cli("clear", "--cache", str(cache_path)))
+        line = _one_line_error(run_cli("clear", "--cache", str(cache_path), prefix=prefix))
     finally:
         cache_path.parent.chmod(0o755)
-    assert "cannot clear" in line and len(TuningCache(cache_path).entries()) == 2
+    assert f"cannot clear {cache_path}" in line, line
+    assert cache_path.read_bytes() == before and len(TuningCache(cache_path).entries()) == 2
 
 
 def test_clear_below_a_regular_file_is_exit_1(tmp_path: Path) -> None:
