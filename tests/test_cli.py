@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -317,3 +318,18 @@ def test_plot_without_matplotlib_suggests_pip_install_matplotlib(run_dir: Path, 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     rc, _, err = call("plot", str(run_dir))
     assert rc == 1 and err.strip().endswith("plotting needs matplotlib: pip install matplotlib"), err
+
+
+def test_output_into_a_pipe_closed_early_is_quiet_exit_0(tmp_path: Path) -> None:
+    # `python -m autotune show | head -1` used to print "error: [Errno 32] Broken pipe", exit 1.
+    # Each output here is several pipe buffers (64 KiB on Linux), so head exits mid-write.
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps({"schema": 1, "entries": {f"{i:064x}": entry(4, 0.5) for i in range(3000)}}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for args in ("show", "show --json", "export --format csv", "export"):
+        script = (f"{shlex.quote(sys.executable)} -m autotune {args} --cache {shlex.quote(str(path))} "
+                  "| head -1 >/dev/null; "
+                  'echo "python_rc=${PIPESTATUS[0]}"')
+        result = subprocess.run(["bash", "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+        assert result.stdout.strip() == "python_rc=0" and result.stderr == "", (args, result)
