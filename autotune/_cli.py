@@ -7,6 +7,7 @@ cache directory) and on run directories written by :class:`autotune._trace.Trace
 A user error (a cache path that does not exist or is not a regular file, a run path that is not
 a directory, a malformed environment variable) is one line on stderr and exit status 1, never a
 traceback; the cache path is examined before it is opened, so a FIFO or a device is never read.
+Output into a pipe whose reader has gone (``| head -1``) ends quietly with status 0.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -298,6 +300,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_went_away(out: TextIO) -> int:
+    """The reader closed the pipe (``| head``): stop quietly with status 0, as CLI tools do.
+
+    ``out`` is pointed at /dev/null, so the interpreter's last flush of what is still buffered
+    does not fail again ("Exception ignored ... BrokenPipeError" and status 120).
+    """
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # an in-memory stream: nothing left to flush
+        return 0
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Run the CLI; returns the exit status."""
     out = stdout if stdout is not None else sys.stdout
@@ -312,7 +332,11 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         if getattr(args, "output", None) and args.func is _export:
             with open(args.output, "w", encoding="utf-8", newline="") as f:
                 return args.func(args, f)
-        return args.func(args, out)
+        status = args.func(args, out)
+        out.flush()  # a closed pipe raises here, inside the try, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _reader_went_away(out)
     except CliError as exc:
         err.write(f"python -m autotune {args.command}: error: {exc}\n")
         return 1

@@ -6,9 +6,12 @@ import csv
 import io
 import json
 import os
+import shlex
+import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -45,14 +48,35 @@ def cache_path(tmp_path: Path) -> Path:
     return path
 
 
-def run_cli(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cache: Path | None = None, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.pop(knobs.CACHE_VAR, None)
     if cache is not None:
         env[knobs.CACHE_VAR] = str(cache)
-    return subprocess.run([sys.executable, "-m", "autotune", *args], env=env, cwd=REPO,
+    return subprocess.run([*prefix, sys.executable, "-m", "autotune", *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
+
+
+# The capabilities that let root read and write through file permissions (capabilities(7)).
+_ROOT_WRITE_CAPS = "-dac_override,-dac_read_search,-fowner"
+
+
+def _as_permission_bound() -> list[str] | None:
+    """A command prefix that makes the CLI subprocess obey file permissions, or None if none can.
+
+    Not root: nothing to add. Root (CI runs as root): ``setpriv`` drops the capabilities that
+    write through permissions from the child and everything it starts. None when root has no
+    working ``setpriv`` (not installed, or no CAP_SETPCAP to shrink the bounding set).
+    """
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    prefix = [setpriv, f"--inh-caps={_ROOT_WRITE_CAPS}", f"--bounding-set={_ROOT_WRITE_CAPS}", "--"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else None
 
 
 def call(*args: str) -> tuple[int, str, str]:
@@ -238,15 +262,19 @@ def test_clear_that_cannot_write_is_exit_1_with_one_line(cache_path: Path) -> No
     assert cache_path.read_bytes() == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only permissions")
 def test_clear_of_a_read_only_cache_is_exit_1(cache_path: Path) -> None:
+    prefix = _as_permission_bound()
+    if prefix is None:
+        pytest.skip("root without a working setpriv writes through read-only permissions")
+    before = cache_path.read_bytes()
     cache_path.chmod(0o444)
     cache_path.parent.chmod(0o555)
     try:
-        line = _one_line_error(run_cli("clear", "--cache", str(cache_path)))
+        line = _one_line_error(run_cli("clear", "--cache", str(cache_path), prefix=prefix))
     finally:
         cache_path.parent.chmod(0o755)
-    assert "cannot clear" in line and len(TuningCache(cache_path).entries()) == 2
+    assert f"cannot clear {cache_path}" in line, line
+    assert cache_path.read_bytes() == before and len(TuningCache(cache_path).entries()) == 2
 
 
 def test_clear_below_a_regular_file_is_exit_1(tmp_path: Path) -> None:
@@ -290,3 +318,18 @@ def test_plot_without_matplotlib_suggests_pip_install_matplotlib(run_dir: Path, 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     rc, _, err = call("plot", str(run_dir))
     assert rc == 1 and err.strip().endswith("plotting needs matplotlib: pip install matplotlib"), err
+
+
+def test_output_into_a_pipe_closed_early_is_quiet_exit_0(tmp_path: Path) -> None:
+    # `python -m autotune show | head -1` used to print "error: [Errno 32] Broken pipe", exit 1.
+    # Each output here is several pipe buffers (64 KiB on Linux), so head exits mid-write.
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps({"schema": 1, "entries": {f"{i:064x}": entry(4, 0.5) for i in range(3000)}}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for args in ("show", "show --json", "export --format csv", "export"):
+        script = (f"{shlex.quote(sys.executable)} -m autotune {args} --cache {shlex.quote(str(path))} "
+                  "| head -1 >/dev/null; "
+                  'echo "python_rc=${PIPESTATUS[0]}"')
+        result = subprocess.run(["bash", "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+        assert result.stdout.strip() == "python_rc=0" and result.stderr == "", (args, result)

@@ -5,7 +5,8 @@ with ``gradient_clip_val`` inside it. Each run's weights equal the same Trainer 
 ``torch.optim.AdamW(fused=True)`` bitwise: 1 process, ``strategy="ddp"`` on 2 gloo ranks, and
 ``ModelParallelStrategy`` (FSDP2 via ``configure_model``) on 2 gloo ranks. The 2-rank runs start in
 ``_dist_util`` workers (torchrun's environment): Lightning sees an external launcher and joins the
-process group that is already there, so nothing is spawned.
+process group that is already there, so nothing is spawned. The clip is shown to bite: the same
+1-process fit without ``gradient_clip_val`` ends with other weights.
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ def _data(seed: int = 0) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=8)
 
 
-def _fit(kind: str, *, seed: int = 0, **trainer_kw) -> list[torch.Tensor]:
+def _fit(kind: str, *, seed: int = 0, gradient_clip_val: float | None = 1.0, **trainer_kw) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     module = _Regression(kind, shard="strategy" in trainer_kw and not isinstance(trainer_kw["strategy"], str))
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", enable_checkpointing=False, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
-                        **trainer_kw)
+                        enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=gradient_clip_val, **trainer_kw)
     trainer.fit(module, _data(seed))
     for opt in trainer.optimizers:
         getattr(opt, "close", lambda: None)()
@@ -85,6 +86,11 @@ def test_one_process_matches_stock_adamw(kind: str, stock, single_threaded_main)
     got = _fit(kind, devices=1)
     assert not _same(got, [p.detach() for p in _Regression("torch").parameters()])  # it trained
     assert _same(got, stock)
+
+
+def test_gradient_clip_val_is_active(stock, single_threaded_main) -> None:
+    # Without this the bitwise match above would also pass if Lightning's clip never ran.
+    assert not _same(_fit("ours", devices=1, gradient_clip_val=None), stock)
 
 
 def _worker(rank: int, world_size: int, *, strategy: str, kind: str) -> dict[str, Any]:

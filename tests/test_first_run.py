@@ -115,6 +115,8 @@ def test_help_shows_each_default_once_and_documents_every_flag(capsys) -> None:
     assert "(default: None)" not in text and "(default: False)" not in text
     assert text.count("(default: the rank's thread plan)") == 2  # --threads, --compute-threads
     assert "$OFFLOAD_AUTOTUNE_CACHE" in text
+    kernel = text.split("--kernel {auto,torch,fused-mp} ")[1].split(" --numa-bind ")[0]
+    assert "(default auto:" in kernel and "default torch" not in text and "default: torch" not in text, kernel
     for action in train.build_parser()._actions:
         assert action.help, action.option_strings
 
