@@ -75,6 +75,14 @@ class _SetupError(Exception):
     """A bad --trace-dir or environment value: reported in one line, exit status 2."""
 
 
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with the rank that got it (read before the process group is torn down)."""
+
+    def __init__(self, rank: int | None) -> None:
+        super().__init__()
+        self.rank = rank
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -400,6 +408,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _train(args, device, info, plan_cpu_threads)
     except (_dist.DistFailure, AgreementError) as exc:  # a peer died, froze or disagreed: one line
         raise SystemExit(f"error: {exc}") from None
+    except KeyboardInterrupt:
+        raise _Interrupted(info.rank if info is not None and info.world_size > 1 else None) from None
     finally:
         if info is not None:
             _dist.teardown(info)
@@ -560,10 +570,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_SetupError, KnobError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:  # one line per rank, not a traceback per rank
-        dist = torch.distributed
-        rank = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
-        print(f"{parser.prog}: interrupted{rank}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as exc:  # one line per rank, not a traceback per rank
+        rank = getattr(exc, "rank", None)
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"{parser.prog}: interrupted{where}", file=sys.stderr, flush=True)
         return 130
     return 0
 

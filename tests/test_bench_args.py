@@ -67,3 +67,23 @@ def test_trainer_ctrl_c_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     assert train.main(["--steps", "1"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["python -m bench.train: interrupted"]
+
+
+def test_trainer_ctrl_c_under_a_launcher_names_the_rank(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The rank is read before run() tears the process group down (it was lost there)."""
+    import offload
+    from bench import _dist, train
+
+    torn_down = []
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while training (the first call of the run's body)
+
+    monkeypatch.setattr(_dist, "setup", lambda *a, **k: _dist.DistInfo(
+        rank=0, world_size=2, local_rank=0, local_world_size=2, backend="gloo"))
+    monkeypatch.setattr(_dist, "teardown", torn_down.append)
+    monkeypatch.setattr(offload, "plan_cpu_threads", interrupted)
+    assert train.main(["--steps", "1"]) == 130
+    assert len(torn_down) == 1
+    assert capsys.readouterr().err.strip().splitlines() == ["python -m bench.train: interrupted (rank 0)"]
