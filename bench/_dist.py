@@ -12,6 +12,11 @@ Faults: the default group's timeout is ``--dist-timeout`` (default: the tuner's 
 bound as the tuner's collectives. Ranks exchange their pids at setup; a failed collective becomes
 one :class:`DistFailure` naming the step, what was being exchanged, whether it timed out or failed
 early, and which rank on this host exited or is stopped (ranks on other hosts cannot be seen).
+
+Launching: :func:`run_torchrun` runs a launcher (``torchrun``) and, when it must be stopped, stops
+its workers too. torch's launcher starts each worker with ``start_new_session=True``, so a SIGKILL
+of torchrun alone (what ``subprocess.run(timeout=)`` and ``Popen.kill()`` send) leaves the workers
+running, reparented to init; a SIGTERM lets torchrun stop them itself.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ import contextlib
 import datetime as _dt
 import hashlib
 import logging
+import signal
+import subprocess
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -33,13 +41,15 @@ from autotune._peers import ProcessInfo, describe_state, me, peer_states
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DistFailure", "DistInfo", "setup", "teardown", "average_gradients",
-           "average_scalar", "gather_objects", "param_checksum"]
+           "average_scalar", "gather_objects", "param_checksum", "run_torchrun", "stop_torchrun"]
 
 #: The tuner's default collective timeout: generous (a tiny CPU run on a loaded 2-core machine can
 #: leave one rank far behind), yet one bound for every collective of the run.
 DEFAULT_TIMEOUT_S = AutotuneConfig().timeout_s
 #: A collective that failed after this fraction of the timeout timed out; earlier, a peer is gone.
 _TIMED_OUT_FRACTION = 0.9
+#: How long :func:`stop_torchrun` lets torchrun stop its workers after a SIGTERM before killing them.
+STOP_GRACE_S = 15.0
 
 
 class DistFailure(RuntimeError):
@@ -197,3 +207,56 @@ def param_checksum(params: Iterable[torch.Tensor]) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:  # already exited: its workers, if any, were reparented
+        return []
+
+
+def stop_torchrun(proc: subprocess.Popen, *, grace_s: float = STOP_GRACE_S) -> tuple[Any, Any]:
+    """Stop a launcher and every process it started; return the rest of its (stdout, stderr).
+
+    Records the descendants first (once torchrun is gone they can no longer be found), sends
+    torchrun SIGTERM (it then stops its workers), waits up to ``grace_s``, then SIGKILLs every
+    recorded descendant still alive and torchrun. Output is None where it was not piped or could
+    not be read (a killed process that was not recorded may still hold the pipe).
+    """
+    if proc.poll() is not None:
+        return None, None
+    recorded = {p.pid: p for p in _descendants(proc)}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=grace_s)  # drains the pipes: a full one would block its shutdown
+    except subprocess.TimeoutExpired:
+        pass
+    recorded.update((p.pid, p) for p in _descendants(proc))  # workers started after the first look
+    for p in recorded.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()  # psutil checks the pid still names the recorded process
+    proc.kill()
+    proc.wait()
+    try:
+        return proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None, None
+
+
+def run_torchrun(cmd: Sequence[str], *, timeout_s: float, **popen_kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, **popen_kwargs)``
+    that stops torchrun's workers too (:func:`stop_torchrun`) on a timeout or any exception.
+
+    The exception is re-raised; a :class:`subprocess.TimeoutExpired` carries the output read so far,
+    as ``subprocess.run``'s does.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except BaseException as exc:  # KeyboardInterrupt too: the workers are in their own sessions
+        out, err = stop_torchrun(proc)
+        if isinstance(exc, subprocess.TimeoutExpired) and (out, err) != (None, None):
+            exc.stdout, exc.stderr = out, err
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autotune._runs import resolve_run_dir
+from bench._dist import run_torchrun
 from bench._stats import iqr, median
 
 logger = logging.getLogger(__name__)
@@ -239,8 +240,7 @@ def launch(spec: RunSpec, cfg: TrainerConfig, workdir: Path, *, steps: int, cach
     cmd = command(spec, cfg, steps=steps, summary=summary_path, trace_dir=trace_dir, cache=cache)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=workdir, env=_env(spec, workdir), capture_output=True, text=True,
-                              timeout=cfg.timeout_s)
+        proc = run_torchrun(cmd, cwd=workdir, env=_env(spec, workdir), timeout_s=cfg.timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise ScenarioError(f"{' '.join(cmd)}: no result after {cfg.timeout_s:.0f} s") from exc
     wall = time.perf_counter() - t0

@@ -17,6 +17,9 @@ Each worker is ``python tests/_dist_util.py SPEC RANK`` with torchrun's environm
 port of 127.0.0.1. Its return value (or exception) comes back in a :class:`WorkerResult`; its
 stderr (logging goes there) too. Workers still running at ``timeout_s``, or once every rank of
 ``wait_ranks`` has finished, are killed, so a test never hangs.
+
+A test that runs torchrun itself uses :func:`run_torchrun` (``subprocess.run`` that, on a timeout,
+stops torchrun's workers too, which a SIGKILL of torchrun would leave running).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["WorkerResult", "free_port", "run_workers"]
+__all__ = ["WorkerResult", "free_port", "run_torchrun", "run_workers"]
 
 
 @dataclass
@@ -69,6 +72,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def run_torchrun(cmd: Sequence[str], *, timeout_s: float, **popen_kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, **popen_kwargs)``
+    that, on a timeout or any exception (re-raised), SIGTERMs torchrun, waits 15 s, then SIGKILLs
+    every process it had started and torchrun. One implementation, the suite's: bench/_dist.py."""
+    from bench._dist import run_torchrun as run  # here, not at import: workers run this file too
+
+    return run(cmd, timeout_s=timeout_s, **popen_kwargs)
+
+
 def _launch(target: str, world_size: int, kwargs: dict[str, Any], timeout_s: float,
             wait_ranks: Sequence[int] | None, log_level: str, workdir: Path) -> list[WorkerResult]:
     port = free_port()
@@ -76,30 +88,31 @@ def _launch(target: str, world_size: int, kwargs: dict[str, Any], timeout_s: flo
             "workdir": str(workdir)}
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        )
-        stderr = open(workdir / f"stderr.{rank}", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(rank)],
-            cwd=REPO_ROOT, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True,
-        ))
-        stderr.close()
-    deadline = time.monotonic() + timeout_s
-    waited = range(world_size) if wait_ranks is None else wait_ranks
-    while time.monotonic() < deadline and any(procs[r].poll() is None for r in waited):
-        time.sleep(0.05)
+    procs: list[subprocess.Popen] = []
     killed = set()
-    for rank, proc in enumerate(procs):
-        if proc.poll() is None:
-            killed.add(rank)
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    try:
+        for rank in range(world_size):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            )
+            with open(workdir / f"stderr.{rank}", "wb") as stderr:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(rank)],
+                    cwd=REPO_ROOT, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True,
+                ))
+        deadline = time.monotonic() + timeout_s
+        waited = range(world_size) if wait_ranks is None else wait_ranks
+        while time.monotonic() < deadline and any(procs[r].poll() is None for r in waited):
+            time.sleep(0.05)
+    finally:  # on every exit path (Ctrl-C, an exception): the workers are in their own sessions
+        for rank, proc in enumerate(procs):
+            if proc.poll() is None:
+                killed.add(rank)
+                os.killpg(proc.pid, signal.SIGKILL)  # an unreaped leader keeps its group
+            proc.wait()
     results = []
     for rank, proc in enumerate(procs):
         out = workdir / f"result.{rank}.json"

@@ -456,10 +456,16 @@ def test_concurrent_writer_processes_merge(tmp_path: Path) -> None:
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     procs = [ctx.Process(target=_writer, args=(str(path), f"writer-{i}", 5)) for i in range(8)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+    finally:  # a hung writer would otherwise outlive the test (and block pytest's exit)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert [p.exitcode for p in procs] == [0] * 8
     doc = json.loads(path.read_text())
     assert doc["schema"] == 1

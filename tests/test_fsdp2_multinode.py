@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _dist_util import free_port
+from bench._dist import stop_torchrun
 
 REPO = Path(__file__).absolute().parents[1]
 STEPS = 20
@@ -54,10 +55,9 @@ def _two_agents(tmp: Path, *extra: str) -> tuple[dict, list[str]]:
             out, _ = proc.communicate(timeout=600)
             outputs.append(out)
             assert proc.returncode == 0, out[-4000:]
-    finally:
+    finally:  # a SIGKILL of an agent alone would leave its workers (own sessions) running
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+            stop_torchrun(proc)
     return json.loads((tmp / "summary.json").read_text()), outputs
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _dist_util import run_torchrun
 from bench import train
 from bench._parallel import _interleave_qkv, layout_mesh
 
@@ -28,7 +28,7 @@ def _torchrun(tmp_path: Path, name: str, *extra: str) -> tuple[dict, str]:
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "bench.train", *TINY, "--fsdp", "--tp", "2", "--steps", "3", "--summary-json", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout + proc.stderr
 

@@ -40,7 +40,9 @@ os.sched_setaffinity(0, shared)
 del os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]
 plans["host"] = record(plan_cpu_threads(timeout_s=30))  # all ranks, filtered by host name
 
-# Never hang: rank 1 does not join, rank 0's exchange on a 2 s gloo group must raise.
+# Never hang: rank 1 does not join, rank 0's exchange on a 2 s gloo group must raise. The barrier
+# first: the 2 s also bound the group's set-up, and the ranks may leave the plans above seconds apart.
+dist.barrier()
 short = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=2))
 if rank == 0:
     from offload._threads import ThreadPlanError

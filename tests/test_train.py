@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 from conftest import train_summary
 
+from _dist_util import run_torchrun
 from bench import train
 
 REPO = Path(__file__).absolute().parents[1]
@@ -125,7 +125,7 @@ def test_torchrun_two_ranks_stay_identical(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "bench.train", *TINY, "--optim-cpu-offload", "--steps", "4", "--chunk-numel", "8192",
            "--summary-json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["world_size"] == 2 and s["backend"] == "gloo"
@@ -155,7 +155,7 @@ def test_torchrun_two_ranks_autotune_agree_and_share_the_cache(tmp_path: Path) -
                "-m", "bench.train", "--model-size", "small", "--device", "cpu", "--batch-size", "2",
                "--seq-len", "16", "--optim-cpu-offload", "--autotune", "--steps", "32",
                "--cache", str(tmp_path / "cache.json"), "--summary-json", str(out)]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         summaries.append(json.loads(out.read_text()))
     first, second = summaries

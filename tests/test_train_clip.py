@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from conftest import train_summary
 
+from _dist_util import run_torchrun
 from bench import train
 
 REPO = Path(__file__).absolute().parents[1]
@@ -132,7 +132,7 @@ def _torchrun(tmp_path: Path, name: str, *extra: str) -> dict:
            "-m", "bench.train", "--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32",
            "--fsdp", "--steps", "3", "--grad-accum", "2", "--clip-grad-norm", "0.5", "--amp", "fp16",
            "--summary-json", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

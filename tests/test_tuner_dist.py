@@ -50,6 +50,8 @@ class _Records(logging.Handler):
 
 def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, stop_at: int | None = None,
           stop: str = "", slow_from: int | None = None, stop_file: str = "") -> dict[str, Any]:
+    import torch.distributed
+
     from autotune import OnlineTuner, StepSample
 
     applied: list[tuple[int, dict[str, Any]]] = []
@@ -60,6 +62,9 @@ def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, 
 
     tuner = OnlineTuner(space, baseline=BASELINE, apply=apply, config=config, workload={"params": 1000},
                         cache=cache)
+    # The tuner's timeout (5 s in some tests) also bounds setting up its group: without the barrier
+    # a rank whose imports ran that much later under load would fail the others at "start".
+    torch.distributed.barrier()
     tuner.start()
     states = []
     for step in range(steps):
