@@ -254,3 +254,88 @@ def test_master_param_planner_still_refuses_any_other_missing_key(tmp_path: Path
         dcp.load({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path / "ck"),
                  planner=MasterParamLoadPlanner())
     opt.close()
+
+
+# --- review: MasterParamLoadPlanner on the two other state-dict layouts DCP users hand it ---
+
+
+def _torch_bf16_source(steps=range(3)):
+    ref_model = _dcp_model(torch.bfloat16)
+    ref = torch.optim.AdamW(param_groups(ref_model), fused=True)
+    _train(ref_model, ref, steps)
+    return ref_model, ref
+
+
+def test_master_param_planner_int_keyed_optimizer_state_dict(tmp_path: Path) -> None:
+    """``dcp.load({"model": model.state_dict(), "optim": opt.state_dict()})``: the plain
+    int-keyed layout. ``flatten_state_dict`` spells the key ``"0"``, the state dict has ``0``: the
+    planner must drop ``state[0]["master_param"]``, not raise ``KeyError: '0'``."""
+    import torch.distributed.checkpoint as dcp
+
+    from offload import MasterParamLoadPlanner
+
+    ref_model, ref = _torch_bf16_source()
+    dcp.save({"model": ref_model.state_dict(), "optim": ref.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
+    model = _dcp_model(torch.bfloat16)
+    opt = CPUOffloadAdamW(param_groups(model), settings=SMALL)
+    _train(model, opt, range(1))
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    planner = MasterParamLoadPlanner()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"), planner=planner)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    mine = [p for p in model.parameters() if opt.state.get(p)]
+    assert planner.dropped and len(planner.dropped) == len(mine)
+    assert_bitwise([opt.state[p]["master_param"] for p in mine], [p.detach().float() for p in mine], "masters")
+    opt.close()
+
+
+def test_master_param_planner_flat_optimizer_state_dict(tmp_path: Path) -> None:
+    """``StateDictOptions(flatten_optimizer_state_dict=True)``, the layout torchtitan's
+    ``OptimizersContainer.state_dict()`` hands ``dcp.load``: the keys are ``"state.<fqn>.master_param"``
+    (one string), and a torch AdamW bf16 checkpoint must load as in the nested layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from offload import MasterParamLoadPlanner
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    ref_model, ref = _torch_bf16_source()
+    dcp.save({"model": get_model_state_dict(ref_model), "optim": get_optimizer_state_dict(ref_model, ref, options=flat)},
+             checkpoint_id=str(tmp_path / "ck"))
+    model = _dcp_model(torch.bfloat16)
+    opt = CPUOffloadAdamW(param_groups(model), settings=SMALL)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=flat)}
+    planner = MasterParamLoadPlanner()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"), planner=planner)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"], options=flat)
+    held = [p for p in ref_model.parameters() if ref.state.get(p)]
+    mine = [p for p in model.parameters() if opt.state.get(p)]
+    assert len(planner.dropped) == len(mine) > 0
+    assert_bitwise([opt.state[p]["master_param"] for p in mine], [p.detach().float() for p in held], "masters")
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise([opt.state[p][key] for p in mine], [ref.state[p][key].float() for p in held], key)
+    opt.close()
+
+
+def test_master_param_planner_never_drops_a_model_weight_named_master_param(tmp_path: Path) -> None:
+    """Only an optimizer state's ``master_param`` may be missing: a model (or any other entry)
+    whose own key is ``master_param`` still gets DCP's 'Missing key' refusal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from offload import MasterParamLoadPlanner
+
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.master_param = torch.nn.Parameter(torch.ones(4))
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+    dcp.save({"model": {"w": torch.full((4,), 2.0)}}, checkpoint_id=str(tmp_path / "ck"))
+    model = Scale()
+    with pytest.raises(CheckpointException, match="master_param"):
+        dcp.load({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ck"), planner=MasterParamLoadPlanner())
