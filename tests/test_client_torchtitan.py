@@ -121,7 +121,7 @@ def test_container_trains_and_checkpoints_like_stock_adamw(overlap: bool) -> Non
     _close(ours, *(c for _, c in resumed.values()))
 
 
-def _fsdp_worker(rank: int, world_size: int, *, workdir: str) -> dict[str, Any]:
+def _fsdp_worker(rank: int, world_size: int, *, workdir: str, overlap: bool = False) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -138,7 +138,7 @@ def _fsdp_worker(rank: int, world_size: int, *, workdir: str) -> dict[str, Any]:
         return [p.to_local().clone() for p in model.parameters()]
 
     stock_model, our_model = sharded(), sharded()
-    stock, ours = _container("stock", stock_model), _container("ours", our_model)
+    stock, ours = _container("stock", stock_model), _container("ours", our_model, overlap_backward=overlap)
     norms_equal = _train(our_model, ours, 3, seed=rank) == _train(stock_model, stock, 3, seed=rank)
     weights_equal = all(torch.equal(a, b) for a, b in zip(local(our_model), local(stock_model), strict=True))
     dcp.save(ours.state_dict(), checkpoint_id=f"{workdir}/ours")
@@ -149,7 +149,7 @@ def _fsdp_worker(rank: int, world_size: int, *, workdir: str) -> dict[str, Any]:
                                ("stock<-ours", "stock", "ours")):
         model = sharded()
         model.load_state_dict(our_model.state_dict())
-        container = _container(kind, model)
+        container = _container(kind, model, **({"overlap_backward": overlap} if kind == "ours" else {}))
         state = container.state_dict()  # the keys and tensors dcp.load fills in place
         dcp.load(state, checkpoint_id=f"{workdir}/{source}")
         container.load_state_dict(state)
@@ -163,8 +163,12 @@ def _fsdp_worker(rank: int, world_size: int, *, workdir: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_fsdp2_container_clips_and_checkpoints_through_dcp_like_stock_adamw(tmp_path: Path) -> None:
-    results = run_workers(_fsdp_worker, world_size=2, kwargs={"workdir": str(tmp_path)}, timeout_s=300)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_fsdp2_container_clips_and_checkpoints_through_dcp_like_stock_adamw(tmp_path: Path, overlap: bool) -> None:
+    """docs/integrations.md: ``optimizer_factory_kwargs_by_name={"AdamW": {"overlap_backward": True}}``
+    in the FSDP2 case too (torchtitan's clip runs after backward, the early chunks must be redone)."""
+    results = run_workers(_fsdp_worker, world_size=2, kwargs={"workdir": str(tmp_path), "overlap": overlap},
+                          timeout_s=300)
     assert all(r.ok for r in results), "\n".join(r.describe() for r in results)
     for r in results:
         assert r.value["norms_equal"] and r.value["weights_equal"], r.value
