@@ -173,3 +173,15 @@ def test_fsdp2_container_clips_and_checkpoints_through_dcp_like_stock_adamw(tmp_
     for r in results:
         assert r.value["norms_equal"] and r.value["weights_equal"], r.value
         assert r.value["resumed_equal"] == {"ours<-ours": True, "ours<-stock": True, "stock<-ours": True}, r.value
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "for-loop", "fused_opt_states_bf16"])
+def test_recipe_refuses_what_it_cannot_match(implementation: str) -> None:
+    """review: torchtitan's ``fused_opt_states_bf16`` passes ``fused=True, foreach=False`` (the
+    same kwargs as ``"fused"``) and registers a pre-hook that makes the moments bf16 only on
+    ``torch.optim.Adam/AdamW`` instances: CPUOffloadAdamW silently trains with fp32 moments,
+    not stock's bf16 ones. Like ``"foreach"``/``"for-loop"``, it must be refused."""
+    config = default_adamw(lr=1e-2)
+    config.implementation = implementation
+    with pytest.raises(ValueError):
+        OffloadOptimizersContainer(config, model_parts=[_model()])
