@@ -113,3 +113,32 @@ def test_a_launcher_that_ignores_sigterm_is_killed_with_its_workers(tmp_path: Pa
         stop_torchrun(proc, grace_s=1)
     assert proc.returncode == -signal.SIGKILL
     _assert_all_gone(_pids(tmp_path))
+
+
+DYING = """
+import subprocess, sys, time
+from pathlib import Path
+print("launcher up", flush=True)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+Path(sys.argv[1], "pid.0").write_text(str(child.pid))
+time.sleep(2)
+sys.exit(1)  # the agent dies (a crash, the OOM killer) with its worker running, holding stdout
+"""
+
+
+def test_a_launcher_that_died_before_the_timeout_leaves_no_worker_alive(tmp_path: Path) -> None:
+    """review: torchrun gone, its worker (own session) still holding the pipe: communicate() times
+    out, stop_torchrun sees the launcher exited and returns (None, None) without killing anything;
+    the TimeoutExpired keeps communicate's partial *bytes* although the call is text=True."""
+    script = tmp_path / "dying.py"
+    script.write_text(DYING)
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_torchrun([sys.executable, str(script), str(tmp_path)], timeout_s=8, cwd=tmp_path)
+    pids = _pids(tmp_path)
+    try:
+        _assert_all_gone(pids, within_s=5)
+        assert info.value.stdout is None or isinstance(info.value.stdout, str), type(info.value.stdout)
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                psutil.Process(pid).kill()
