@@ -135,7 +135,8 @@ def test_a_launcher_that_died_before_the_timeout_leaves_no_worker_alive(tmp_path
         run_torchrun([sys.executable, str(script), str(tmp_path)], timeout_s=8, cwd=tmp_path)
     pids = _pids(tmp_path)
     try:
-        assert b"launcher up" in (info.value.stdout or b"") or "launcher up" in (info.value.stdout or "")
+        out = info.value.stdout
+        assert "launcher up" in (out.decode() if isinstance(out, bytes) else out or ""), out
         _assert_all_gone(pids, within_s=5)
     finally:
         for pid in pids:
