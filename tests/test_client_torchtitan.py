@@ -185,3 +185,30 @@ def test_recipe_refuses_what_it_cannot_match(implementation: str) -> None:
     config.implementation = implementation
     with pytest.raises(ValueError):
         OffloadOptimizersContainer(config, model_parts=[_model()])
+
+
+def test_stock_bf16_container_checkpoint_loads_into_ours_through_dcp(tmp_path: Path) -> None:
+    """review: README's route for a torch AdamW bf16 checkpoint (``MasterParamLoadPlanner``) on
+    torchtitan's own path: the containers as DCP Statefuls, whose flat keys are
+    ``"state.<fqn>.master_param"``."""
+    import torch.distributed.checkpoint as dcp
+
+    from offload import MasterParamLoadPlanner
+
+    stock_model, our_model = _model().to(torch.bfloat16), _model().to(torch.bfloat16)
+    stock, ours = _container("stock", stock_model), _container("ours", our_model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        stock_model(torch.randn(16, 8, generator=gen, dtype=torch.bfloat16)).square().mean().backward()
+        stock.step()
+        stock.zero_grad()
+    dcp.save({"model": stock_model.state_dict(), "optimizer": stock}, checkpoint_id=str(tmp_path / "ck"))
+    planner = MasterParamLoadPlanner()
+    dcp.load({"model": our_model.state_dict(), "optimizer": ours}, checkpoint_id=str(tmp_path / "ck"), planner=planner)
+    opt, ref = ours.optimizers[0], stock.optimizers[0]
+    assert len(planner.dropped) == len(list(our_model.parameters()))
+    assert _same(our_model, stock_model)
+    for p, q in zip(our_model.parameters(), stock_model.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["master_param"], p.detach().float())
+        assert torch.equal(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"].float())
+    _close(ours)
