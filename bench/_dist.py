@@ -216,7 +216,8 @@ def _descendants(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
-def stop_torchrun(proc: subprocess.Popen, *, grace_s: float = STOP_GRACE_S) -> tuple[Any, Any]:
+def stop_torchrun(proc: subprocess.Popen, *, grace_s: float = STOP_GRACE_S,
+                  known: Iterable[psutil.Process] = ()) -> tuple[Any, Any]:
     """Stop a launcher and every process it started; return the rest of its (stdout, stderr).
 
     Records the descendants first (once torchrun is gone they can no longer be found), sends
@@ -224,9 +225,16 @@ def stop_torchrun(proc: subprocess.Popen, *, grace_s: float = STOP_GRACE_S) -> t
     recorded descendant still alive and torchrun. Output is None where it was not piped or could
     not be read (a killed process that was not recorded may still hold the pipe).
     """
+    recorded = {p.pid: p for p in known}
     if proc.poll() is not None:
-        return None, None
-    recorded = {p.pid: p for p in _descendants(proc)}
+        for p in recorded.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        try:
+            return proc.communicate(timeout=5)  # the rest, once the killed workers let go of the pipes
+        except subprocess.TimeoutExpired:
+            return None, None
+    recorded.update((p.pid, p) for p in _descendants(proc))
     proc.send_signal(signal.SIGTERM)
     try:
         return proc.communicate(timeout=grace_s)  # drains the pipes: a full one would block its shutdown
@@ -252,10 +260,20 @@ def run_torchrun(cmd: Sequence[str], *, timeout_s: float, **popen_kwargs: Any) -
     as ``subprocess.run``'s does.
     """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        while True:  # look at the descendants every second: once torchrun is gone they cannot be found
+            seen.update((p.pid, p) for p in _descendants(proc))
+            try:
+                stdout, stderr = proc.communicate(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired as expired:
+                if time.monotonic() >= deadline:
+                    expired.timeout = timeout_s
+                    raise
     except BaseException as exc:  # KeyboardInterrupt too: the workers are in their own sessions
-        out, err = stop_torchrun(proc)
+        out, err = stop_torchrun(proc, known=seen.values())
         if isinstance(exc, subprocess.TimeoutExpired) and (out, err) != (None, None):
             exc.stdout, exc.stderr = out, err
         raise

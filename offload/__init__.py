@@ -52,3 +52,7 @@ def __getattr__(name: str) -> Any:
 
         return MasterParamLoadPlanner
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -44,17 +44,47 @@ class MasterParamLoadPlanner(DefaultLoadPlanner):
         if metadata is None:
             return
         saved = metadata.state_dict_metadata
+        root = self.original_state_dict
         missing = [key for key, path in self.mappings.items()
-                   if path and path[-1] == MASTER_KEY and key not in saved]
+                   if key not in saved and _is_master(root, path)]
         for key in missing:
             path = self.mappings.pop(key)
             del self.state_dict[key]
-            parent = self.original_state_dict
-            for part in path[:-1]:
-                parent = parent[part]
-            del parent[path[-1]]
+            parent = _walk(root, path[:-1])
+            del parent[_key_of(parent, path[-1])]
         self.dropped = missing
         if missing:
             logger.info("MasterParamLoadPlanner: %d master_param entr%s not in the checkpoint "
                         "(a torch AdamW checkpoint): seeded from the loaded weights",
                         len(missing), "y" if len(missing) == 1 else "ies")
+
+
+def _is_master(root: Any, path: tuple) -> bool:
+    """An optimizer state's ``master_param``, in an optimizer state dict (one with param groups):
+    ``(..., "state", <fqn or id>, "master_param")`` (``opt.state_dict()``,
+    ``get_optimizer_state_dict``) or ``(..., "state.<fqn>.master_param")`` (flat:
+    ``flatten_optimizer_state_dict=True``, torchtitan's ``OptimizersContainer``). A model weight
+    that happens to be called ``master_param`` is not one: it still has to be in the checkpoint."""
+    last = path[-1] if path else None
+    if last == MASTER_KEY:
+        if len(path) < 3 or path[-3] != "state":
+            return False
+        optim = _walk(root, path[:-3])
+        return isinstance(optim, dict) and "param_groups" in optim
+    if isinstance(last, str) and last.startswith("state.") and last.endswith("." + MASTER_KEY):
+        optim = _walk(root, path[:-1])
+        return isinstance(optim, dict) and any(str(k).startswith("param_groups.") for k in optim)
+    return False
+
+
+def _walk(node: Any, parts: tuple) -> Any:
+    for part in parts:
+        node = node[_key_of(node, part)]
+    return node
+
+
+def _key_of(parent: Any, part: Any) -> Any:
+    """``flatten_state_dict`` spells every mapping key with ``str()`` (``state[0]`` is ``"0"``)."""
+    if isinstance(parent, list) or part in parent:
+        return part
+    return next(k for k in parent if str(k) == part)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +35,16 @@ from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E40
 from torchtitan.distributed.utils import clip_grad_norm_  # noqa: E402
 
 
-class OffloadOptimizersContainer(OptimizersContainer):
-    """docs/integrations.md's recipe: torchtitan's container building CPUOffloadAdamW for "AdamW"."""
+def _recipe() -> type:
+    """docs/integrations.md's recipe, as written there: its torchtitan block up to the model."""
+    doc = (Path(__file__).absolute().parents[1] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "OptimizersContainer" in b)
+    namespace: dict[str, Any] = {}
+    exec(compile(block[: block.index("\nmodel = ")], "docs/integrations.md", "exec"), namespace)
+    return namespace["OffloadOptimizersContainer"]
 
-    @staticmethod
-    def _resolve_optimizer_factory(name: str):
-        if name == "AdamW":
-            return CPUOffloadAdamW
-        return OptimizersContainer._resolve_optimizer_factory(name)
+
+OffloadOptimizersContainer = _recipe()
 
 
 def _model() -> torch.nn.Module:
