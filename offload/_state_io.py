@@ -112,7 +112,8 @@ def check_loaded(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], d
     )
     entries: LoadedState = []
     for key, value in state_dict["state"].items():
-        if isinstance(value.get("master_param"), dict) and not value["master_param"]:  # flat layout, dropped: torch unflattens it to {}
+        if isinstance(value.get("master_param"), dict) and not value["master_param"]:
+            # a master MasterParamLoadPlanner dropped from a flat layout: torch unflattens it to {}
             value = {k: v for k, v in value.items() if k != "master_param"}
         if key not in id_map:
             raise ValueError(f"loaded state dict has state for unknown parameter id {key!r}")
