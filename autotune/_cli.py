@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autotune import knobs
-from autotune._cache import SCHEMA_VERSION, CacheEntry, CacheWriteError, TuningCache
+from autotune._cache import SCHEMA_VERSION, CacheWriteError, TuningCache
+from autotune._entry import CacheEntry
 from autotune._runs import resolve_run_dir
 from autotune._trace import (
     SUMMARY_JSON,

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Protocol
 
-from autotune._cache import CacheEntry, CacheEntryError
+from autotune._entry import CacheEntry, CacheEntryError
 from autotune._check import CheckSession, CheckVerdict
 from autotune._config import AutotuneConfig
 from autotune._probe import ProbeSession
