@@ -45,30 +45,24 @@ import torch
 
 from bench import _dist
 from bench._stats import atomic_write_json
+from bench import _train_args
+from bench._train_args import DTYPES, check_args
 from bench._train_summary import (SpeculationTally, build_summary, format_step, opt_knobs, plot_note,
                                    print_summary, stats_dict)
-from bench.model import GPT, PRESETS, SyntheticTokens, count_params, preset
+from bench.model import GPT, SyntheticTokens, count_params, preset
 
 logger = logging.getLogger("bench.train")
 
 __all__ = ["build_parser", "main", "run"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Written into each run directory under --trace-dir.
 RUN_SUMMARY = "run.json"
 TRAIN_STEPS = "train_steps.jsonl"
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only where the help text does not already say it and it means something
-    (not None, not a flag's False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default is None or action.default is False \
-                or action.default is argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action) or text
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's command line (``bench/_train_args.py``)."""
+    return _train_args.build_parser(description=__doc__.split("\n\n")[0])
 
 
 class _SetupError(Exception):
@@ -81,162 +75,6 @@ class _Interrupted(KeyboardInterrupt):
     def __init__(self, rank: int | None) -> None:
         super().__init__()
         self.rank = rank
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
-
-
-def _thread_count(text: str) -> int:
-    from autotune.knobs import MAX_THREADS
-
-    value = _positive_int(text)
-    if value > MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a thread count from 1 to {MAX_THREADS}")
-    return value
-
-
-def _chunk_numel(text: str) -> int:
-    from offload._settings import MIN_CHUNK_NUMEL
-
-    value = _positive_int(text)
-    if value < MIN_CHUNK_NUMEL:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a chunk size of at least {MIN_CHUNK_NUMEL} elements")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
-    return value
-
-
-def _clip_norm(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite max norm > 0")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.train", description=__doc__.split("\n\n")[0],
-        formatter_class=_HelpFormatter,
-    )
-    p.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="model parameter dtype")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda if available, else cpu")
-    p.add_argument("--steps", type=_positive_int, default=20, help="optimizer steps")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per micro-batch per rank")
-    p.add_argument("--seq-len", type=_positive_int, default=None, help="default: min(128, model max)")
-    p.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
-    p.add_argument("--seed", type=int, default=0, help="model init (same on all ranks) and data seed")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup; default 10%% of --steps")
-    p.add_argument("--weight-decay", type=_nonnegative_float, default=0.1, help="on matrices only (not biases, norms)")
-    p.add_argument("--optim-cpu-offload", action="store_true",
-                   help="use offload.CPUOffloadAdamW (else torch.optim.AdamW(fused=True) on the device)")
-    p.add_argument("--threads", type=_thread_count, default=None,
-                   help="optimizer intra-op threads (default: the rank's thread plan)")
-    p.add_argument("--chunk-numel", type=_chunk_numel, default=None,
-                   help="optimizer pipeline chunk size in elements")
-    p.add_argument("--kernel", choices=("auto", "torch", "fused-mp"), default=None,
-                   help="CPU AdamW kernel of the offloaded step (default auto: fused-mp where it builds "
-                        "and is verified bitwise equal to torch's kernel, else torch; fused-mp: the "
-                        "native single-pass kernel, torch's where it cannot build)")
-    p.add_argument("--numa-bind", action="store_true",
-                   help="bind to the NUMA node of the GPU (CPU: of the affinity mask) before the "
-                        "optimizer allocates its host state (OffloadSettings.bind_numa)")
-    p.add_argument("--overlap-backward", action="store_true",
-                   help="start each chunk's update during backward (one process, or several with --fsdp)")
-    p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
-    p.add_argument("--clip-grad-norm", type=_clip_norm, default=None, metavar="X",
-                   help="clip the total gradient norm to X before each step: opt.clip_grad_norm_(X) with "
-                        "--optim-cpu-offload, else torch.nn.utils.clip_grad_norm_")
-    p.add_argument("--amp", choices=("fp16",), default=None,
-                   help="fp16 autocast of forward and torch.amp.GradScaler (scaled backward, scaler.step; "
-                        "scaler.unscale_ before --clip-grad-norm)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="FSDP2: fully_shard each block and the root (see bench/_fsdp.py)")
-    p.add_argument("--fsdp-cpu-offload", action="store_true",
-                   help="with --fsdp: FSDP2's CPUOffloadPolicy and stock torch.optim.AdamW(fused=True) stepping "
-                        "on the CPU shards; --autotune / --threads set that step's threads (offload.tune_step_threads)")
-    p.add_argument("--fsdp-param-dtype", choices=sorted(_DTYPES), default=None,
-                   help="with --fsdp: MixedPrecisionPolicy(param_dtype=...) for forward/backward")
-    p.add_argument("--tp", type=_positive_int, default=1, help="with --fsdp: tensor parallel over N ranks (bench/_parallel.py)")
-    p.add_argument("--hsdp", type=_positive_int, default=1, help="with --fsdp: HSDP, R replica groups of FSDP shards")
-    p.add_argument("--cache", type=Path, default=None,
-                   help="tuning cache file (default: $OFFLOAD_AUTOTUNE_CACHE, else "
-                        "$XDG_CACHE_HOME/offload-autotune/cache.json, XDG_CACHE_HOME defaulting "
-                        "to ~/.cache)")
-    p.add_argument("--trace-dir", type=Path, default=None,
-                   help="folder of run traces: each run writes a new DIR/run-N (DIR/latest links "
-                        "to it) with the tuner's trace, train_steps.jsonl and run.json")
-    p.add_argument("--compute-threads", type=_thread_count, default=None,
-                   help="intra-op threads for forward/backward (default: the rank's thread plan)")
-    p.add_argument("--summary-json", type=Path, default=None, help="write the run summary here")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                   help="logging level of the trainer and the libraries (stderr)")
-    p.add_argument("--dist-timeout", type=_positive_seconds, default=_dist.DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help="timeout of every collective, the tuner's included: a rank that stops answering "
-                        "fails the others within it, naming the step and the rank")
-    return p
-
-
-def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.fsdp_cpu_offload:  # stock AdamW on CPU shards: only its thread count is ours to set
-        if not args.fsdp or args.optim_cpu_offload:
-            p.error("--fsdp-cpu-offload is FSDP2's CPUOffloadPolicy with stock AdamW: add --fsdp, drop --optim-cpu-offload")
-        for flag, value in (("--chunk-numel", args.chunk_numel), ("--kernel", args.kernel),
-                            ("--overlap-backward", args.overlap_backward)):
-            if value:
-                p.error(f"{flag} configures CPUOffloadAdamW, not the stock AdamW of --fsdp-cpu-offload")
-    elif not args.optim_cpu_offload:
-        for flag, value in (("--threads", args.threads), ("--chunk-numel", args.chunk_numel),
-                            ("--kernel", args.kernel), ("--numa-bind", args.numa_bind),
-                            ("--overlap-backward", args.overlap_backward), ("--autotune", args.autotune)):
-            if value:
-                p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
-    if args.amp is not None:
-        for flag, value in (("--dtype bf16", args.dtype != "fp32"), ("--fsdp-param-dtype", args.fsdp_param_dtype),
-                            ("--fsdp-cpu-offload", args.fsdp_cpu_offload)):
-            if value:
-                p.error(f"--amp {args.amp} with {flag}: autocast with GradScaler expects fp32 parameters on the "
-                        "device; drop one of them")
-    if (args.fsdp_param_dtype is not None or args.tp > 1 or args.hsdp > 1) and not args.fsdp:
-        p.error("--fsdp-param-dtype, --tp and --hsdp configure FSDP2: add --fsdp")
-    if (args.cache is not None) and not args.autotune:
-        p.error("--cache is the tuning cache: add --autotune")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch reports no CUDA device here; use --device cpu")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        p.error(f"--warmup-steps {args.warmup_steps}: expected an integer >= 0")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        p.error(f"--lr {args.lr}: expected a finite float > 0")
 
 
 def _lr_lambda(steps: int, warmup: int):
@@ -432,13 +270,13 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
         raise SystemExit(f"error: --seq-len {seq_len} exceeds the {args.model_size} model's max_seq_len "
                          f"{cfg.max_seq_len}")
     torch.manual_seed(args.seed)  # same init on every rank
-    model = GPT(cfg).to(device=device, dtype=_DTYPES[args.dtype])
+    model = GPT(cfg).to(device=device, dtype=DTYPES[args.dtype])
     n_params = count_params(model)
     stream = info.rank  # the data stream: the ranks of a TP group share one
     if args.fsdp:
         from bench._parallel import parallelize
 
-        param_dtype = _DTYPES[args.fsdp_param_dtype] if args.fsdp_param_dtype else None
+        param_dtype = DTYPES[args.fsdp_param_dtype] if args.fsdp_param_dtype else None
         stream = parallelize(model, tp=args.tp, hsdp=args.hsdp, param_dtype=param_dtype, cpu_offload=args.fsdp_cpu_offload)
     if is_main:
         print(f"model {args.model_size}: {n_params:,} parameters ({n_params / 1e6:.1f}M), dtype {args.dtype}, "
@@ -560,7 +398,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_args(parser, args)
+    check_args(parser, args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from autotune.knobs import KnobError
