@@ -60,34 +60,27 @@ def _chunk_numel(text: str) -> int:
     return value
 
 
-def _nonnegative_float(text: str) -> float:
+def _float(text: str, ok, expected: str) -> float:
+    """``text`` as a float for which ``ok(value)`` holds (a finite one), else a usage error."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
     return value
+
+
+def _nonnegative_float(text: str) -> float:
+    return _float(text, lambda v: v >= 0, "a finite number >= 0")
 
 
 def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
-    return value
+    return _float(text, lambda v: v > 0, "a number of seconds > 0")
 
 
 def _clip_norm(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite max norm > 0")
-    return value
+    return _float(text, lambda v: v > 0, "a finite max norm > 0")
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ uneven shards and, on 2 and 3 ranks, ranks whose shard of ``tiny`` or ``scale`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,11 +80,12 @@ class ShardMixedPrecisionReference:
     """Per local shard: an fp32 master updated by torch's fused AdamW from the upcast gradient,
     cast back into the shard (the mixed-precision reference of tests/test_optimizer_numerics.py)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, param_groups: Callable[[nn.Module], list] | None = None) -> None:
+        """``param_groups``: the groups of ``model`` (default :func:`groups`)."""
         self.params = list(model.parameters())
         self.master = {p: local(p).detach().float().clone().requires_grad_(True) for p in self.params}
         self.opt = torch.optim.AdamW([{**g, "params": [self.master[p] for p in g["params"]]}
-                                      for g in groups(model)], lr=1e-3, fused=True)
+                                      for g in (param_groups or groups)(model)], lr=1e-3, fused=True)
         self.param_groups = self.opt.param_groups
 
     def step(self) -> None:

@@ -30,6 +30,8 @@ from torch.utils.checkpoint import checkpoint
 from offload import CPUOffloadAdamW, KernelSet, OffloadSettings, StepStats
 from offload._dtensor import local
 
+from _fsdp_models import ShardMixedPrecisionReference
+
 IN, HID, OUT = 24, 40, 7
 SMALL = OffloadSettings(threads=1, chunk_numel=1024, kernel="torch")
 """Chunks small enough that the model has several (5), one worker thread, torch's kernel (no
@@ -82,32 +84,16 @@ def groups(model: nn.Module) -> list[dict[str, Any]]:
             {"params": [p for p in rest if p.dim() < 2], "lr": 1e-3, "weight_decay": 0.0}]
 
 
-class MixedPrecisionReference:
+class MixedPrecisionReference(ShardMixedPrecisionReference):
     """bf16 parameters, fp32 masters updated by ``torch.optim.AdamW(fused=True)`` from the upcast
     gradient, cast back into the parameters: the mixed-precision reference (as in
-    tests/test_optimizer_numerics.py). ``param_groups`` are the inner optimizer's (hyper-parameter
-    edits reach it)."""
+    tests/test_optimizer_numerics.py), on this module's groups by default. ``param_groups`` are the
+    inner optimizer's (hyper-parameter edits reach it); ``state`` reads its masters' state."""
 
     def __init__(self, model: nn.Module,
                  param_groups: Callable[[nn.Module], list] | None = None) -> None:
-        self.params = list(model.parameters())
-        self.master = {p: local(p).detach().float().clone().requires_grad_(True) for p in self.params}
-        self.opt = torch.optim.AdamW([{**g, "params": [self.master[p] for p in g["params"]]}
-                                      for g in (param_groups or groups)(model)], fused=True)
-        self.param_groups = self.opt.param_groups
+        super().__init__(model, param_groups or groups)
         self.state = _MasterState(self)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> None:
-        for p in self.params:
-            self.master[p].grad = None if p.grad is None else local(p.grad).float()
-        self.opt.step()
-        with torch.no_grad():
-            for p in self.params:
-                local(p).copy_(self.master[p])
 
 
 class _MasterState:
