@@ -91,7 +91,7 @@ class ScenarioError(RuntimeError):
 
 def thread_rules(*, cpu_count: int, affinity: int, ranks: int) -> dict[str, int]:
     """Threads per rank each static rule gives: ``launcher`` (row 1), ``env`` (row 2), ``static`` (row 3)."""
-    from offload._thread_rule import static_rule_threads
+    from offload.threads._rule import static_rule_threads
 
     for name, value in (("cpu_count", cpu_count), ("affinity", affinity), ("ranks", ranks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

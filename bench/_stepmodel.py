@@ -112,7 +112,7 @@ class Hardware:
         )
 
     def topology(self) -> CpuTopology:
-        """The :class:`offload._topology.CpuTopology` that ``plan_cpu_threads`` reads on this node."""
+        """The :class:`offload.threads._topology.CpuTopology` that ``plan_cpu_threads`` reads on this node."""
         n = self.sockets * self.cores_per_socket
         cores = [[t * n + c for t in range(self.smt)] for c in range(n)]
         return CpuTopology.from_cores(cores, numa_nodes={s: self.socket_cpus(s) for s in range(self.sockets)})

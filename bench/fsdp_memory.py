@@ -53,7 +53,7 @@ def measure_rank(model_size: str, steps: int = 2) -> dict[str, Any]:
     from bench._fsdp import shard_model
     from bench.model import GPT, SyntheticTokens, count_params, preset
     from offload import CPUOffloadAdamW
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     cfg = preset(model_size)
     torch.manual_seed(0)

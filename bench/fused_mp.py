@@ -13,7 +13,7 @@ thread count, in rotating order (ABC, BCA, CAB), one full optimizer step of:
 * ``torch``: per chunk, upcast the bf16 gradient into the fp32 buffer (read 2 + write 4 B/param),
   ``torch._fused_adamw_`` on the fp32 master and moments (28 B), copy the master into the bf16
   parameter (read 4 + write 2 B): 40 B per parameter;
-* ``fused-mp``: per chunk, :func:`offload._fused_mp.fused_mp_adamw_`: read the bf16 gradient (2 B),
+* ``fused-mp``: per chunk, :func:`offload.kernels._fused_mp.fused_mp_adamw_`: read the bf16 gradient (2 B),
   read and write master, exp_avg, exp_avg_sq (24 B), write the bf16 parameter (2 B): 28 B;
 * ``probe``: the read-4/write-3 streaming probe ``c_4r3w`` of :mod:`bench._stream` over four
   fp32 buffers as long as the model: per element, load p, g, m, v and store p, m, v in place,
@@ -46,8 +46,8 @@ from bench._args import OUT_DIR_HELP, int_list, resolve_out_dir, thread_list
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
-from offload._fused_mp import bitwise_matches_torch, fused_mp_adamw_, fused_mp_available
-from offload._kernels import torch_mp_adamw_
+from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_adamw_, fused_mp_available
+from offload.kernels._adamw import torch_mp_adamw_
 
 logger = logging.getLogger("bench.fused_mp")
 

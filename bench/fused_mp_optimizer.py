@@ -88,7 +88,7 @@ def _summary(samples: Sequence[float], bytes_moved: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     from offload import CPUOffloadAdamW, OffloadSettings
-    from offload._fused_mp import bitwise_matches_torch, fused_mp_available
+    from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_available
 
     ok, reason = fused_mp_available()
     if not ok:

@@ -5,7 +5,7 @@
 
 Per round, in rotating order, on one fp32 gradient of ``--numel`` elements (and its bf16 copy):
 
-* ``grad_stats``: :func:`offload._grad_stats.grad_stats_` (norm term + checksum), 4 B read per
+* ``grad_stats``: :func:`offload.kernels._grad_stats.grad_stats_` (norm term + checksum), 4 B read per
   element; ``grad_stats_bf16`` the same on the bf16 copy (2 B);
 * ``vector_norm``: ``torch.linalg.vector_norm`` (4 B read);
 * ``copy``: ``out.copy_(g)`` into a preallocated buffer (4 B read + 4 B written), and ``clone``:
@@ -34,9 +34,9 @@ import torch
 
 from bench._args import OUT_DIR_HELP, resolve_out_dir
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
-from offload._fused_mp import fused_mp_available
-from offload._grad_stats import grad_stats_
-from offload._kernels import Hyper, native_adamw_f32_
+from offload.kernels._fused_mp import fused_mp_available
+from offload.kernels._grad_stats import grad_stats_
+from offload.kernels._adamw import Hyper, native_adamw_f32_
 
 __all__ = ["BYTES_PER_ELEMENT", "build_parser", "main", "run"]
 

@@ -6,8 +6,8 @@ below and every seed, one complete tuning session of the real :class:`autotune.O
 * the search space and static plan are what ``CPUOffloadAdamW(autotune=...)`` builds on that node:
   the real ``offload.plan_cpu_threads`` on the node's CPU topology and every local rank's affinity
   mask (handed in with ``masks=``: the mask exchange is the only part skipped), then the real
-  ``offload._autotune.offload_search_space``, with the baseline and per-rank thread cap of
-  ``offload._autotune.OffloadTuning``;
+  ``offload.tuning._glue.offload_search_space``, with the baseline and per-rank thread cap of
+  ``offload.tuning._glue.OffloadTuning``;
 * every local rank runs its own ``OnlineTuner`` in its own thread, with the default
   ``AutotuneConfig``; the tuners talk through :class:`autotune.InProcessAgreement`, an in-process
   implementation of the agreement protocol (all-gather, broadcast, max: the same three collectives
@@ -52,7 +52,7 @@ from bench._simulate_nodes import NODES, REQUIRED_NODES, build_node
 from bench._simulate_report import model_text, render_markdown, summary_line
 from bench._stepmodel import Node, NoiseModel
 from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
-from offload._autotune import offload_search_space
+from offload.tuning._glue import offload_search_space
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def plan_node(node: Node) -> list[ThreadPlan]:
 
 
 def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[str, int], list[int]]:
-    """(space, static plan, each rank's thread cap), as ``offload._autotune.OffloadTuning`` builds them."""
+    """(space, static plan, each rank's thread cap), as ``offload.tuning._glue.OffloadTuning`` builds them."""
     own = [p.planned_threads if p.planned_threads is not None else p.threads for p in plans]
     local = tuple(plans[0].local_threads) or tuple(own)
     top = max(local)

@@ -43,7 +43,7 @@ from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info
 from bench._stepmodel import Workload
 from offload import thread_limit, tune_step_threads
 from offload._stock import step_threads_space
-from offload._thread_rule import static_rule_threads
+from offload.threads._rule import static_rule_threads
 
 logger = logging.getLogger(__name__)
 

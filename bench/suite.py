@@ -366,7 +366,7 @@ def run_external(section: str, args: argparse.Namespace) -> dict[str, Any]:
     if importlib.util.find_spec(module) is None:
         return {"status": "skipped", "note": f"{module} is not present in this checkout: section skipped"}
     if section == "fused_mp":
-        from offload._fused_mp import fused_mp_available
+        from offload.kernels._fused_mp import fused_mp_available
 
         ok, reason = fused_mp_available()
         if not ok:

@@ -256,10 +256,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo, plan_cpu_threads) -> dict[str, Any]:
     is_main = info.rank == 0
     if not is_main:  # one "thread plan" line per run (rank 0's); every rank's plan is in the summary
-        logging.getLogger("offload._threads").setLevel(logging.WARNING)
+        logging.getLogger("offload.threads._plan").setLevel(logging.WARNING)
     plan = plan_cpu_threads(threads=args.compute_threads)
     torch.set_num_threads(plan.threads)
-    if is_main:  # offload._threads logged the plan itself
+    if is_main:  # offload.threads._plan logged the plan itself
         logger.debug("forward/backward use %d intra-op threads (thread plan source %s)",
                      plan.threads, plan.source)
     run_dir = _run_dir(args, info)

@@ -5,7 +5,7 @@
     python -m bench.tuner_quality --quick --out-dir /tmp/tq   # small model, few rounds (tests)
 
 Gradients: by default fixed synthetic gradients, no forward/backward. The tuner's objective is
-the wall time of ``step()`` alone (``offload/_autotune.py``), which forward/backward does not
+the wall time of ``step()`` alone (``offload.tuning._glue``), which forward/backward does not
 enter (on this machine the step times with and without them agree within noise: compare
 ``tuner_quality-backward``); leaving them out makes an iteration about 4x cheaper, so the sweep
 gets 4x the samples in the same time on a noisy shared machine. ``--grads backward`` runs the

@@ -15,14 +15,15 @@ from __future__ import annotations
 from typing import Any
 
 from offload._optimizer import CPUOffloadAdamW
-from offload._fused_mp_build import ExtensionLoader, KernelLoader
-from offload._kernels import KernelSet
-from offload._numa import NumaBinding
-from offload._settings import OffloadSettings, StageSpan, StepStats
+from offload.kernels._build import ExtensionLoader, KernelLoader
+from offload.kernels._adamw import KernelSet
+from offload.threads._numa import NumaBinding
+from offload._settings import OffloadSettings
+from offload._stats import StageSpan, StepStats
 from offload._stock import StepThreadsError, ThreadTunedOptimizer, tune_step_threads
-from offload._thread_rule import RankCpus
-from offload._threads import ThreadPlan, plan_cpu_threads, thread_limit
-from offload._topology import CgroupCpuLimit, CpuTopology
+from offload.threads._rule import RankCpus
+from offload.threads._plan import ThreadPlan, plan_cpu_threads, thread_limit
+from offload.threads._topology import CgroupCpuLimit, CpuTopology
 
 __all__ = [
     "CPUOffloadAdamW",
@@ -48,7 +49,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "MasterParamLoadPlanner":
-        from offload._dcp import MasterParamLoadPlanner
+        from offload.state._dcp import MasterParamLoadPlanner
 
         return MasterParamLoadPlanner
     raise AttributeError(f"module 'offload' has no attribute {name!r}")

@@ -12,7 +12,7 @@ same coefficient), and the gradients stay as they are.
 The coefficient is torch's: ``clamp(max_norm / (total_norm + 1e-6), max=1.0)`` in float32, with
 the total norm rounded to float32 first. For DTensor parameters the terms are reduced over every
 rank holding another shard, replicated mesh dimensions counted once
-(``offload._dtensor.reduce_norm_terms``).
+(``offload.state._dtensor.reduce_norm_terms``).
 
 :func:`amp_arguments` reads what ``GradScaler.step`` hands an optimizer that sets
 ``_step_supports_amp_scaling``: ``grad_scale`` (divided inside the kernel, as torch's fused AdamW
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offload._dtensor import local, reduce_norm_terms
-from offload._params import ParamRecord
+from offload.state._dtensor import local, reduce_norm_terms
+from offload.state._params import ParamRecord
 
 __all__ = ["ClipRequest", "NonFiniteNorm", "amp_arguments", "clip_request"]
 

@@ -1,13 +1,13 @@
 """``CPUOffloadAdamW``: the thin class: arguments, param groups, settings, ``step()``.
 
-It validates its arguments (``offload/_checks.py``), records its parameters
-(``offload/_params.py``), owns the host slabs and the pipeline, and decides *which* chunk runs
+It validates its arguments (``offload._arguments``), records its parameters
+(``offload.state._params``), owns the host slabs and the pipeline, and decides *which* chunk runs
 *when*: at ``step()``, or early during backward with ``overlap_backward=True``
-(``offload/_overlap.py``). The rest lives next door: the math in ``offload/_kernels.py``, slabs and
-chunking in ``offload/_slabs.py``, the worker and transports in ``offload/_pipeline.py``, each
-chunk's Items and kernel choice in ``offload/_items.py``, masters in ``offload/_masters.py``,
-edits in ``offload/_edits.py``, ``state_dict`` in ``offload/_state_io.py``, the tuner glue in
-``offload/_autotune.py``, the stage records turned into ``StepStats`` in ``offload/_stats.py``.
+(``offload.overlap._hooks``). The rest lives next door: the math in ``offload.kernels._adamw``, slabs and
+chunking in ``offload.state._slabs``, the worker and transports in ``offload.pipeline._pipeline``, each
+chunk's Items and kernel choice in ``offload.state._items``, masters in ``offload.state._masters``,
+edits in ``offload.state._edits``, ``state_dict`` in ``offload.state._state_io``, the tuner glue in
+``offload.tuning._glue``, the stage records turned into ``StepStats`` in ``offload.pipeline._timings``.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from autotune import OnlineTuner
-from offload._autotune import OffloadTuning
-from offload._checks import (adamw_defaults, check_arguments, check_limit, check_options, check_param_group,
-                             hyper_of)
-from offload._cuda_transport import CudaTransport
-from offload._dtensor import local
-from offload._edits import WeightEdits
-from offload._group import thread_plan
-from offload._items import ItemCache, resolve_kernel
-from offload._kernels import DEFAULT_KERNELS, Hyper, KernelSet, new_step_tensor
-from offload._masters import (
+from offload.tuning._glue import OffloadTuning
+from offload._arguments import adamw_defaults, check_arguments, check_limit
+from offload.state._groups import check_options, check_param_group, hyper_of
+from offload.pipeline._cuda_transport import CudaTransport
+from offload.state._dtensor import local
+from offload.state._edits import WeightEdits
+from offload.tuning._node_agreement import thread_plan
+from offload.state._items import ItemCache
+from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, KernelSet, new_step_tensor
+from offload.state._masters import (
     cast_seeds,
     copy_state,
     drop_equal_masters,
@@ -46,20 +46,21 @@ from offload._masters import (
     state_entry,
 )
 from offload._clip import ClipRequest, NonFiniteNorm, amp_arguments, clip_request
-from offload._early import EarlyWork, ddp_comm_hook
-from offload._params import ParamRecord, ParamRegistry, check_params, param_names
-from offload._placement import NumaBinder, NumaPlacement
-from offload._rebind import BoundParams, check_rebound, relayout_rebound
-from offload._host_transport import HostTransport
-from offload._pipeline import Pipeline
-from offload._transport import Transport
-from offload._settings import OffloadSettings, StepStats
-from offload._slabs import HostSlabs, plan_chunks
-from offload._stepjobs import collect_grads, submit_step
-from offload._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
-from offload._speculation import checksums_of
-from offload._stats import StatsBuilder
-from offload._threads import ThreadPlan
+from offload.overlap._launcher import EarlyWork, ddp_comm_hook
+from offload.state._params import ParamRecord, ParamRegistry, check_params, param_names
+from offload.state._placement import NumaBinder, NumaPlacement
+from offload.state._rebind import BoundParams, check_rebound, relayout_rebound
+from offload.pipeline._host_transport import HostTransport
+from offload.pipeline._pipeline import Pipeline
+from offload.pipeline._transport import Transport
+from offload._settings import OffloadSettings
+from offload._stats import StepStats
+from offload.state._slabs import HostSlabs, plan_chunks
+from offload.pipeline._step import collect_grads, submit_step
+from offload.state._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
+from offload.overlap._speculation import checksums_of
+from offload.pipeline._timings import StatsBuilder
+from offload.threads._plan import ThreadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ class CPUOffloadAdamW(Optimizer):
     or fp16 parameters, whatever the settings. The model's parameters stay where they are (CPU or
     one CUDA device) in their own dtype; ``step()`` updates them in place. DTensor parameters (FSDP2,
     HSDP, tensor and expert parallel: ``Shard``, ``_StridedShard``, ``Replicate`` on any mesh):
-    the host state holds this rank's local tensor only (see ``offload/_dtensor.py``). Parameters re-bound in ``param_groups``
-    (accelerate's FSDP2 swap) are followed, their state carried over (``offload/_rebind.py``).
+    the host state holds this rank's local tensor only (see ``offload.state._dtensor``). Parameters re-bound in ``param_groups``
+    (accelerate's FSDP2 swap) are followed, their state carried over (``offload.state._rebind``).
 
     Args:
         params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
@@ -85,7 +86,7 @@ class CPUOffloadAdamW(Optimizer):
             ``plan_cpu_threads()``, resolved once here (``apply_settings`` with ``threads=None``
             reuses that count). Change them later with :meth:`apply_settings`.
         overlap_backward: start each chunk's d2h and kernel during backward, as soon as all its
-            gradients have arrived, as a speculation (``offload/_speculation.py``): ``step()``
+            gradients have arrived, as a speculation (``offload.overlap._speculation``): ``step()``
             commits a chunk whose gradients (by content), hyper-parameters, clip coefficient and
             grad scale are those it consumed, and undoes and recomputes the others, so the results
             are bitwise those without overlap whatever the loop does between backward and
@@ -101,7 +102,7 @@ class CPUOffloadAdamW(Optimizer):
             ``ValueError``.
         autotune: ``True`` or an ``autotune.AutotuneConfig`` tunes ``threads`` and ``chunk_numel``
             (and ``kernel`` on bf16/fp16 models where fused-mp is bitwise equal to the torch
-            path) online during the first steps (``offload/_autotune.py``); the tuner is
+            path) online during the first steps (``offload.tuning._glue``); the tuner is
             ``self.tuner``.
             Under torch.distributed every local rank must construct the optimizer together.
         plan: the ``ThreadPlan`` to use instead of ``plan_cpu_threads()`` (tests, simulations, a
@@ -160,7 +161,7 @@ class CPUOffloadAdamW(Optimizer):
         plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
         self._planned_threads = plan.threads
         self._kernels = kernels if kernels is not None else DEFAULT_KERNELS
-        self._settings = resolve_kernel(replace(settings, threads=self._planned_threads), self._kernels)
+        self._settings = replace(settings, threads=self._planned_threads, kernel=self._kernels.resolve(settings.kernel))
         self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
 
         self._pipeline = self._new_pipeline()
@@ -249,7 +250,7 @@ class CPUOffloadAdamW(Optimizer):
 
     def _relayout(self, seeds: Mapping[int, Tensor] = MappingProxyType({})) -> None:
         """New slabs, chunks, worker and hooks for the current groups (after ``add_param_group``,
-        or a master place given or dropped, ``offload/_masters.py``).
+        or a master place given or dropped, ``offload.state._masters``).
 
         A new group comes last, so every existing parameter keeps its slot and record; its moments
         and master are copied into the new slabs (a slot that was its own master and now has a
@@ -268,7 +269,7 @@ class CPUOffloadAdamW(Optimizer):
     def _follow_groups(self) -> None:
         """Parameters re-bound in ``param_groups`` since the last layout (accelerate's FSDP2
         swap, a framework re-wrapping): lay the slabs out for them, their state carried over
-        where ``offload/_rebind.py`` maps them to a parameter that had state."""
+        where ``offload.state._rebind`` maps them to a parameter that had state."""
         groups = self.param_groups
         if not self._bound.changed(groups):
             return
@@ -300,7 +301,7 @@ class CPUOffloadAdamW(Optimizer):
         """Change threads / chunk size / kernel between steps.
 
         threads and chunk size never change the math; switching the kernel neither where
-        ``offload._fused_mp.bitwise_matches_torch()`` (else within its documented tolerance).
+        ``offload.kernels._fused_mp.bitwise_matches_torch()`` (else within its documented tolerance).
         ``kernel="fused-mp"`` falls back to "torch" where it cannot run (see :attr:`settings`).
         """
         if not isinstance(settings, OffloadSettings):
@@ -308,7 +309,7 @@ class CPUOffloadAdamW(Optimizer):
         self._check_idle("apply_settings()")
         if settings.threads is None:
             settings = replace(settings, threads=self._planned_threads)
-        settings = resolve_kernel(settings, self._kernels)
+        settings = replace(settings, kernel=self._kernels.resolve(settings.kernel))
         if settings.chunk_numel != self._settings.chunk_numel:
             self._chunks = plan_chunks(list(self._slabs.slots), settings.chunk_numel)
             if self._overlap is not None:
@@ -340,7 +341,7 @@ class CPUOffloadAdamW(Optimizer):
     @property
     def numa_placement(self) -> NumaPlacement | None:
         """What ``OffloadSettings.bind_numa`` did (None without it): the binding, and the order of
-        bind, allocation and first touch (``offload/_placement.py``)."""
+        bind, allocation and first touch (``offload.state._placement``)."""
         return self._numa
 
     def close(self) -> None:
@@ -384,7 +385,7 @@ class CPUOffloadAdamW(Optimizer):
 
     def attach_ddp(self, model: Any) -> None:
         """With ``overlap_backward``: start chunks after DDP's all-reduce of their gradients (it
-        registers a comm hook, ``offload/_early.py``; call before the first backward). Without it
+        registers a comm hook, ``offload.overlap._launcher``; call before the first backward). Without it
         DDP stays exact, but every chunk started during backward is redone in ``step()``."""
         if self._overlap is None:
             raise ValueError("attach_ddp() needs CPUOffloadAdamW(overlap_backward=True)")
@@ -543,14 +544,14 @@ class CPUOffloadAdamW(Optimizer):
                              count_empty=count_empty)
 
     def _follow_edits(self, grads: dict[int, Tensor]) -> None:
-        """Parameters edited since our last write: their masters follow them (offload/_edits.py)."""
+        """Parameters edited since our last write: their masters follow them (offload.state._edits)."""
         if self._recheck_masters:
             slots, self._recheck_masters = self._recheck_masters, set()
             drop_equal_masters(self._registry.records, self._slabs, slots, self._relayout)
         self._sync_edits(grads)
 
     def _sync_edits(self, slots: Iterable[int]) -> None:
-        """The edited parameters among ``slots`` (offload/_edits.py): their masters follow them,
+        """The edited parameters among ``slots`` (offload.state._edits): their masters follow them,
         and their state entries are made again (they name the current tensors, and the cached
         Items and kernel calls of their chunks are rebuilt: ``.data`` may be new storage). A
         parameter that was its own master and is no longer fp32 (``model.to(torch.bfloat16)``)

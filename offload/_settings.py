@@ -1,13 +1,14 @@
-"""Settings and per-step statistics of the offloaded optimizer (frozen, hashable)."""
+"""The offloaded step's speed knobs (:class:`OffloadSettings`, frozen, hashable) and the kernels it
+can run. What a step reports is ``offload._stats``'s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from autotune.knobs import MAX_THREADS
 
-__all__ = ["OffloadSettings", "StepStats", "StageSpan", "DEFAULT_CHUNK_NUMEL", "KERNELS", "Kernel"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "KERNELS", "MIN_CHUNK_NUMEL", "Kernel", "OffloadSettings"]
 
 #: Default pipeline chunk: 4 Mi elements (16 MiB of fp32 per slab) keeps several chunks in flight
 #: for a 100M-parameter model while each kernel call is long enough to reach memory bandwidth.
@@ -35,7 +36,7 @@ class OffloadSettings:
     kernel: Kernel = "auto"
     """CPU AdamW implementation. "torch": torch's fused CPU AdamW on fp32 (bf16/fp16 parameters:
     upcast the gradient, update the fp32 master, downcast it into the parameter: three passes).
-    "fused-mp": the single-pass native kernel (``offload/_fused_mp.py``): bf16/fp16 parameters
+    "fused-mp": the single-pass native kernel (``offload.kernels._fused_mp``): bf16/fp16 parameters
     read their gradient and are written in the same pass as their fp32 master; fp32 parameters
     get the same arithmetic in one parallel region per chunk. "auto" (default): "fused-mp" where
     it is bitwise equal to "torch" on this torch build and CPU (``bitwise_matches_torch``) and it
@@ -45,7 +46,7 @@ class OffloadSettings:
     """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
     mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
     the optimizer's worker thread with its intra-op threads, so their pages sit on the node whose
-    cores compute on them (``offload/_placement.py``; what it did: ``CPUOffloadAdamW.numa_placement``;
+    cores compute on them (``offload.state._placement``; what it did: ``CPUOffloadAdamW.numa_placement``;
     ``close()`` restores the affinity). A no-op on one node."""
 
     def __post_init__(self) -> None:
@@ -68,50 +69,3 @@ class OffloadSettings:
             raise ValueError(
                 f"OffloadSettings.kernel={self.kernel!r}: expected one of {KERNELS} or 'auto'"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class StageSpan:
-    """One pipeline stage of one chunk, in seconds relative to the start of ``step()``.
-
-    Spans that started during backward (overlap mode) have negative ``start_s``.
-    """
-
-    stage: str  # "d2h" | "adam_kernel" | "materialize"
-    chunk: int
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepStats:
-    """Stage times of one optimizer step, in seconds.
-
-    Stage times are sums over chunks; with a pipeline they overlap, so they may add up to more
-    than ``step_s``.
-    """
-
-    step_s: float
-    """Wall time of ``step()``: from its call to its return."""
-    d2h_s: float
-    """Gradients to host and upcast to fp32."""
-    adam_kernel_s: float
-    """The AdamW kernel on the host slabs."""
-    materialize_s: float
-    """Updated weights back into the model parameters (downcast, host to device)."""
-    drain_s: float
-    """Time ``step()`` waited for chunks still in flight (the whole step without overlap)."""
-    threads: int
-    chunk_numel: int
-    num_chunks: int
-    numel: int
-    """Elements updated this step."""
-    kernel: Kernel = "torch"
-    """The kernel that really ran: "fused-mp" if it updated any element this step, else "torch"."""
-    speculated_chunks: int = 0
-    """Chunks started during backward (``overlap_backward``) for this step."""
-    committed_chunks: int = 0
-    """Of those, the chunks whose speculative update was committed as it was (the rest were
-    rolled back and recomputed in ``step()``: a gradient, hyper-parameter, clip coefficient or
-    grad scale changed after they started)."""
-    spans: tuple[StageSpan, ...] = field(default=(), repr=False)

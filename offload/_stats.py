@@ -1,46 +1,57 @@
-"""The worker's stage records of one step turned into :class:`~offload.StepStats`.
-
-Built lazily, when ``last_stats`` is first read: on CUDA a record's GPU time needs its events,
-and waiting for them at the end of every ``step()`` would stall the host for nothing while the
-tuner is locked and nobody reads the stats.
-"""
+"""What one ``step()`` reports: its stage times (:class:`StepStats`, ``CPUOffloadAdamW.last_stats``)
+and the pipeline stages of each chunk (:class:`StageSpan`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
 
-from offload._jobs import StageRecord
-from offload._settings import StageSpan, StepStats
+from offload._settings import Kernel
 
-__all__ = ["STAGES", "StatsBuilder"]
-
-#: The pipeline's stages, in the order a chunk runs them.
-STAGES = ("d2h", "adam_kernel", "materialize")
+__all__ = ["StageSpan", "StepStats"]
 
 
-class StatsBuilder:
-    """Turns stage records into StepStats when first read (CUDA times need their events)."""
+@dataclass(frozen=True, slots=True)
+class StageSpan:
+    """One pipeline stage of one chunk, in seconds relative to the start of ``step()``.
 
-    def __init__(self, records: list[StageRecord], t0: float, **fields: Any) -> None:
-        """``t0``: the step's start (``time.perf_counter``); ``fields``: the other StepStats fields."""
-        self._records, self._t0, self._fields = records, t0, fields
-        self._stats: StepStats | None = None
+    Spans that started during backward (overlap mode) have negative ``start_s``.
+    """
 
-    def build(self) -> StepStats:
-        if self._stats is None:
-            sums = dict.fromkeys(STAGES, 0.0)
-            spans = []
-            for r in self._records:
-                r.finalize()
-                sums[r.stage] += r.busy_s
-                spans.append(StageSpan(r.stage, r.chunk, r.start - self._t0, r.end - self._t0))
-            spans.sort(key=lambda s: (s.start_s, s.chunk))
-            self._stats = StepStats(
-                d2h_s=sums["d2h"],
-                adam_kernel_s=sums["adam_kernel"],
-                materialize_s=sums["materialize"],
-                spans=tuple(spans),
-                **self._fields,
-            )
-            self._records = []
-        return self._stats
+    stage: str  # "d2h" | "adam_kernel" | "materialize"
+    chunk: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepStats:
+    """Stage times of one optimizer step, in seconds.
+
+    Stage times are sums over chunks; with a pipeline they overlap, so they may add up to more
+    than ``step_s``.
+    """
+
+    step_s: float
+    """Wall time of ``step()``: from its call to its return."""
+    d2h_s: float
+    """Gradients to host and upcast to fp32."""
+    adam_kernel_s: float
+    """The AdamW kernel on the host slabs."""
+    materialize_s: float
+    """Updated weights back into the model parameters (downcast, host to device)."""
+    drain_s: float
+    """Time ``step()`` waited for chunks still in flight (the whole step without overlap)."""
+    threads: int
+    chunk_numel: int
+    num_chunks: int
+    numel: int
+    """Elements updated this step."""
+    kernel: Kernel = "torch"
+    """The kernel that really ran: "fused-mp" if it updated any element this step, else "torch"."""
+    speculated_chunks: int = 0
+    """Chunks started during backward (``overlap_backward``) for this step."""
+    committed_chunks: int = 0
+    """Of those, the chunks whose speculative update was committed as it was (the rest were
+    rolled back and recomputed in ``step()``: a gradient, hyper-parameter, clip coefficient or
+    grad scale changed after they started)."""
+    spans: tuple[StageSpan, ...] = field(default=(), repr=False)

@@ -37,7 +37,7 @@ keep theirs. The online tuner (``autotune.OnlineTuner``) sees one sample per ste
 time; the node's time is the max over local ranks, as for ``CPUOffloadAdamW``. The knob is
 ``threads``: a geometric ladder from 1 (the launcher default) to the largest thread budget of any
 local rank (:func:`offload.plan_cpu_threads`), capped per rank at its own plan; the static plan is
-the baseline. The thread plan and the tuner share one node agreement (``offload/_group.py``).
+the baseline. The thread plan and the tuner share one node agreement (``offload.tuning._node_agreement``).
 Cache (fingerprint workload: the optimizer's class and implementation flags, the parameters'
 count, element count and dtypes), trace files and ``python -m autotune`` are the tuner's,
 unchanged.
@@ -79,9 +79,9 @@ import torch
 
 from autotune import AutotuneConfig, Knob, OnlineTuner, SearchSpace, StepSample, TraceWriter, TuningCache, knobs
 from autotune import geometric_ladder
-from offload._autotune import MAX_THREAD_CANDIDATES, global_rank
-from offload._group import NodeAgreement, node_agreement, thread_plan
-from offload._threads import ThreadPlan, thread_limit
+from offload.tuning._glue import MAX_THREAD_CANDIDATES, global_rank
+from offload.tuning._node_agreement import NodeAgreement, node_agreement, thread_plan
+from offload.threads._plan import ThreadPlan, thread_limit
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def step_threads_workload(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def step_threads_space(*, max_threads: int, baseline_threads: int, fixed_threads: bool) -> SearchSpace:
     """One knob, ``threads``: a geometric ladder from 1 to ``max_threads`` holding the static plan
-    (at most :data:`offload._autotune.MAX_THREAD_CANDIDATES` values), or the fixed count alone.
+    (at most :data:`offload.tuning._glue.MAX_THREAD_CANDIDATES` values), or the fixed count alone.
     Arguments must be the same on every local rank."""
     if fixed_threads:
         threads: tuple[int, ...] = (baseline_threads,)
@@ -428,7 +428,7 @@ def tune_step_threads(
     if plan is not None and not isinstance(plan, ThreadPlan):
         raise TypeError(f"tune_step_threads: plan={plan!r}: expected an offload.ThreadPlan")
     check_cpu_params(_params(optimizer))
-    # The thread plan and the tuner share the node's one agreement (offload/_group.py).
+    # The thread plan and the tuner share the node's one agreement (offload.tuning._node_agreement).
     plan, agreement = thread_plan(autotune or None, threads=threads, plan=plan, owner="tune_step_threads")
     wrapper = ThreadTunedOptimizer(optimizer, plan=plan, autotune=autotune or None, clock=clock,
                                    agreement=agreement)

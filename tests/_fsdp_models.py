@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench._fsdp import shard_model
-from offload._dtensor import local
+from offload.state._dtensor import local
 
 D = 50
 

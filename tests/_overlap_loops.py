@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from offload import CPUOffloadAdamW, KernelSet, OffloadSettings, StepStats
-from offload._dtensor import local
+from offload.state._dtensor import local
 
 from _fsdp_models import ShardMixedPrecisionReference
 

@@ -109,7 +109,7 @@ def test_round_trip_bf16_drops_the_stale_master_with_one_warning(caplog) -> None
     stale_count = sum(1 for i, s in sd["state"].items()
                       if not torch.equal(s["master_param"].bfloat16(), params[i].detach()))
     assert stale_count
-    with caplog.at_level(logging.WARNING, logger="offload._masters"):
+    with caplog.at_level(logging.WARNING, logger="offload.state._masters"):
         _train(model, back, range(7, 10))
         _train(twin, ref, range(7, 10))
     stale = [r for r in caplog.records if "no longer rounds" in r.getMessage()]
@@ -130,7 +130,7 @@ def test_loaded_master_that_agrees_is_kept_without_warning(caplog) -> None:
     ropt = CPUOffloadAdamW(param_groups(resumed), settings=SMALL)
     ropt.load_state_dict(ck["optim"])
     resumed.load_state_dict(ck["model"])
-    with caplog.at_level(logging.WARNING, logger="offload._masters"):
+    with caplog.at_level(logging.WARNING, logger="offload.state._masters"):
         _train(model, opt, range(4, 7))
         _train(resumed, ropt, range(4, 7))
     assert not [r for r in caplog.records if "no longer rounds" in r.getMessage()]
@@ -227,7 +227,7 @@ def test_dcp_bf16_master_param_is_a_key_only_ours_needs(tmp_path: Path, caplog) 
         assert_bitwise([back.state[p][key] for p in mine], [ref.state[p][key].float() for p in held], key)
     assert_bitwise([back.state[p]["master_param"] for p in mine], [p.detach().float() for p in held],
                    "masters seeded from the loaded weights")
-    with caplog.at_level(logging.WARNING, logger="offload._masters"):
+    with caplog.at_level(logging.WARNING, logger="offload.state._masters"):
         _train(back_model, back, range(4, 5))
     assert not [r.getMessage() for r in caplog.records if "no longer rounds" in r.getMessage()]
     opt.close()

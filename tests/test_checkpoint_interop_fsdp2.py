@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def _state(model: Any, opt: Any) -> list[torch.Tensor]:
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     out = [local(p).detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -84,7 +84,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # bf16, torch -> ours: MasterParamLoadPlanner drops the masters the checkpoint lacks (the
     # default planner refuses), and they are seeded from the loaded weights.
     from offload import MasterParamLoadPlanner
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     src, src_opt = make_pair("torch-bf16")
     train_plain(src, src_opt, rank, range(2))

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from offload import KernelSet
-from offload._cuda_transport import CudaTransport
-from offload._jobs import KIND_F32, KIND_MP, KIND_TORCH, ChunkJob, Item
-from offload._kernels import DEFAULT_KERNELS, Hyper, new_step_tensor
-from offload._pipeline import Pipeline
-from offload._slabs import HostSlabs, plan_chunks
+from offload.pipeline._cuda_transport import CudaTransport
+from offload.pipeline._jobs import ChunkJob
+from offload.state._items import KIND_F32, KIND_MP, KIND_TORCH, Item
+from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, new_step_tensor
+from offload.pipeline._pipeline import Pipeline
+from offload.state._slabs import HostSlabs, plan_chunks
 
 NUMEL, CHUNKS = 1000, 6  # one parameter per chunk (chunk_numel 1024)
 
@@ -198,7 +199,7 @@ def _run(kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
 @pytest.mark.parametrize("kind", [KIND_TORCH, KIND_F32, KIND_MP], ids=["torch-fp32", "fused-fp32", "fused-mp-bf16"])
 def test_copies_of_neighbour_chunks_run_while_a_chunk_is_in_the_kernel(kind) -> None:
     if kind != KIND_TORCH:
-        from offload._fused_mp import fused_mp_available
+        from offload.kernels._fused_mp import fused_mp_available
 
         ok, reason = fused_mp_available()
         if not ok:
@@ -221,7 +222,7 @@ def test_copies_of_neighbour_chunks_run_while_a_chunk_is_in_the_kernel(kind) -> 
 @pytest.mark.parametrize("kind", [KIND_TORCH, KIND_F32, KIND_MP], ids=["torch-fp32", "fused-fp32", "fused-mp-bf16"])
 def test_chunks_started_during_backward_write_the_weights_only_at_step(kind) -> None:
     if kind != KIND_TORCH:
-        from offload._fused_mp import fused_mp_available
+        from offload.kernels._fused_mp import fused_mp_available
 
         ok, reason = fused_mp_available()
         if not ok:
@@ -247,8 +248,8 @@ def test_ring_needs_two_slots() -> None:
 
 def test_every_transport_implements_the_whole_protocol() -> None:
     """The worker calls every member of Transport without probing: both transports have them."""
-    from offload._host_transport import HostTransport
-    from offload._transport import Transport
+    from offload.pipeline._host_transport import HostTransport
+    from offload.pipeline._transport import Transport
 
     members = {n for n in vars(Transport) if not n.startswith("_")} | set(Transport.__annotations__)
     assert {"device", "lookahead", "prepare", "forget", "f32_out", "flush"} <= members

@@ -128,7 +128,7 @@ def test_thread_plan_is_logged_once_per_run(tmp_path: Path) -> None:
 
 
 def test_fused_mp_builds_under_torch_extensions_dir(tmp_path: Path, monkeypatch) -> None:
-    from offload._fused_mp_build import build_spec
+    from offload.kernels._build import build_spec
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     spec = build_spec()

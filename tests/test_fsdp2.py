@@ -24,8 +24,8 @@ def _numerics_worker(rank: int, world_size: int) -> dict[str, Any]:
     from _fsdp_models import (ShardMixedPrecisionReference, assert_same, groups, schedule,
                               sharded, train)
     from offload import CPUOffloadAdamW, OffloadSettings
-    from offload._dtensor import local
-    from offload._fused_mp import bitwise_matches_torch, fused_mp_available
+    from offload.state._dtensor import local
+    from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_available
 
     torch.set_num_threads(1)
     steps = range(STEPS)

@@ -42,7 +42,7 @@ def _load(model: Any, opt: Any, path: Path) -> None:
 
 
 def _state(model: Any, opt: Any) -> list[torch.Tensor]:
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     out = [local(p).detach().clone() for p in model.parameters()]
     for p in model.parameters():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from offload import KernelLoader, KernelSet
-from offload._fused_mp import (
+from offload.kernels._fused_mp import (
     STEP_RTOL,
     FusedMPUnavailable,
     bitwise_matches_torch,
@@ -28,8 +28,8 @@ from offload._fused_mp import (
     fused_mp_available,
     process_loader,
 )
-from offload._fused_mp_build import build_spec, pip_ninja_on_path
-from offload._kernels import Hyper, fused_adamw_, new_step_tensor, torch_mp_adamw_
+from offload.kernels._build import build_spec, pip_ninja_on_path
+from offload.kernels._adamw import Hyper, fused_adamw_, new_step_tensor, torch_mp_adamw_
 
 REPO = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -395,7 +395,7 @@ def test_build_is_cached_across_processes(kernel) -> None:
     mtime = libs[0].stat().st_mtime_ns
     code = (
         "import time; t = time.perf_counter()\n"
-        "from offload._fused_mp import fused_mp_available\n"
+        "from offload.kernels._fused_mp import fused_mp_available\n"
         "ok, reason = fused_mp_available()\n"
         "print(ok, round(time.perf_counter() - t, 2), reason)\n"
     )
@@ -417,7 +417,7 @@ def _expect_fallback(caplog, loader, reason_part: str) -> str:
     params, masters, exp_avgs, exp_avg_sqs = _state((20,), torch.bfloat16, gen)
     grads = _grads((20,), torch.bfloat16, gen)
     before = _clone(masters)
-    with caplog.at_level(logging.WARNING, logger="offload._fused_mp_build"):
+    with caplog.at_level(logging.WARNING, logger="offload.kernels._build"):
         ok, reason = fused_mp_available(loader)
         assert fused_mp_available(loader) == (ok, reason)
         with pytest.raises(FusedMPUnavailable, match="unavailable"):

@@ -18,12 +18,13 @@ from conftest import assert_bitwise, batch, make_model, param_groups, uses_somet
 from test_optimizer_numerics import MixedPrecisionReference
 
 from offload import CPUOffloadAdamW, KernelLoader, KernelSet, OffloadSettings
-from offload._host_transport import HostTransport
-from offload._jobs import KIND_MP, ChunkJob, Item
-from offload._kernels import Hyper, new_step_tensor
-from offload._pipeline import Pipeline
-from offload._slabs import SLAB_KINDS, HostSlabs, plan_chunks
-from offload._fused_mp import STEP_RTOL, bitwise_matches_torch, fused_mp_available
+from offload.pipeline._host_transport import HostTransport
+from offload.pipeline._jobs import ChunkJob
+from offload.state._items import KIND_MP, Item
+from offload.kernels._adamw import Hyper, new_step_tensor
+from offload.pipeline._pipeline import Pipeline
+from offload.state._slabs import SLAB_KINDS, HostSlabs, plan_chunks
+from offload.kernels._fused_mp import STEP_RTOL, bitwise_matches_torch, fused_mp_available
 
 STEPS = 30
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
@@ -237,7 +238,7 @@ def test_kernel_calls_prepared_at_submit_or_by_the_worker_agree(kernel, caplog) 
     counting = _CountingPrepare()
     want = _pipeline_steps(counting)
     assert counting.prepared and all(counting.prepared), "fused-mp step jobs were not prepared at submit"
-    with caplog.at_level(logging.WARNING, logger="offload._pipeline"):
+    with caplog.at_level(logging.WARNING, logger="offload.pipeline._pipeline"):
         got = _pipeline_steps(_FailingPrepare())
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "the worker prepares it instead" in warnings[0], warnings
@@ -445,7 +446,7 @@ class _FakeAgreement:
 
 
 def test_agreed_kernels_needs_every_rank(kernel) -> None:
-    from offload._autotune import agreed_kernels
+    from offload.tuning._glue import agreed_kernels
 
     yes = lambda: (True, "ok")  # noqa: E731
     assert agreed_kernels(has_lowp=True, timeout_s=5, available=yes, bitwise=lambda: True,
@@ -463,7 +464,7 @@ def test_agreed_kernels_needs_every_rank(kernel) -> None:
 
 
 def test_search_space_has_a_kernel_knob_and_fewer_chunks() -> None:
-    from offload._autotune import MAX_CHUNK_CANDIDATES_WITH_KERNEL, offload_search_space
+    from offload.tuning._glue import MAX_CHUNK_CANDIDATES_WITH_KERNEL, offload_search_space
 
     args = dict(max_threads=16, baseline_threads=16, largest_slab=200 << 20,
                 baseline_chunk=4 << 20, fixed_threads=False)
@@ -521,7 +522,7 @@ def test_tuner_keeps_the_users_kernel_as_baseline_and_fp32_has_no_knob(kernel) -
 
 
 def _agree_worker(rank: int, world_size: int, *, unavailable_rank: int) -> list[str]:
-    from offload._autotune import agreed_kernels
+    from offload.tuning._glue import agreed_kernels
 
     return list(agreed_kernels(
         has_lowp=True, timeout_s=30, available=lambda: (rank != unavailable_rank, "test"),

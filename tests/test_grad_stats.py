@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from offload import KernelLoader, KernelSet
-from offload._fused_mp import fused_mp_available
-from offload._grad_stats import STATS_BLOCK, grad_stats_, grad_stats_reference
+from offload.kernels._fused_mp import fused_mp_available
+from offload.kernels._grad_stats import STATS_BLOCK, grad_stats_, grad_stats_reference
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Empty, below and around the 32 lanes, around the 16 Ki block, several blocks with a tail.
@@ -197,7 +197,7 @@ def test_empty_list() -> None:
 
 def test_checksum_sees_a_balanced_tensor_negated_and_neighbours_swapped() -> None:
     """A plain sum of words missed both (a sign bit moves a word by 2**31): the lanes' weights."""
-    from offload._grad_stats import grad_stats_, grad_stats_reference
+    from offload.kernels._grad_stats import grad_stats_, grad_stats_reference
 
     g = torch.tensor([1.0, -3.0, 0.5, -0.25] * 8)
     for fn in (grad_stats_, grad_stats_reference):

@@ -9,7 +9,7 @@ import pytest
 
 from autotune import knobs
 from offload import KernelLoader
-from offload._fused_mp_build import build_spec, needs_build
+from offload.kernels._build import build_spec, needs_build
 
 
 @pytest.mark.parametrize("cache", ["/dev/null", "c.json", "/somewhere/else/cache.json"])
@@ -47,7 +47,7 @@ def test_needs_build_until_the_library_is_there(tmp_path: Path) -> None:
 def test_a_build_says_so_before_compiling(tmp_path: Path, caplog) -> None:
     broken = tmp_path / "fused_mp_adamw.cpp"
     broken.write_text('#error "deliberately broken kernel source"\n')
-    with caplog.at_level(logging.INFO, logger="offload._fused_mp_build"):
+    with caplog.at_level(logging.INFO, logger="offload.kernels._build"):
         module, _ = KernelLoader(broken, tmp_path / "cache").get()
     assert module is None
     lines = [r.getMessage() for r in caplog.records if "building the native AdamW kernel" in r.getMessage()]

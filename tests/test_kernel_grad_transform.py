@@ -3,7 +3,7 @@
 The reference is torch alone: the clipping coefficient as ``torch._foreach_mul_(grads, coef)`` on a
 copy of the gradients in their own dtype, then ``torch._fused_adamw_`` on the upcast copy; the
 scale as ``torch._fused_adamw_(grad_scale=)``; both as ``(g / s) * c`` in fp32, rounded once to the
-gradient's dtype (the order ``offload._kernels`` documents). NaN elements compare equal whatever
+gradient's dtype (the order ``offload.kernels._adamw`` documents). NaN elements compare equal whatever
 their payload (torch's own vector and scalar paths give different NaN payloads).
 """
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from offload import KernelSet
-from offload._fused_mp import fused_mp_available
-from offload._kernels import (
+from offload.kernels._fused_mp import fused_mp_available
+from offload.kernels._adamw import (
     Hyper,
     fused_adamw_,
     mixed_precision_adamw_,

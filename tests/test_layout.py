@@ -397,10 +397,10 @@ def test_the_checks_themselves_catch_what_they_claim(tmp_path: Path) -> None:
         "import importlib, sys\n"
         "from unittest import mock\n"
         "from unittest.mock import patch\n"
-        "import offload, offload._pipeline as pm\n"
-        "from offload._slabs import HostSlabs\n"
+        "import offload, offload.pipeline._pipeline as pm\n"
+        "from offload.state._slabs import HostSlabs\n"
         "from offload import CPUOffloadAdamW\n"
-        "threads = importlib.import_module('offload._threads')\n"
+        "threads = importlib.import_module('offload.threads._plan')\n"
         "alias = pm\n"
         "class Mine:\n"
         "    def __init__(self):\n"
@@ -410,7 +410,7 @@ def test_the_checks_themselves_catch_what_they_claim(tmp_path: Path) -> None:
         "    monkeypatch.setattr(pm, 'fused_adamw_', None)\n"  # a private module's name
         "    monkeypatch.setattr(HostSlabs, 'first_touch', None)\n"  # an object of a private module
         "    monkeypatch.setattr(CPUOffloadAdamW, '_make_slabs', None)\n"  # a private attribute
-        "    monkeypatch.setattr('offload._threads._exchange', None)\n"  # a dotted string
+        "    monkeypatch.setattr('offload.threads._plan._exchange', None)\n"  # a dotted string
         "    pm.x = 1\n"  # an assignment
         "    monkeypatch.setattr(opt, '_pipeline', None)\n"  # a private attribute of an instance
         "    setattr(opt, '_slabs', None)\n"  # ... by the builtin
@@ -421,21 +421,21 @@ def test_the_checks_themselves_catch_what_they_claim(tmp_path: Path) -> None:
         "    del pm.fused_adamw_\n"  # a private module's name deleted
         "    monkeypatch.delattr(pm, 'fused_adamw_')\n"  # ... by monkeypatch
         "    monkeypatch.setitem(pm.__dict__, 'new_item', None)\n"  # a module's namespace
-        "    monkeypatch.setitem(vars(offload._threads), 'thread_limit', None)\n"  # ... through vars()
+        "    monkeypatch.setitem(vars(offload.threads._plan), 'thread_limit', None)\n"  # ... through vars()
         "    pm.__dict__['Pipeline'] = None\n"  # ... assigned
         "    pm.__dict__.update(Launch=None)\n"  # ... updated
-        "    monkeypatch.setitem(sys.modules, 'offload._numa', None)\n"  # a private module replaced
+        "    monkeypatch.setitem(sys.modules, 'offload.threads._numa', None)\n"  # a private module replaced
         "    mock.patch.dict(pm.__dict__, {'Worker': None})\n"  # patch.dict on a namespace
-        "    mock.patch.dict('offload._items.KINDS', {'a': 1})\n"  # patch.dict on a private table
+        "    mock.patch.dict('offload.state._items.KINDS', {'a': 1})\n"  # patch.dict on a private table
         "    patch.multiple(pm, fused_adamw_=None)\n"  # patch.multiple
-        "    patch.multiple('offload._slabs', plan_chunks=None)\n"  # ... on a dotted string
-        "    mock.patch('offload._kernels.fused_adamw_')\n"  # mock.patch
-        "    patch(target='offload._threads._exchange')\n"  # a keyword target
+        "    patch.multiple('offload.state._slabs', plan_chunks=None)\n"  # ... on a dotted string
+        "    mock.patch('offload.kernels._adamw.fused_adamw_')\n"  # mock.patch
+        "    patch(target='offload.threads._plan._exchange')\n"  # a keyword target
         "    mock.patch.object(target=alias, attribute='Queue', new=1)\n"  # an alias, keywords
         "    monkeypatch.setattr(threads, 'thread_limit', None)\n"  # a module from import_module
-        "    monkeypatch.setattr(importlib.import_module('offload._numa'), 'bind', None)\n"  # ... inline
-        "    monkeypatch.setattr(sys.modules['offload._slabs'], 'HostSlabs', None)\n"  # from sys.modules
-        "    monkeypatch.setattr(getattr(offload, '_group'), 'thread_plan', None)\n"  # through getattr
+        "    monkeypatch.setattr(importlib.import_module('offload.threads._numa'), 'bind', None)\n"  # ... inline
+        "    monkeypatch.setattr(sys.modules['offload.state._slabs'], 'HostSlabs', None)\n"  # from sys.modules
+        "    monkeypatch.setattr(getattr(offload, '_stock'), 'thread_plan', None)\n"  # through getattr
         "    monkeypatch.setattr(CPUOffloadAdamW, 'step', None)\n"  # not flagged: public
         "    monkeypatch.setattr(offload, 'CPUOffloadAdamW', None)\n"
         "    monkeypatch.setattr(opt, 'step', None)\n"
@@ -445,12 +445,12 @@ def test_the_checks_themselves_catch_what_they_claim(tmp_path: Path) -> None:
     )
     hits = sorted(_patches(sample, tmp_path), key=lambda h: int(h.split(":")[1]))
     assert [h.split(": ", 1)[1] for h in hits] == [
-        "offload._pipeline.fused_adamw_", "offload._slabs.HostSlabs.first_touch",
-        "offload.CPUOffloadAdamW._make_slabs", "offload._threads._exchange", "offload._pipeline.x",
+        "offload.pipeline._pipeline.fused_adamw_", "offload.state._slabs.HostSlabs.first_touch",
+        "offload.CPUOffloadAdamW._make_slabs", "offload.threads._plan._exchange", "offload.pipeline._pipeline.x",
         "opt._pipeline", "opt._slabs", "opt._items", "opt._pipeline", "thing.sub._count", "opt._slabs",
-        "offload._pipeline.fused_adamw_", "offload._pipeline.fused_adamw_",
-        "offload._pipeline.new_item", "offload._threads.thread_limit", "offload._pipeline.Pipeline",
-        "offload._pipeline.Launch", "offload._numa", "offload._pipeline.Worker", "offload._items.KINDS",
-        "offload._pipeline.fused_adamw_", "offload._slabs.plan_chunks", "offload._kernels.fused_adamw_",
-        "offload._threads._exchange", "offload._pipeline.Queue", "offload._threads.thread_limit",
-        "offload._numa.bind", "offload._slabs.HostSlabs", "offload._group.thread_plan"]
+        "offload.pipeline._pipeline.fused_adamw_", "offload.pipeline._pipeline.fused_adamw_",
+        "offload.pipeline._pipeline.new_item", "offload.threads._plan.thread_limit", "offload.pipeline._pipeline.Pipeline",
+        "offload.pipeline._pipeline.Launch", "offload.threads._numa", "offload.pipeline._pipeline.Worker", "offload.state._items.KINDS",
+        "offload.pipeline._pipeline.fused_adamw_", "offload.state._slabs.plan_chunks", "offload.kernels._adamw.fused_adamw_",
+        "offload.threads._plan._exchange", "offload.pipeline._pipeline.Queue", "offload.threads._plan.thread_limit",
+        "offload.threads._numa.bind", "offload.state._slabs.HostSlabs", "offload._stock.thread_plan"]

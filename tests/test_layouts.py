@@ -37,7 +37,7 @@ def _total_norm_reference(params: list[torch.Tensor], norm_type: float) -> float
 
 
 def _ours_norm(params: list[torch.Tensor], norm_type: float) -> float:
-    from offload._dtensor import local, reduce_norm_terms
+    from offload.state._dtensor import local, reduce_norm_terms
 
     grads = [local(p.grad).double() for p in params]
     if math.isinf(norm_type):
@@ -111,7 +111,7 @@ def _torch(model: torch.nn.Module) -> Any:
 
 
 def _state(model: torch.nn.Module, opt: Any) -> list[torch.Tensor]:
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     out = [local(p).detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -122,7 +122,7 @@ def _state(model: torch.nn.Module, opt: Any) -> list[torch.Tensor]:
 def _check_numerics(rank: int, checked: list[str], figures: dict[str, Any]) -> None:
     from _fsdp_models import assert_same
     from _layout_models import build
-    from offload._dtensor import layout_of, local_part_of
+    from offload.state._dtensor import layout_of, local_part_of
 
     for kind in LAYOUTS:
         # overlap off, torch's clip_grad_norm_ on odd steps: bitwise torch's AdamW
@@ -230,7 +230,7 @@ def _check_refusals(rank: int, checked: list[str]) -> None:
 
     from _layout_models import mesh
     from offload import CPUOffloadAdamW
-    from offload._params import ParamRegistry, check_grad
+    from offload.state._params import ParamRegistry, check_grad
 
     m = mesh("tp4")
     bad = torch.nn.Parameter(DTensor.from_local(torch.zeros(6), m, [Partial()], run_check=False))

@@ -23,7 +23,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 
     from autotune import AutotuneConfig
     from offload import CPUOffloadAdamW, tune_step_threads
-    from offload._fused_mp import bitwise_matches_torch
+    from offload.kernels._fused_mp import bitwise_matches_torch
 
     made: list[list[int] | None] = []
     real = dist.new_group

@@ -12,7 +12,7 @@ import torch
 from conftest import assert_bitwise
 
 from offload import CPUOffloadAdamW, OffloadSettings
-from offload._numa import bind_rank_numa_node, numa_node_for
+from offload.threads._numa import bind_rank_numa_node, numa_node_for
 
 TWO_SOCKETS = ((0, frozenset(range(0, 16))), (1, frozenset(range(16, 32))))
 

@@ -11,8 +11,8 @@ import torch.nn as nn
 from conftest import batch, make_model, param_groups
 
 from offload import CPUOffloadAdamW, KernelSet, OffloadSettings, StepStats
-from offload._kernels import fused_adamw_
-from offload._slabs import _ALIGN, plan_chunks
+from offload.kernels._adamw import fused_adamw_
+from offload.state._slabs import _ALIGN, plan_chunks
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 
@@ -104,7 +104,7 @@ def test_sparse_gradient_raises_at_step() -> None:
 # ------------------------------------------------------------------------------ chunking
 @pytest.mark.parametrize("chunk_numel", [64, 100, 1024, 1500, 1 << 20])
 def test_chunks_cover_every_element_once_aligned_and_within_groups(chunk_numel: int) -> None:
-    from offload._slabs import HostSlabs
+    from offload.state._slabs import HostSlabs
 
     shapes = [[torch.Size([37, 48]), torch.Size([133]), torch.Size([1]), torch.Size([6384])],
               [torch.Size([5, 3]), torch.Size([2000])]]

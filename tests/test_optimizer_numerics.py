@@ -10,8 +10,8 @@ import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 
 from offload import CPUOffloadAdamW, OffloadSettings
-from offload._kernels import Hyper, fused_adamw_, new_step_tensor
-from offload._slabs import ParamSlot, plan_chunks
+from offload.kernels._adamw import Hyper, fused_adamw_, new_step_tensor
+from offload.state._slabs import ParamSlot, plan_chunks
 
 STEPS = 30
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
@@ -236,7 +236,7 @@ def _updated_in_views(starts: list[int], n: int = 4099, steps: int = 3) -> list[
 
 
 def test_misaligned_chunks_would_break_bitwise_equality() -> None:
-    """Guards the chunking rule of offload/_slabs.py (``plan_chunks`` starts every view of a
+    """Guards the chunking rule of offload.state._slabs (``plan_chunks`` starts every view of a
     parameter at a multiple of its ``align``): views starting at unaligned offsets inside a
     parameter take the fused kernel's scalar-tail path for different elements. Split at aligned
     offsets the update is bitwise the whole-tensor update; split at 1029 and 2058 it is not."""

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 
 from offload import CPUOffloadAdamW, KernelSet, OffloadSettings
-from offload._kernels import fused_adamw_
+from offload.kernels._adamw import fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 
@@ -252,7 +252,7 @@ def test_a_gradient_written_before_the_launch_checksum_is_what_the_kernel_reads(
     GradScaler contract test hit about one run in two)."""
     import threading
 
-    from offload._grad_stats import grad_stats_
+    from offload.kernels._grad_stats import grad_stats_
 
     halved: list[int] = []  # ids of the gradients the spy wrote, first worker call of each step
 

@@ -36,7 +36,7 @@ from _overlap_loops import (
 )
 
 from offload import CPUOffloadAdamW, KernelSet, OffloadSettings
-from offload._kernels import fused_adamw_
+from offload.kernels._adamw import fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 

@@ -51,7 +51,7 @@ def _train(kind: str, scenario: str, rank: int, shared: dict[int, torch.Tensor])
     from torch.nn.parallel import DistributedDataParallel
 
     from offload import CPUOffloadAdamW, OffloadSettings
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     fsdp = scenario.startswith("fsdp2")
     clip = scenario.split("clip=")[1].split()[0]

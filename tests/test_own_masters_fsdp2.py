@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def _swap_load_worker(rank: int, world_size: int, kernel: str) -> dict[str, Any]:
     from _fsdp_models import ShardMixedPrecisionReference, assert_same, batch, groups, sharded
     from offload import CPUOffloadAdamW, OffloadSettings
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     torch.set_num_threads(1)
     model, ref = sharded(torch.bfloat16), sharded(torch.bfloat16)
@@ -76,7 +76,7 @@ def _swap_load_fp32_worker(rank: int, world_size: int) -> dict[str, Any]:
     """fp32 shards (own masters): the new local tensors are written, as torch AdamW writes them."""
     from _fsdp_models import assert_same, batch, groups, sharded
     from offload import CPUOffloadAdamW, OffloadSettings
-    from offload._dtensor import local
+    from offload.state._dtensor import local
 
     torch.set_num_threads(1)
     model, ref = sharded(), sharded()

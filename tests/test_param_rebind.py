@@ -3,7 +3,7 @@
 The reference is torch's fused AdamW doing the same swap. torch keys its state by tensor: it
 restarts the moments of a swapped parameter unless the caller moves its entry
 (``opt.state[new] = opt.state.pop(old)``). CPUOffloadAdamW carries them over by itself for a
-one-to-one swap (same group, position, global shape, dtype; ``offload/_rebind.py``), so the
+one-to-one swap (same group, position, global shape, dtype; ``offload.state._rebind``), so the
 reference moves the entry by key; a swap before the first step, or to another shape, starts
 fresh in both.
 """

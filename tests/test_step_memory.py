@@ -10,7 +10,7 @@ import torch
 from conftest import batch, make_model, param_groups
 
 from offload import CPUOffloadAdamW, OffloadSettings
-from offload._slabs import _ALIGN
+from offload.state._slabs import _ALIGN
 
 
 def _padded(model: torch.nn.Module) -> int:

@@ -16,10 +16,10 @@ import torch
 
 from autotune import InProcessAgreement, knobs
 from offload import CgroupCpuLimit, CpuTopology, RankCpus, ThreadPlan, plan_cpu_threads, thread_limit
-from offload._numa import bind_to_device_numa_node, bind_to_numa_node
-from offload._thread_rule import ThreadPlanError, allocate_threads, static_rule_threads
-from offload._threads import apply_thread_plan, forget_logged_plans
-from offload._topology import (
+from offload.threads._numa import bind_to_device_numa_node, bind_to_numa_node
+from offload.threads._rule import ThreadPlanError, allocate_threads, static_rule_threads
+from offload.threads._plan import apply_thread_plan, forget_logged_plans
+from offload.threads._topology import (
     TopologyError,
     format_cpulist,
     normalize_pci_bus_id,
@@ -290,7 +290,7 @@ def test_override_beyond_the_mask_is_clamped_with_a_warning(
     # 1000 threads on 2 CPUs ran 80x slower without a word; now: the mask's 2, and a warning.
     if source == "environment":
         monkeypatch.setenv(knobs.THREADS_VAR, "1000")
-    with caplog.at_level(logging.WARNING, logger="offload._threads"):
+    with caplog.at_level(logging.WARNING, logger="offload.threads._plan"):
         plan = plan_cpu_threads(threads=1000 if source == "argument" else None, topology=FLAT8, cpus={2, 3})
     assert (plan.threads, plan.source) == (2, source)
     assert "1000" in plan.reason and "clamped to 2" in plan.reason
@@ -454,7 +454,7 @@ def test_bad_timeout_raises(bad: object) -> None:
 
 def test_plan_logs_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
     forget_logged_plans()
-    with caplog.at_level(logging.DEBUG, logger="offload._threads"):
+    with caplog.at_level(logging.DEBUG, logger="offload.threads._plan"):
         first = plan_cpu_threads(topology=FLAT8, cpus={0, 1, 2})
         plan_cpu_threads(topology=FLAT8, cpus={0, 1, 2})
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
@@ -504,7 +504,7 @@ def test_numa_bind_skips_cpu_less_node_and_empty_intersection(
     mask = frozenset(os.sched_getaffinity(0))
     far = max(mask) + 1000
     fake_sysfs(tmp_path, [[c] for c in sorted(mask)], nodes={0: format_cpulist(mask), 1: "", 2: f"{far}"})
-    with caplog.at_level(logging.WARNING, logger="offload._numa"):
+    with caplog.at_level(logging.WARNING, logger="offload.threads._numa"):
         for node, why in [(1, "no CPUs"), (2, "do not intersect"), (7, "no cpulist")]:
             binding = bind_to_numa_node(node, root=tmp_path)
             assert not binding.bound and binding.cpus == mask

@@ -45,7 +45,7 @@ plans["host"] = record(plan_cpu_threads(timeout_s=30))  # all ranks, filtered by
 dist.barrier()
 short = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=2))
 if rank == 0:
-    from offload._threads import ThreadPlanError
+    from offload.threads._plan import ThreadPlanError
     start = time.monotonic()
     try:
         plan_cpu_threads(group=short)

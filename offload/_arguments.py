@@ -1,0 +1,52 @@
+"""The constructor's own arguments, checked: ``autotune``, ``settings`` and ``plan``, the
+defaults (lr, betas, eps, weight_decay), ``speculation_limit``. A param group's checks are
+``offload.state._groups``'s (they also run at ``add_param_group`` and ``load_state_dict``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune import AutotuneConfig
+from offload._settings import OffloadSettings
+from offload.state._groups import check_hyper, scalar
+from offload.threads._plan import ThreadPlan
+
+__all__ = ["adamw_defaults", "check_arguments", "check_limit"]
+
+
+def check_arguments(*, autotune: Any, settings: Any, plan: Any) -> AutotuneConfig | None:
+    """The constructor's ``autotune`` as a config (None: not tuned); ``TypeError`` for a wrong
+    type, ``ValueError`` for ``plan`` with ``settings.threads``."""
+    if autotune is True:
+        autotune = AutotuneConfig()
+    if autotune is not False and autotune is not None and not isinstance(autotune, AutotuneConfig):
+        raise TypeError(f"autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
+    if settings is not None and not isinstance(settings, OffloadSettings):
+        raise TypeError(f"settings={settings!r}: expected an OffloadSettings or None")
+    if plan is not None and not isinstance(plan, ThreadPlan):
+        raise TypeError(f"plan={plan!r}: expected an offload.ThreadPlan or None")
+    if plan is not None and settings is not None and settings.threads is not None:
+        raise ValueError(f"settings.threads={settings.threads!r} and plan=...: pass one of them")
+    return autotune or None
+
+
+def adamw_defaults(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
+    """The optimizer's defaults (torch AdamW's keys; betas as floats), checked."""
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        betas = (scalar("betas[0]", betas[0]), scalar("betas[1]", betas[1]))
+    defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    defaults.update({"amsgrad": False, "maximize": False, "foreach": None})
+    defaults.update({"capturable": False, "differentiable": False, "fused": None})
+    check_hyper("", defaults)
+    return defaults
+
+
+def check_limit(limit: Any, overlap_backward: bool) -> int | None:
+    """``speculation_limit``: None or an int >= 0, and only with ``overlap_backward``."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"speculation_limit={limit!r}: expected None or an int >= 0 (elements)")
+    if not overlap_backward:
+        raise ValueError(f"speculation_limit={limit!r} without overlap_backward=True: nothing speculates")
+    return limit

@@ -1,0 +1,5 @@
+"""AdamW on one chunk of host slabs: torch's fused CPU kernel, the native single-pass
+kernel (fused-mp, ``csrc/``) and its build, and the per-tensor norm/checksum pass.
+
+Imports nothing else of ``offload``.
+"""

@@ -1,0 +1,1117 @@
+// Single-pass AdamW steps for CPU offload: mixed precision (bf16/fp16 parameter, fp32 master)
+// and fp32 (the parameter is its own master, adamw_f32_steps_).
+//
+// One pass per element: read the low-precision (bf16/fp16) gradient, upcast it exactly to fp32,
+// update the fp32 master weight and both fp32 moments in place, and write the master, rounded to
+// nearest-even, into the low-precision parameter. Traffic: 2 (grad) + 8 (master r/w) + 8 (exp_avg
+// r/w) + 8 (exp_avg_sq r/w) + 2 (param write) = 28 bytes per parameter (large calls write the
+// parameter with non-temporal stores, so no read-for-ownership adds 2 more).
+//
+// Bitwise agreement with torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
+// float tensors, ADAMW mode, no amsgrad/maximize/grad scaling):
+// - the scalar coefficients are computed in double and cast to float exactly as torch does;
+// - every tensor is split into the same vectorised body (numel rounded down to a multiple of
+//   Vectorized<float>::size()) and scalar tail as torch splits it;
+// - this file is compiled with -ffp-contract=off, and every fused multiply-add is written out.
+//   torch's kernel is compiled by GCC with contraction on, so its binary fuses where GCC chose to.
+//   The choices below were read off torch 2.13's x86 wheels by comparing results element by element
+//   (offload/kernels/_fused_mp.py lists the verified builds; tests/test_fused_mp.py checks them):
+//     exp_avg     lerp as one FMA everywhere (the vector code calls vec::fmadd; the scalar code
+//                 was contracted the same way);
+//     exp_avg_sq  vector body: fma(c2*g, g, v*beta2). Scalar tail: GCC auto-vectorised torch's
+//                 tail loop 8 lanes wide, so the first multiple of 8 tail elements use that same
+//                 form and the remaining ones fma(v, beta2, (c2*g)*g);
+//     param       no FMA (p * (1 - lr*wd), then + (-step_size * m) / denom).
+//   Builds without FMA instructions (CPU_CAPABILITY DEFAULT) fuse nothing, as torch's DEFAULT
+//   kernel does not.
+//
+// Gradient transforms (offload.kernels._adamw.Hyper.grad_scale / grad_coef), applied to the fp32 value
+// of each gradient element as it is loaded, so they cost no pass of their own; the gradient in
+// memory is never written. First `g / grad_scale` (torch's fused AdamW with a GradScaler: an fp32
+// IEEE division, vector and scalar alike), then `* grad_coef` rounded to the gradient's dtype
+// (what torch._foreach_mul_(grads, coef) stores into a bf16/fp16 gradient: the fp32 product
+// rounded to nearest-even by the same at::vec conversions; only NaN payloads may differ, as they
+// differ between torch's own vector and scalar paths).
+//
+// Validation happens entirely before the first write; errors are Python ValueError / TypeError
+// naming the argument, the index and the offending dtype or size.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kHasFma = true;
+#else
+constexpr bool kHasFma = false;
+#endif
+// Scalar-tail elements that torch's (auto-vectorised) tail loop handles 8 at a time; see above.
+constexpr int64_t kTailBlock = 8;
+
+// a * b + c with one rounding where torch's binary fuses, two where it does not.
+inline float madd(float a, float b, float c) {
+  if constexpr (kHasFma) {
+    return std::fma(a, b, c);
+  } else {
+    return a * b + c;
+  }
+}
+
+// What is done to each gradient element before the update (see the header comment).
+struct GradXform {
+  bool scale = false;  // divide by s
+  bool coef = false;   // then multiply by c, rounded to the gradient's dtype
+  float s = 1.0f;
+  float c = 1.0f;
+  bool any() const { return scale || coef; }
+};
+
+GradXform make_xform(const std::optional<double>& grad_scale,
+                     const std::optional<double>& grad_coef) {
+  GradXform x;
+  if (grad_scale.has_value()) {
+    x.scale = true;
+    x.s = static_cast<float>(*grad_scale);  // the fp32 value of a 0-d fp32 tensor: exact
+  }
+  if (grad_coef.has_value()) {
+    x.coef = true;
+    x.c = static_cast<float>(*grad_coef);
+  }
+  return x;
+}
+
+// Two float vectors holding one low-precision (or two fp32) gradient vector(s) of type grad_t.
+template <typename grad_t>
+inline void xform_pair(fVec& g0, fVec& g1, const GradXform& x) {
+  if (x.scale) {
+    g0 = g0 / fVec(x.s);
+    g1 = g1 / fVec(x.s);
+  }
+  if (x.coef) {
+    g0 = g0 * fVec(x.c);
+    g1 = g1 * fVec(x.c);
+    if constexpr (!std::is_same_v<grad_t, float>) {
+      std::tie(g0, g1) =
+          at::vec::convert_to_float<grad_t>(at::vec::convert_from_float<grad_t>(g0, g1));
+    }
+  }
+}
+
+template <typename grad_t>
+inline void xform_one(fVec& g0, const GradXform& x) {
+  fVec g1 = g0;
+  xform_pair<grad_t>(g0, g1, x);  // lane-wise: the duplicate changes nothing in g0
+}
+
+template <typename grad_t>
+inline float xform_scalar(float g, const GradXform& x) {
+  if (x.scale) g = g / x.s;
+  if (x.coef) {
+    g = g * x.c;
+    if constexpr (!std::is_same_v<grad_t, float>) {
+      g = static_cast<float>(static_cast<grad_t>(g));  // round to nearest even, as Tensor.mul_
+    }
+  }
+  return g;
+}
+
+// Parallel work unit, in elements. A multiple of every Vectorized<float>::size() and of every
+// Vectorized<BFloat16/Half>::size(), so a unit boundary never moves an element between the
+// vectorised body and the scalar tail: only the last numel % fVec::size() elements of a tensor
+// take the scalar path, whatever the thread count (the same elements torch's kernel runs scalar).
+constexpr int64_t kUnit = 64;
+static_assert(kUnit % fVec::size() == 0, "kUnit must be a multiple of the float vector width");
+static_assert(kUnit % at::vec::Vectorized<c10::BFloat16>::size() == 0, "kUnit vs bf16 width");
+// Calls of at least this many elements (56 MB of traffic, more than a server's L3 share) write
+// the low-precision parameter with non-temporal stores.
+constexpr int64_t kStreamMinElements = int64_t(1) << 21;
+// Smallest range, in units, worth splitting across threads (64 Ki elements, ~1.8 MB of traffic).
+constexpr int64_t kGrainUnits = 1024;
+// Work block a thread takes at a time (16 Ki elements, ~460 KB of traffic, ~10 us at 40 GB/s).
+constexpr int64_t kBlockUnits = 256;
+
+// Scalar coefficients, computed exactly as torch's kernel computes them.
+struct Coeffs {
+  double lr;
+  double exp_avg_grad_coefficient;     // 1 - beta1
+  double exp_avg_sq_grad_coefficient;  // 1 - beta2
+  double beta2;
+  double step_size;                    // lr / (1 - beta1^step)
+  double bias_correction2_sqrt;        // sqrt(1 - beta2^step)
+  double eps;
+  double weight_decay;
+};
+
+// `step_f`: the step as torch holds it, a float read from the fp32 step tensor (widened to double).
+Coeffs make_coeffs(float step_f, double lr, double beta1, double beta2, double eps,
+                   double weight_decay) {
+  const double step_d = static_cast<double>(step_f);
+  Coeffs c{};
+  c.lr = lr;
+  const double bias_correction1 = 1 - std::pow(beta1, step_d);
+  const double bias_correction2 = 1 - std::pow(beta2, step_d);
+  c.exp_avg_grad_coefficient = 1 - beta1;
+  c.exp_avg_sq_grad_coefficient = 1 - beta2;
+  c.beta2 = beta2;
+  c.step_size = lr / bias_correction1;
+  c.bias_correction2_sqrt = std::sqrt(bias_correction2);
+  c.eps = eps;
+  c.weight_decay = weight_decay;
+  return c;
+}
+
+// The coefficients as float vectors, built once per span (torch builds the same values inline).
+struct VecCoeffs {
+  explicit VecCoeffs(const Coeffs& c)
+      : decay(float(1 - c.lr * c.weight_decay)),
+        lerp_coeff(std::abs(float(c.exp_avg_grad_coefficient)) < 0.5f
+                       ? fVec(float(c.exp_avg_grad_coefficient))
+                       : fVec(float(c.exp_avg_grad_coefficient)) - fVec(1)),
+        c2(float(c.exp_avg_sq_grad_coefficient)),
+        beta2(float(c.beta2)),
+        bias_correction2_sqrt(float(c.bias_correction2_sqrt)),
+        eps(float(c.eps)),
+        neg_step_size(float(-c.step_size)),
+        lerp_small(std::abs(float(c.exp_avg_grad_coefficient)) < 0.5f),
+        do_decay(c.weight_decay != 0.f) {}
+  fVec decay, lerp_coeff, c2, beta2, bias_correction2_sqrt, eps, neg_step_size;
+  bool lerp_small, do_decay;
+};
+
+// One AdamW update on the fp32 lanes of one vector; returns the new master.
+inline fVec adamw_vec(fVec param, fVec grad, float* exp_avg_ptr, float* exp_avg_sq_ptr,
+                      const VecCoeffs& k) {
+  if (k.do_decay) {
+    param = param * k.decay;
+  }
+  fVec exp_avg = fVec::loadu(exp_avg_ptr);
+  // exp_avg.lerp_(grad, 1 - beta1) as torch writes it: fma(w, g - m, m) for a small weight w,
+  // else fma(w - 1, g - m, g) (torch selects with a uniform blendv; a branch is the same).
+  const fVec base = k.lerp_small ? exp_avg : grad;
+  exp_avg = at::vec::fmadd(k.lerp_coeff, grad - exp_avg, base);
+
+  const fVec c2_grad = k.c2 * grad;
+  const fVec exp_avg_sq = at::vec::fmadd(c2_grad, grad, fVec::loadu(exp_avg_sq_ptr) * k.beta2);
+  exp_avg.store(exp_avg_ptr);
+  exp_avg_sq.store(exp_avg_sq_ptr);
+
+  const fVec denom = (exp_avg_sq.sqrt() / k.bias_correction2_sqrt) + k.eps;
+  return param + k.neg_step_size * exp_avg / denom;
+}
+
+// One element of the scalar tail. `in_block`: the element lies in the first multiple of
+// kTailBlock tail elements (torch's vectorised tail loop), which fuses exp_avg_sq differently.
+inline float adamw_scalar(float param, float grad_val, float* exp_avg_ptr, float* exp_avg_sq_ptr,
+                          bool in_block, const Coeffs& c) {
+  if (c.weight_decay != 0.f) {
+    param = param * float(1 - c.lr * c.weight_decay);
+  }
+  float exp_avg = *exp_avg_ptr;
+  const float lerp_weight = float(c.exp_avg_grad_coefficient);
+  if (std::abs(lerp_weight) < float(0.5)) {
+    exp_avg = madd(lerp_weight, grad_val - exp_avg, exp_avg);
+  } else {
+    // grad - (grad - exp_avg) * (1 - w) == fma(w - 1, grad - exp_avg, grad) exactly.
+    exp_avg = madd(lerp_weight - float(1), grad_val - exp_avg, grad_val);
+  }
+  *exp_avg_ptr = exp_avg;
+  const float c2_grad = float(c.exp_avg_sq_grad_coefficient) * grad_val;
+  float exp_avg_sq = *exp_avg_sq_ptr;
+  if (in_block) {
+    exp_avg_sq = madd(c2_grad, grad_val, exp_avg_sq * float(c.beta2));
+  } else {
+    exp_avg_sq = madd(exp_avg_sq, float(c.beta2), c2_grad * grad_val);
+  }
+  *exp_avg_sq_ptr = exp_avg_sq;
+  const float denom = std::sqrt(exp_avg_sq) / float(c.bias_correction2_sqrt) + float(c.eps);
+  return param - float(c.step_size) * exp_avg / denom;
+}
+
+// Updates `size` consecutive elements. `size` is a multiple of kUnit except at a tensor's end.
+template <typename param_t, typename grad_t>
+void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* exp_avg,
+                float* exp_avg_sq, int64_t size, const Coeffs& c, bool stream,
+                const GradXform& x) {
+  using pVec = at::vec::Vectorized<param_t>;
+  using gVec = at::vec::Vectorized<grad_t>;
+  static_assert(pVec::size() == 2 * fVec::size() && gVec::size() == 2 * fVec::size(),
+                "a low-precision vector must hold two float vectors");
+  constexpr int64_t kW = fVec::size();
+  const VecCoeffs k(c);
+  // Two float vectors: one full low-precision load of the gradient, one of the new parameter.
+  auto pair = [&](int64_t d) {
+    fVec g0, g1;
+    at::vec::load_to_float<grad_t>(grad + d, g0, g1);
+    if (x.any()) xform_pair<grad_t>(g0, g1, x);
+    const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
+    const fVec p1 =
+        adamw_vec(fVec::loadu(master + d + kW), g1, exp_avg + d + kW, exp_avg_sq + d + kW, k);
+    p0.store(master + d);
+    p1.store(master + d + kW);
+    return at::vec::convert_from_float<param_t>(p0, p1);
+  };
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  // The low-precision parameter is only written: in a call too large for the caches, stream it
+  // past them (no read for ownership: 2 of 30 bytes per element) when the span starts on a
+  // vector boundary, as slab views normally do. Values are the same either way.
+  if (stream && reinterpret_cast<uintptr_t>(param_lowp) % sizeof(pVec) == 0) {
+    for (; d + 2 * kW <= size; d += 2 * kW) {
+#if defined(CPU_CAPABILITY_AVX512)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(param_lowp + d), __m512i(pair(d)));
+#else
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(param_lowp + d), __m256i(pair(d)));
+#endif
+    }
+    _mm_sfence();
+  }
+#endif
+  for (; d + 2 * kW <= size; d += 2 * kW) {
+    pair(d).store(param_lowp + d);
+  }
+  // At most one more full float vector (same lane arithmetic as above).
+  if (d + kW <= size) {
+    fVec g0;
+    at::vec::load_to_float<grad_t>(grad + d, g0);
+    if (x.any()) xform_one<grad_t>(g0, x);
+    const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
+    p0.store(master + d);
+    at::vec::convert_from_float<param_t>(p0, p0).store(param_lowp + d, kW);
+    d += kW;
+  }
+  const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
+  for (; d < size; ++d) {
+    const float g = x.any() ? xform_scalar<grad_t>(static_cast<float>(grad[d]), x)
+                            : static_cast<float>(grad[d]);
+    const float p = adamw_scalar(master[d], g, exp_avg + d, exp_avg_sq + d, d < block_end, c);
+    master[d] = p;
+    param_lowp[d] = static_cast<param_t>(p);  // round to nearest even, like Tensor.to()
+  }
+}
+
+// fp32 parameters: the parameter is its own master. Reads the fp32 gradient where it is, updates
+// the parameter and both moments in place and, when `out` is not null, also stores the new value
+// there (CUDA: the pinned buffer the host-to-device copy reads). The lane arithmetic is that of
+// adamw_vec / adamw_scalar, which reproduce torch's fused fp32 kernel; the split into vector body
+// and scalar tail is torch's (one float vector at a time, the last size % fVec::size() scalar).
+// Traffic: 4 (grad) + 8 + 8 + 8 = 28 bytes per parameter, the same as torch's fused kernel.
+void adamw_span_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                    float* out, int64_t size, const Coeffs& c, const GradXform& x) {
+  constexpr int64_t kW = fVec::size();
+  const VecCoeffs k(c);
+  int64_t d = 0;
+  for (; d + kW <= size; d += kW) {
+    fVec g = fVec::loadu(grad + d);
+    if (x.any()) xform_one<float>(g, x);
+    const fVec p = adamw_vec(fVec::loadu(param + d), g, exp_avg + d, exp_avg_sq + d, k);
+    p.store(param + d);
+    if (out != nullptr) p.store(out + d);
+  }
+  const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
+  for (; d < size; ++d) {
+    const float g = x.any() ? xform_scalar<float>(grad[d], x) : grad[d];
+    const float p = adamw_scalar(param[d], g, exp_avg + d, exp_avg_sq + d, d < block_end, c);
+    param[d] = p;
+    if (out != nullptr) out[d] = p;
+  }
+}
+
+// Runs `span(i, lo, hi)` over elements [lo, hi) of tensor i for every tensor, in one parallel
+// region whose threads take blocks of kBlockUnits from a shared counter rather than a fixed
+// 1/threads share each. A fixed share makes every call wait for its slowest thread, and on shared
+// or noisy CPUs (another process, an interrupt) that wait is paid once per call, i.e. per chunk;
+// with blocks the delayed thread just takes fewer of them. Which thread updates an element changes
+// nothing in its arithmetic. Each tensor starts on a unit boundary, so a block maps to unit-aligned
+// slices of consecutive tensors; `lo` is a multiple of kUnit.
+template <typename SpanFn>
+void for_each_span(const std::vector<int64_t>& numel, const SpanFn& span) {
+  const size_t n = numel.size();
+  std::vector<int64_t> unit_start(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) unit_start[i + 1] = unit_start[i] + (numel[i] + kUnit - 1) / kUnit;
+  const int64_t total_units = unit_start[n];
+  if (total_units == 0) return;
+  const auto update_units = [&](int64_t begin, int64_t end) {
+    size_t i = static_cast<size_t>(
+        std::upper_bound(unit_start.begin(), unit_start.end(), begin) - unit_start.begin() - 1);
+    for (; i < n && unit_start[i] < end; ++i) {
+      const int64_t lo_unit = std::max(begin, unit_start[i]) - unit_start[i];
+      const int64_t hi_unit = std::min(end, unit_start[i + 1]) - unit_start[i];
+      const int64_t lo = lo_unit * kUnit;
+      const int64_t hi = std::min(hi_unit * kUnit, numel[i]);
+      if (hi > lo) span(i, lo, hi);
+    }
+  };
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(),
+                                            (total_units + kGrainUnits - 1) / kGrainUnits);
+  if (workers <= 1 || at::in_parallel_region()) {
+    update_units(0, total_units);
+    return;
+  }
+  const int64_t blocks = (total_units + kBlockUnits - 1) / kBlockUnits;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < blocks;
+         b = next.fetch_add(1, std::memory_order_relaxed)) {
+      update_units(b * kBlockUnits, std::min(total_units, (b + 1) * kBlockUnits));
+    }
+  });
+}
+
+// ---- validation (all of it runs before the first write) -------------------------------------
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+[[noreturn]] void fail_value(const std::string& msg) { throw pybind11::value_error(msg); }
+[[noreturn]] void fail_type(const std::string& msg) { throw pybind11::type_error(msg); }
+
+// `fn`: the entry point's name, which every message starts with.
+void check_tensor(const char* fn, const at::Tensor& t, const char* arg, size_t i, int64_t numel,
+                  at::ScalarType dtype) {
+  // The message prefix is built only on failure: this runs five times per tensor per call.
+  const auto where = [&]() {
+    std::ostringstream out;
+    out << fn << ": " << arg << "[" << i << "]";
+    return out.str();
+  };
+  if (!t.defined()) fail_value(where() + " is an undefined tensor");
+  if (t.device().type() != c10::DeviceType::CPU) {
+    fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
+  }
+  if (t.layout() != c10::kStrided) fail_value(where() + ": expected a dense (strided) tensor");
+  if (t.scalar_type() != dtype) {
+    fail_type(where() + " has dtype " + dtype_name(t.scalar_type()) + ": expected " +
+              dtype_name(dtype));
+  }
+  if (t.numel() != numel) {
+    std::ostringstream msg;
+    msg << where() << " has " << t.numel() << " elements (shape " << t.sizes()
+        << "): expected " << numel << " like masters[" << i << "]";
+    fail_value(msg.str());
+  }
+  if (!t.is_contiguous()) {
+    std::ostringstream msg;
+    msg << where() << " is not contiguous (shape " << t.sizes() << ", strides "
+        << t.strides() << "): expected a contiguous tensor";
+    fail_value(msg.str());
+  }
+  if (t.is_conj() || t.is_neg()) fail_value(where() + " has a lazy conj/neg bit set");
+}
+
+struct Span {
+  uintptr_t begin;
+  uintptr_t end;
+  const char* name;
+};
+
+void check_no_overlap(const char* fn, const std::array<Span, 5>& spans, size_t i) {
+  for (size_t a = 0; a < spans.size(); ++a) {
+    for (size_t b = a + 1; b < spans.size(); ++b) {
+      const Span& x = spans[a];
+      const Span& y = spans[b];
+      if (x.begin < x.end && y.begin < y.end && x.begin < y.end && y.begin < x.end) {
+        std::ostringstream msg;
+        msg << fn << ": " << x.name << "[" << i << "] and " << y.name << "[" << i
+            << "] share memory: expected five distinct buffers per parameter";
+        fail_value(msg.str());
+      }
+    }
+  }
+}
+
+Span span_of(const at::Tensor& t, const char* name) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return Span{begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), name};
+}
+
+// ---- entry point ----------------------------------------------------------------------------
+
+template <typename param_t, typename grad_t>
+void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+         const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+         const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<Coeffs>& coeffs,
+         const GradXform& x) {
+  const size_t n = masters.size();
+  std::vector<param_t*> p_lp(n);
+  std::vector<const grad_t*> g_lp(n);
+  std::vector<float*> m32(n), ea(n), eas(n);
+  std::vector<int64_t> numel(n);
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    p_lp[i] = params_lowp[i].mutable_data_ptr<param_t>();
+    g_lp[i] = grads_lowp[i].const_data_ptr<grad_t>();
+    m32[i] = masters[i].mutable_data_ptr<float>();
+    ea[i] = exp_avgs[i].mutable_data_ptr<float>();
+    eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
+    numel[i] = masters[i].numel();
+    total += numel[i];
+  }
+  const bool stream = total >= kStreamMinElements;
+  for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
+    adamw_span<param_t, grad_t>(p_lp[i] + lo, g_lp[i] + lo, m32[i] + lo, ea[i] + lo, eas[i] + lo,
+                                hi - lo, coeffs[i], stream, x);
+  });
+}
+
+// Checks the five tensor lists (everything but the steps); returns the parameter and gradient
+// dtypes. Writes nothing.
+std::pair<at::ScalarType, at::ScalarType> check_lists(
+    const char* fn, const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+    const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+    const std::vector<at::Tensor>& exp_avg_sqs) {
+  const size_t n = masters.size();
+  const std::vector<std::pair<const char*, const std::vector<at::Tensor>*>> lists = {
+      {"params_lowp", &params_lowp}, {"grads_lowp", &grads_lowp},
+      {"exp_avgs", &exp_avgs},       {"exp_avg_sqs", &exp_avg_sqs}};
+  for (const auto& [name, list] : lists) {
+    if (list->size() != n) {
+      std::ostringstream msg;
+      msg << fn << ": " << name << " has " << list->size()
+          << " tensors: expected " << n << " like masters";
+      fail_value(msg.str());
+    }
+  }
+  if (n == 0) return {at::kBFloat16, at::kBFloat16};
+
+  const at::ScalarType p_dtype = params_lowp[0].defined() ? params_lowp[0].scalar_type()
+                                                          : at::kBFloat16;
+  const at::ScalarType g_dtype = grads_lowp[0].defined() ? grads_lowp[0].scalar_type()
+                                                         : at::kBFloat16;
+  for (const auto& [name, dt] : {std::pair{"params_lowp", p_dtype},
+                                 std::pair{"grads_lowp", g_dtype}}) {
+    if (dt != at::kBFloat16 && dt != at::kHalf) {
+      fail_type(std::string(fn) + ": " + name + "[0] has dtype " + dtype_name(dt) +
+                ": expected torch.bfloat16 or torch.float16 (the same for the whole list)");
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!masters[i].defined()) fail_value(std::string(fn) + ": masters[" + std::to_string(i) +
+                                          "] is an undefined tensor");
+    const int64_t numel = masters[i].numel();
+    check_tensor(fn, masters[i], "masters", i, numel, at::kFloat);
+    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
+    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
+    check_tensor(fn, params_lowp[i], "params_lowp", i, numel, p_dtype);
+    check_tensor(fn, grads_lowp[i], "grads_lowp", i, numel, g_dtype);
+    check_no_overlap(fn, {span_of(params_lowp[i], "params_lowp"), span_of(grads_lowp[i], "grads_lowp"),
+                      span_of(masters[i], "masters"), span_of(exp_avgs[i], "exp_avgs"),
+                      span_of(exp_avg_sqs[i], "exp_avg_sqs")},
+                     i);
+  }
+  return {p_dtype, g_dtype};
+}
+
+// After every check: bumps the version counters of the tensors written (in-place semantics for
+// autograd, as torch's own in-place ops). Raises, still before any write, for inference tensors
+// outside InferenceMode.
+void bump_versions(const std::vector<at::Tensor>& params_lowp,
+                   const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+                   const std::vector<at::Tensor>& exp_avg_sqs,
+                   const std::vector<at::Tensor>& steps = {}) {
+  for (size_t i = 0; i < masters.size(); ++i) {
+    for (const at::Tensor* t : {&params_lowp[i], &masters[i], &exp_avgs[i], &exp_avg_sqs[i]}) {
+      t->unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  for (const at::Tensor& t : steps) t.unsafeGetTensorImpl()->bump_version();
+}
+
+// The update itself, with the GIL released.
+void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+            const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+            const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
+            at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs,
+            const GradXform& x = GradXform{}) {
+  if (masters.empty()) return;
+  pybind11::gil_scoped_release no_gil;
+  if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
+    run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs,
+                                      coeffs, x);
+  } else if (p_dtype == at::kBFloat16) {
+    run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
+                                  x);
+  } else if (g_dtype == at::kBFloat16) {
+    run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
+                                  x);
+  } else {
+    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs, x);
+  }
+}
+
+// One step number for every tensor (validated in Python: an int >= 1).
+void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
+                     const std::vector<at::Tensor>& grads_lowp,
+                     const std::vector<at::Tensor>& masters,
+                     const std::vector<at::Tensor>& exp_avgs,
+                     const std::vector<at::Tensor>& exp_avg_sqs, int64_t step, double lr,
+                     double beta1, double beta2, double eps, double weight_decay) {
+  const auto [p_dtype, g_dtype] =
+      check_lists("fused_mp_adamw_", params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  if (masters.empty()) return;
+  // torch keeps the step in a float tensor: the int goes through float as it would there.
+  const std::vector<Coeffs> coeffs(
+      masters.size(),
+      make_coeffs(static_cast<float>(step), lr, beta1, beta2, eps, weight_decay));
+  bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs);
+  update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs);
+}
+
+// Checks a 0-d (or one-element) fp32 CPU step tensor.
+void check_step(const char* fn, const at::Tensor& t, const char* arg, size_t i) {
+  const auto where = [&]() {
+    std::ostringstream out;
+    out << fn << ": " << arg << "[" << i << "]";
+    return out.str();
+  };
+  if (!t.defined()) fail_value(where() + " is an undefined tensor");
+  if (t.device().type() != c10::DeviceType::CPU) {
+    fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
+  }
+  if (t.layout() != c10::kStrided || t.numel() != 1) {
+    std::ostringstream msg;
+    msg << where() << " has shape " << t.sizes() << ": expected a one-element step tensor";
+    fail_value(msg.str());
+  }
+  if (t.scalar_type() != at::kFloat) {
+    fail_type(where() + " has dtype " + dtype_name(t.scalar_type()) +
+              ": expected torch.float32 (torch's AdamW step tensor)");
+  }
+}
+
+// The steps of one call: checks every step tensor and computes each tensor's coefficients from
+// the value its step tensor holds after adding one to each of `steps_to_increment` (as
+// torch._foreach_add_(steps, 1) does before the fused call). Writes nothing: the increments are
+// returned in `incremented` (by address), for the caller to store once every check passed. A
+// storage listed twice (the same tensor, or two views of one element) goes up twice, as with
+// _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
+// lazily cloned step tensor never shares the address its original is incremented at.
+std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
+                                const std::vector<at::Tensor>& state_steps,
+                                const std::vector<at::Tensor>& steps_to_increment, double lr,
+                                double beta1, double beta2, double eps, double weight_decay,
+                                std::unordered_map<float*, float>& incremented) {
+  if (state_steps.size() != n) {
+    std::ostringstream msg;
+    msg << fn << ": state_steps has " << state_steps.size() << " tensors: expected " << n
+        << " like " << like;
+    fail_value(msg.str());
+  }
+  for (size_t j = 0; j < steps_to_increment.size(); ++j) {
+    check_step(fn, steps_to_increment[j], "steps_to_increment", j);
+  }
+  incremented.reserve(steps_to_increment.size());
+  for (const at::Tensor& t : steps_to_increment) {
+    float* ptr = t.mutable_data_ptr<float>();
+    const auto it = incremented.try_emplace(ptr, *ptr).first;
+    it->second += 1.0f;
+  }
+  std::vector<Coeffs> coeffs;
+  coeffs.reserve(n);
+  // The coefficients depend on the step value only (the hyper-parameters are the call's): reuse
+  // the last ones while the value repeats, as it does for every tensor of a usual step (two pow
+  // calls per tensor were a visible part of a call over thousands of small tensors).
+  float last_value = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    check_step(fn, state_steps[i], "state_steps", i);
+    const float* ptr = state_steps[i].const_data_ptr<float>();
+    const auto found = incremented.find(const_cast<float*>(ptr));
+    const float value = found == incremented.end() ? *ptr : found->second;
+    if (!std::isfinite(value) || value < 1.0f) {
+      std::ostringstream msg;
+      msg << fn << ": state_steps[" << i << "] is " << value
+          << " after the increments: expected a finite step >= 1";
+      fail_value(msg.str());
+    }
+    if (!coeffs.empty() && value == last_value) {
+      coeffs.push_back(coeffs.back());
+    } else {
+      coeffs.push_back(make_coeffs(value, lr, beta1, beta2, eps, weight_decay));
+    }
+    last_value = value;
+  }
+  return coeffs;
+}
+
+// A step per tensor, read from its fp32 step tensor as torch's fused AdamW reads it (see
+// step_coeffs). The offload pipeline calls this once per chunk: the per-parameter step
+// bookkeeping runs here, not as one Python-level tensor op per parameter.
+void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
+                           const std::vector<at::Tensor>& grads_lowp,
+                           const std::vector<at::Tensor>& masters,
+                           const std::vector<at::Tensor>& exp_avgs,
+                           const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<at::Tensor>& state_steps,
+                           const std::vector<at::Tensor>& steps_to_increment, double lr,
+                           double beta1, double beta2, double eps, double weight_decay,
+                           std::optional<double> grad_scale, std::optional<double> grad_coef) {
+  const char* fn = "fused_mp_adamw_steps_";
+  const auto [p_dtype, g_dtype] =
+      check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  std::unordered_map<float*, float> incremented;
+  const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
+                                                 steps_to_increment, lr, beta1, beta2, eps,
+                                                 weight_decay, incremented);
+  bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment);
+  for (const auto& [p, v] : incremented) *p = v;  // the first write
+  update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
+         make_xform(grad_scale, grad_coef));
+}
+
+// fp32 parameters (each its own master) with fp32 gradients, torch's step bookkeeping as in
+// fused_mp_adamw_steps_. `outs`: empty, or one fp32 tensor per parameter that receives a copy of
+// the updated parameter. Every check runs before the first write.
+void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& exp_avgs,
+                      const std::vector<at::Tensor>& exp_avg_sqs,
+                      const std::vector<at::Tensor>& state_steps,
+                      const std::vector<at::Tensor>& outs,
+                      const std::vector<at::Tensor>& steps_to_increment, double lr, double beta1,
+                      double beta2, double eps, double weight_decay,
+                      std::optional<double> grad_scale, std::optional<double> grad_coef) {
+  const char* fn = "adamw_f32_steps_";
+  const size_t n = params.size();
+  const bool with_out = !outs.empty();
+  const std::vector<std::pair<const char*, const std::vector<at::Tensor>*>> lists = {
+      {"grads", &grads}, {"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}, {"outs", &outs}};
+  for (const auto& [name, list] : lists) {
+    if (list->size() != n && !(list == &outs && outs.empty())) {
+      std::ostringstream msg;
+      msg << fn << ": " << name << " has " << list->size() << " tensors: expected " << n
+          << " like params" << (list == &outs ? " (or none)" : "");
+      fail_value(msg.str());
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!params[i].defined()) {
+      fail_value(std::string(fn) + ": params[" + std::to_string(i) + "] is an undefined tensor");
+    }
+    const int64_t numel = params[i].numel();
+    check_tensor(fn, params[i], "params", i, numel, at::kFloat);
+    check_tensor(fn, grads[i], "grads", i, numel, at::kFloat);
+    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
+    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
+    if (with_out) check_tensor(fn, outs[i], "outs", i, numel, at::kFloat);
+    check_no_overlap(fn, {span_of(params[i], "params"), span_of(grads[i], "grads"),
+                          span_of(exp_avgs[i], "exp_avgs"), span_of(exp_avg_sqs[i], "exp_avg_sqs"),
+                          with_out ? span_of(outs[i], "outs") : Span{0, 0, "outs"}},
+                     i);
+  }
+  std::unordered_map<float*, float> incremented;
+  const std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
+                                                 beta1, beta2, eps, weight_decay, incremented);
+  for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &outs, &steps_to_increment}) {
+    for (const at::Tensor& t : *list) t.unsafeGetTensorImpl()->bump_version();
+  }
+  for (const auto& [p, v] : incremented) *p = v;  // the first write
+  if (n == 0) return;
+  std::vector<float*> pp(n), ea(n), eas(n), op(n);
+  std::vector<const float*> gp(n);
+  std::vector<int64_t> numel(n);
+  for (size_t i = 0; i < n; ++i) {
+    pp[i] = params[i].mutable_data_ptr<float>();
+    gp[i] = grads[i].const_data_ptr<float>();
+    ea[i] = exp_avgs[i].mutable_data_ptr<float>();
+    eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
+    op[i] = with_out ? outs[i].mutable_data_ptr<float>() : nullptr;
+    numel[i] = params[i].numel();
+  }
+  const GradXform x = make_xform(grad_scale, grad_coef);
+  pybind11::gil_scoped_release no_gil;
+  for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
+    adamw_span_f32(pp[i] + lo, gp[i] + lo, ea[i] + lo, eas[i] + lo,
+                   op[i] == nullptr ? nullptr : op[i] + lo, hi - lo, coeffs[i], x);
+  });
+}
+
+// ---- grad_stats: per-tensor norm terms and content checksums (offload/kernels/_grad_stats.py) ------
+//
+// One read of every element: per tensor, its norm term in double (sum of g^2, sum of |g|, or
+// max |g|) and the wrapping 64-bit sum of its words (fp32: the 32-bit word as a signed int, as
+// `g.view(torch.int32).sum(dtype=torch.int64)`; bf16/fp16: the 16-bit word zero-extended).
+// Determinism: a tensor is cut into blocks of kStatsBlock elements counted from its first element
+// (in memory order); a block is reduced into kStatsLanes lanes (element e of the block goes to lane
+// e % kStatsLanes, in element order), the lanes are added in lane order, and a tensor's blocks in
+// block order after the parallel pass. Nothing depends on the thread count, on which thread took a
+// block, or on the other tensors of the call. g^2 of an fp32/bf16/fp16 value is exact in double.
+
+// Elements per block (64 KB of fp32): the unit of work and of the fixed summation order.
+constexpr int64_t kStatsBlock = int64_t(1) << 14;
+// Independent accumulators per block (eight 256-bit double vectors: hides the FMA latency).
+constexpr int kStatsLanes = 32;
+static_assert(kStatsLanes % fVec::size() == 0, "lanes must hold whole float vectors");
+// 16-bit words (and the low halves of 32-bit ones) are summed in 32-bit lanes: at most
+// kStatsBlock / kStatsLanes (+1 from the tail) of 0xFFFF each; high halves likewise, signed.
+static_assert((kStatsBlock / kStatsLanes) * 0xFFFFull < (1ull << 32), "32-bit lane overflow");
+// How far ahead of the loads the vector loop prefetches (one read stream per thread leaves the
+// hardware prefetcher short of requests in flight on the VM this was measured on).
+constexpr int64_t kStatsPrefetchBytes = 2048;
+// Blocks a thread takes from the shared counter at a time (256 KB of fp32).
+constexpr int64_t kStatsTake = 4;
+// Elements per worker below which more threads cost more than they bring (a parallel region
+// costs microseconds to start, and a thread of a loaded machine may be scheduled late).
+constexpr int64_t kStatsGrain = int64_t(1) << 17;
+
+enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2 };
+
+// The checksum weighs lane j (element i of a tensor lies in lane i % 32) by an odd 64-bit
+// constant, so that flipping signs (a sign bit moves a word by 2^31) or swapping neighbours does
+// not cancel out as it does in a plain sum of words (offload/kernels/_grad_stats.py: LANE_WEIGHTS).
+constexpr uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+constexpr uint64_t lane_weight(int j) { return splitmix64(static_cast<uint64_t>(j)) | 1ull; }
+
+struct BlockStats {
+  double term = 0.0;
+  uint64_t sum = 0;
+};
+
+template <typename T>
+inline uint64_t word_of(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    int32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return static_cast<uint64_t>(static_cast<int64_t>(w));  // sign-extended, as view(int32)
+  } else {
+    uint16_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return w;  // zero-extended
+  }
+}
+
+template <typename T, int64_t K>
+inline void lane_update(double& acc, float& mx, uint32_t& bad, float f) {
+  if constexpr (K == kNormL2) {
+    const double v = static_cast<double>(f);
+    acc = acc + v * v;
+  } else if constexpr (K == kNormL1) {
+    acc = acc + std::abs(static_cast<double>(f));
+  } else {
+    const float a = std::abs(f);
+    mx = mx < a ? a : mx;
+    bad |= static_cast<uint32_t>(f != f);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// 32 elements into the 32 lanes: acc[k] holds lanes 4k..4k+3 (element e of the group is lane e),
+// exactly the scalar lane_update's operations (fma(v, v, acc) == acc + v * v: the square of a
+// float is exact in double). Words: a 16-bit word into its 32-bit lane of s32; a 32-bit word w as
+// w & 0xFFFF into s32 and w >> 16 (arithmetic) into hi32, so that the sum of the words is
+// sum(s32) + 65536 * sum(hi32) (no lane can overflow within one block), with no cross-lane
+// widening. 256-bit vectors on AVX-512 builds too: on the 2-core VM (Xeon, AVX-512) the 512-bit
+// float-to-double conversions ran this loop at 5-16 GB/s from L1/L2, the 256-bit ones at 40-58
+// GB/s (a standalone loop over 64 KB, best of 5), since 512-bit work has two ports, 256-bit three.
+template <typename T, int64_t K>
+inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s32)[4], __m256i (&hi32)[4]) {
+  const __m256d sign = _mm256_set1_pd(-0.0);
+  for (int h = 0; h < 4; ++h) {
+    [[maybe_unused]] __m256 f;
+    if constexpr (std::is_same_v<T, float>) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * h));
+      s32[h] = _mm256_add_epi32(s32[h], _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
+      hi32[h] = _mm256_add_epi32(hi32[h], _mm256_srai_epi32(w, 16));
+    } else {
+      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * h));
+      const __m256i w32 = _mm256_cvtepu16_epi32(w);
+      s32[h] = _mm256_add_epi32(s32[h], w32);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        f = _mm256_castsi256_ps(_mm256_slli_epi32(w32, 16));
+      } else {
+        #if defined(CPU_CAPABILITY_AVX512)  // no -mf16c there: the AVX-512 conversion, low half
+        f = _mm512_castps512_ps256(_mm512_cvtph_ps(_mm256_castsi128_si256(w)));
+#else
+        f = _mm256_cvtph_ps(w);
+#endif
+      }
+    }
+    for (int q = 0; q < 2; ++q) {
+      __m256d v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm256_cvtps_pd(_mm_loadu_ps(x + 8 * h + 4 * q));
+      } else {
+        v = _mm256_cvtps_pd(q == 0 ? _mm256_castps256_ps128(f) : _mm256_extractf128_ps(f, 1));
+      }
+      __m256d& a = acc[2 * h + q];
+      if constexpr (K == kNormL2) {
+        a = _mm256_fmadd_pd(v, v, a);
+      } else {
+        a = _mm256_add_pd(a, _mm256_andnot_pd(sign, v));
+      }
+    }
+  }
+}
+#endif
+
+template <typename T, int64_t K>
+BlockStats block_stats(const T* x, int64_t n) {
+  alignas(64) double acc[kStatsLanes] = {};
+  float mx[kStatsLanes] = {};
+  uint32_t bad[kStatsLanes] = {};
+  alignas(64) uint64_t s64[kStatsLanes] = {};
+  alignas(64) uint32_t s32[kStatsLanes] = {};
+  alignas(64) int32_t hi32[kStatsLanes] = {};
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (K != kNormInf) {
+    __m256d va[8];
+    __m256i v32[4], vhi[4];
+    for (auto& a : va) a = _mm256_setzero_pd();
+    for (auto& a : v32) a = _mm256_setzero_si256();
+    for (auto& a : vhi) a = _mm256_setzero_si256();
+    for (; i + kStatsLanes <= n; i += kStatsLanes) {
+      const char* ahead = reinterpret_cast<const char*>(x + i) + kStatsPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if constexpr (sizeof(T) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      stats_vec32<T, K>(x + i, va, v32, vhi);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_store_pd(acc + 4 * k, va[k]);
+    for (int k = 0; k < 4; ++k) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s32 + 8 * k), v32[k]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hi32 + 8 * k), vhi[k]);
+    }
+  }
+#endif
+  for (; i + kStatsLanes <= n; i += kStatsLanes) {  // inf norms, and builds without AVX2
+    for (int j = 0; j < kStatsLanes; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        s64[j] += word_of(x + i + j);
+      } else {
+        s32[j] += static_cast<uint32_t>(word_of(x + i + j));
+      }
+      lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i + j]));
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {  // the tail: lane j, the same operations one at a time
+    if constexpr (std::is_same_v<T, float>) {
+      s64[j] += word_of(x + i);
+    } else {
+      s32[j] += static_cast<uint32_t>(word_of(x + i));
+    }
+    lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i]));
+  }
+  BlockStats out;
+  float m = 0.0f;
+  uint32_t any_bad = 0;
+  for (int j = 0; j < kStatsLanes; ++j) {
+    out.term += acc[j];
+    out.sum += (s64[j] + s32[j] + (static_cast<uint64_t>(static_cast<int64_t>(hi32[j])) << 16)) *
+               lane_weight(j);
+    m = m < mx[j] ? mx[j] : m;
+    any_bad |= bad[j];
+  }
+  if constexpr (K == kNormInf) {
+    out.term = any_bad ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(m);
+  }
+  return out;
+}
+
+template <int64_t K>
+BlockStats block_stats_of(at::ScalarType dtype, const void* base, int64_t lo, int64_t hi) {
+  switch (dtype) {
+    case at::kFloat: return block_stats<float, K>(static_cast<const float*>(base) + lo, hi - lo);
+    case at::kBFloat16:
+      return block_stats<c10::BFloat16, K>(static_cast<const c10::BFloat16*>(base) + lo, hi - lo);
+    default: return block_stats<c10::Half, K>(static_cast<const c10::Half*>(base) + lo, hi - lo);
+  }
+}
+
+// Returns (terms float64[n], checksums int64[n]). `norm`: kNormL2, kNormL1 or kNormInf.
+std::tuple<at::Tensor, at::Tensor> grad_stats_(const std::vector<at::Tensor>& tensors,
+                                               int64_t norm) {
+  const char* fn = "grad_stats";
+  if (norm != kNormL2 && norm != kNormL1 && norm != kNormInf) {
+    fail_value(std::string(fn) + ": norm kind " + std::to_string(norm) +
+               ": expected 0 (L2), 1 (L1) or 2 (inf)");
+  }
+  const size_t n = tensors.size();
+  std::vector<const void*> base(n);
+  std::vector<at::ScalarType> dtype(n);
+  std::vector<int64_t> numel(n), block_start(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    const auto where = [&]() { return std::string(fn) + ": tensors[" + std::to_string(i) + "]"; };
+    if (!t.defined()) fail_value(where() + " is an undefined tensor");
+    if (t.device().type() != c10::DeviceType::CPU) {
+      fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
+    }
+    if (t.layout() != c10::kStrided) fail_value(where() + ": expected a dense (strided) tensor");
+    const at::ScalarType dt = t.scalar_type();
+    if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) {
+      fail_type(where() + " has dtype " + dtype_name(dt) +
+                ": expected torch.float32, torch.bfloat16 or torch.float16");
+    }
+    if (!t.is_non_overlapping_and_dense()) {
+      const auto tuple = [](c10::IntArrayRef v) {  // as Python prints a tuple
+        std::ostringstream out;
+        out << "(";
+        for (size_t k = 0; k < v.size(); ++k) out << (k ? ", " : "") << v[k];
+        out << (v.size() == 1 ? ",)" : ")");
+        return out.str();
+      };
+      std::ostringstream msg;
+      msg << where() << " (shape " << tuple(t.sizes()) << ", strides " << tuple(t.strides())
+          << ") does not cover one dense block of memory: expected a contiguous tensor or a "
+             "permutation of one";
+      fail_value(msg.str());
+    }
+    if (t.is_conj() || t.is_neg()) fail_value(where() + " has a lazy conj/neg bit set");
+    // A dense tensor with non-negative strides starts at its lowest address: its elements are
+    // the numel() consecutive ones from there, whatever the order of its dimensions.
+    base[i] = t.const_data_ptr();
+    dtype[i] = dt;
+    numel[i] = t.numel();
+    block_start[i + 1] = block_start[i] + (numel[i] + kStatsBlock - 1) / kStatsBlock;
+  }
+  at::Tensor terms = at::zeros({static_cast<int64_t>(n)}, at::kDouble);
+  at::Tensor sums = at::zeros({static_cast<int64_t>(n)}, at::kLong);
+  const int64_t total = block_start[n];
+  if (total == 0) return {terms, sums};
+  std::vector<BlockStats> blocks(static_cast<size_t>(total));
+  {
+    pybind11::gil_scoped_release no_gil;
+    const auto run_blocks = [&](int64_t begin, int64_t end) {
+      size_t i = static_cast<size_t>(
+          std::upper_bound(block_start.begin(), block_start.end(), begin) - block_start.begin() - 1);
+      for (int64_t b = begin; b < end; ++b) {
+        while (block_start[i + 1] <= b) ++i;
+        const int64_t lo = (b - block_start[i]) * kStatsBlock;
+        const int64_t hi = std::min(numel[i], lo + kStatsBlock);
+        blocks[static_cast<size_t>(b)] =
+            norm == kNormL2   ? block_stats_of<kNormL2>(dtype[i], base[i], lo, hi)
+            : norm == kNormL1 ? block_stats_of<kNormL1>(dtype[i], base[i], lo, hi)
+                              : block_stats_of<kNormInf>(dtype[i], base[i], lo, hi);
+      }
+    };
+    int64_t elements = 0;
+    for (size_t i = 0; i < n; ++i) elements += numel[i];
+    const int64_t takes = (total + kStatsTake - 1) / kStatsTake;
+    const int64_t workers = std::min<int64_t>(
+        {static_cast<int64_t>(at::get_num_threads()), takes, elements / kStatsGrain + 1});
+    if (workers <= 1 || at::in_parallel_region()) {
+      run_blocks(0, total);
+    } else {
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+        for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < takes;
+             k = next.fetch_add(1, std::memory_order_relaxed)) {
+          run_blocks(k * kStatsTake, std::min(total, (k + 1) * kStatsTake));
+        }
+      });
+    }
+  }
+  double* tp = terms.mutable_data_ptr<double>();
+  int64_t* sp = sums.mutable_data_ptr<int64_t>();
+  for (size_t i = 0; i < n; ++i) {
+    double term = 0.0;
+    uint64_t sum = 0;
+    for (int64_t b = block_start[i]; b < block_start[i + 1]; ++b) {
+      const BlockStats& s = blocks[static_cast<size_t>(b)];
+      if (norm == kNormInf) {
+        if (!std::isnan(term) && (std::isnan(s.term) || s.term > term)) term = s.term;
+      } else {
+        term += s.term;
+      }
+      sum += s.sum;  // wraps modulo 2**64
+    }
+    tp[i] = term;
+    sp[i] = static_cast<int64_t>(sum);
+  }
+  return {terms, sums};
+}
+
+// Distinct intra-op threads one parallel_for used: checks that the kernel's parallel regions run
+// on torch's OpenMP runtime (so torch.set_num_threads governs them).
+int64_t threads_used(int64_t units) {
+  std::vector<std::atomic<int>> seen(static_cast<size_t>(std::max(1, at::get_num_threads())));
+  at::parallel_for(0, units, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    if (tid >= 0 && static_cast<size_t>(tid) < seen.size()) seen[tid].store(1);
+  });
+  int64_t used = 0;
+  for (const auto& s : seen) used += s.load();
+  return used;
+}
+
+std::string capability() {
+#if defined(CPU_CAPABILITY)
+#define OFFLOAD_STR2(x) #x
+#define OFFLOAD_STR(x) OFFLOAD_STR2(x)
+  return OFFLOAD_STR(CPU_CAPABILITY);
+#else
+  return "DEFAULT";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Single-pass mixed-precision AdamW for CPU offload (see offload/kernels/_fused_mp.py).";
+  m.def("fused_mp_adamw_", &fused_mp_adamw_, pybind11::arg("params_lowp"),
+        pybind11::arg("grads_lowp"), pybind11::arg("masters"), pybind11::arg("exp_avgs"),
+        pybind11::arg("exp_avg_sqs"), pybind11::kw_only(), pybind11::arg("step"),
+        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"),
+        pybind11::arg("eps"), pybind11::arg("weight_decay"));
+  m.def("fused_mp_adamw_steps_", &fused_mp_adamw_steps_, pybind11::arg("params_lowp"),
+        pybind11::arg("grads_lowp"), pybind11::arg("masters"), pybind11::arg("exp_avgs"),
+        pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"), pybind11::kw_only(),
+        pybind11::arg("steps_to_increment"), pybind11::arg("lr"), pybind11::arg("beta1"),
+        pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
+        pybind11::arg("grad_scale") = pybind11::none(),
+        pybind11::arg("grad_coef") = pybind11::none());
+  m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
+        pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
+        pybind11::kw_only(), pybind11::arg("outs"), pybind11::arg("steps_to_increment"),
+        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
+        pybind11::arg("weight_decay"), pybind11::arg("grad_scale") = pybind11::none(),
+        pybind11::arg("grad_coef") = pybind11::none());
+  m.def("grad_stats_", &grad_stats_, pybind11::arg("tensors"), pybind11::kw_only(),
+        pybind11::arg("norm"),
+        "Per-tensor norm terms (float64) and word checksums (int64); see offload/kernels/_grad_stats.py.");
+  m.def("capability", &capability, "CPU_CAPABILITY this build was compiled for.");
+  m.def("threads_used", &threads_used, pybind11::arg("units"),
+        "Distinct intra-op threads a parallel_for over `units` work items ran on.");
+  m.def("float_vector_width", []() { return static_cast<int64_t>(fVec::size()); });
+}

@@ -1,0 +1,186 @@
+"""``overlap_backward``: start a chunk's d2h + kernel during backward, once all its gradients exist.
+
+A post-accumulate-grad hook on every parameter counts its firings (FSDP2 runs these hooks on the
+sharded parameters after reduce-scatter). The first backward is a calibration: nothing starts
+early, and the firings per parameter (outside ``accumulating()``) are learned. Later, a chunk
+starts when every parameter in it has fired as often as learned; a chunk with a parameter that
+did not fire during calibration never starts early (it runs in ``step()``). Counts are re-learned
+from any backward whose counts differ.
+
+Work started early is a speculation (``offload.overlap._speculation``): at ``step()`` every early
+chunk is checked against what the step consumes, then committed, or undone and recomputed. A
+parameter that does not require a gradient gets no hook (its chunks run in ``step()``).
+
+Interface to the optimizer: two callables. ``start_early`` (:data:`StartEarly`, a method of the
+optimizer held weakly: the hooks live on the model's parameters and must not keep the optimizer
+alive) builds and submits a chunk's job from the gradients read here; ``drain`` waits for the
+pipeline before an error is raised. The per-parameter counts live in the parameter records
+(``ParamRecord.hooks_fired`` / ``hooks_expected``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor
+
+from offload.state._dtensor import local
+from offload.state._params import ParamRecord
+from offload.pipeline._jobs import ChunkJob
+from offload.state._slabs import Chunk
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BackwardOverlap", "Launch", "StartEarly"]
+
+StartEarly = Callable[[Chunk, dict[int, Tensor]], "ChunkJob | None"]
+"""``start_early(chunk, grads)``: submit ``chunk``'s d2h + kernel from ``grads`` (slot -> local
+gradient, read now); None when the chunk cannot start early (a
+parameter without state yet)."""
+
+
+@dataclass(slots=True)
+class Launch:
+    """A chunk started during backward (what it read: ``offload.overlap._speculation``)."""
+
+    job: ChunkJob
+
+
+def _grad_hook(overlap_ref: weakref.ref[BackwardOverlap], slot: int, _param: Tensor) -> None:
+    overlap = overlap_ref()
+    if overlap is not None:
+        overlap.on_grad(slot)
+
+
+class BackwardOverlap:
+    """The hooks, the counts and the early launches of one optimizer (see the module doc)."""
+
+    def __init__(self, records: Sequence[ParamRecord], start_early: StartEarly, *,
+                 calibrated: bool = False) -> None:
+        """Hooks on every parameter of ``records``; ``start_early``: a bound method (held weakly);
+        ``calibrated``: the records' ``hooks_expected`` were learned already (a new overlap after
+        a relayout keeps what the old one learned)."""
+        self._lock = threading.Lock()
+        self._start_early = weakref.WeakMethod(start_early)  # type: ignore[arg-type]
+        self._records = list(records)
+        self.calibrated = calibrated
+        self._accumulating = 0
+        self._chunks: tuple[Chunk, ...] = ()
+        self._chunks_of: list[list[int]] = [[] for _ in self._records]
+        self._eligible: list[bool] = []
+        self._pending: list[int] = []
+        self._launched: dict[int, Launch] = {}
+        self.external = False
+        """Gradients arrive through :meth:`on_grad` with ``external=True`` only (a DDP comm hook,
+        after the all-reduce); the autograd hooks (before it) are ignored."""
+        self._source: dict[int, Tensor] = {}  # slot -> the reduced gradient an external call gave
+        for rec in self._records:
+            rec.hooks_fired = 0
+        ref = weakref.ref(self)
+        self._handles: list[Any] = [  # a frozen parameter cannot take a hook (and needs none)
+            rec.param.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, rec.slot))
+            for rec in self._records if rec.param.requires_grad
+        ]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def set_chunks(self, chunks: tuple[Chunk, ...]) -> None:
+        with self._lock:
+            self._chunks = chunks
+            self._chunks_of = [[] for _ in self._records]
+            for c in chunks:
+                for slot in {v.slot for v in c.views}:
+                    self._chunks_of[slot].append(c.index)
+            self._reset_pending()
+
+    def _reset_pending(self) -> None:
+        recs = self._records
+        self._eligible, self._pending = [], []
+        for c in self._chunks:
+            slots = {v.slot for v in c.views}
+            self._eligible.append(self.calibrated and all(recs[s].hooks_expected > 0 for s in slots))
+            self._pending.append(len(slots))
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        with self._lock:
+            self._accumulating += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._accumulating -= 1
+
+    def has_launched(self) -> bool:
+        with self._lock:
+            return bool(self._launched)
+
+    def on_grad(self, slot: int, grad: Tensor | None = None, *, external: bool = False) -> None:
+        """A gradient of ``slot`` arrived (``grad``: where to read it, else ``param.grad``)."""
+        with self._lock:
+            if self._accumulating or external != self.external:
+                return
+            if grad is not None:
+                self._source[slot] = grad
+            rec = self._records[slot]
+            rec.hooks_fired += 1
+            if not self.calibrated or rec.hooks_fired != rec.hooks_expected:
+                return
+            for c in self._chunks_of[slot]:
+                if not self._eligible[c]:
+                    continue
+                self._pending[c] -= 1
+                if self._pending[c] == 0:
+                    launch = self._launch(self._chunks[c])
+                    if launch is not None:
+                        self._launched[c] = launch
+
+    def _launch(self, chunk: Chunk) -> Launch | None:
+        """From a backward hook (under the lock): submit the chunk's d2h + kernel."""
+        start_early = self._start_early()
+        if start_early is None:
+            return None
+        grads: dict[int, Tensor] = {}
+        for slot in {v.slot for v in chunk.views}:
+            p = self._records[slot].param
+            g = self._source.get(slot)
+            if g is None:
+                g = None if p.grad is None else local(p.grad)  # FSDP2: the reduce-scattered shard
+            if g is None or g.is_sparse:
+                return None  # not launchable early; step() runs it
+            grads[slot] = g
+        job = start_early(chunk, grads)
+        if job is None:
+            return None
+        return Launch(job)
+
+    def end_window(self) -> dict[int, Launch]:
+        """At ``step()``: stop early launches for this step, learn counts, return the launches."""
+        with self._lock:
+            launched, self._launched = self._launched, {}
+            self._source = {}
+            recs = self._records
+            fired = [r.hooks_fired for r in recs]
+            for r in recs:
+                r.hooks_fired = 0
+            if any(fired) and (not self.calibrated or fired != [r.hooks_expected for r in recs]):
+                if self.calibrated:
+                    logger.debug(
+                        "overlap_backward: gradient hook counts changed; re-learned "
+                        "(chunks with changed parameters start in step() until then)"
+                    )
+                for r, n in zip(recs, fired):
+                    r.hooks_expected = n
+                self.calibrated = True
+            self._reset_pending()
+            return launched

@@ -1,0 +1,307 @@
+"""The CUDA transport of the pipeline: a pinned ring per direction, side streams, events.
+
+Schedule (worker thread, chunk ``i`` in the kernel):
+
+* the gradients of the next ``slots - 1`` chunks come down on the d2h stream: the worker issues
+  their copies (into ring slots) before it runs chunk ``i``'s kernel, so the copy engine works
+  while the CPU computes;
+* the weights of chunk ``i - 1`` go up on the h2d stream: ``materialize`` fills a ring slot and
+  issues the copies without waiting for them, so they run during chunk ``i``'s kernel;
+* a ring slot is reused only after the event of its last copy (``slots`` chunks earlier).
+
+No full-size host gradient slab: the kernels read the pinned copies in the ring where they are
+(fused-mp: bf16/fp16; fp32 gradients as they came down); only a low-precision gradient of the torch
+kernel is upcast, into the chunk-sized scratch buffer. The native kernel writes a step's new
+weights (bf16/fp16, or fp32 besides the master) straight into the h2d ring slot. Host memory is
+the state (12 bytes per parameter) plus ``2 x slots`` chunk-sized pinned slots; only with
+``overlap_backward`` does fused-mp add one pinned buffer of the parameter's dtype per parameter
+(the weights a chunk started during backward keeps until ``step()``).
+
+Every device operation goes through a :class:`DeviceOps` (streams, events, asynchronous copies,
+pinned allocation). :class:`TorchCudaOps` is the real one; a test passes one whose streams are
+threads, so the schedule itself, which copies are in flight while which kernel runs, is checked
+on a machine without a GPU (``tests/test_cuda_schedule.py``). Not measured on a GPU with this
+ring yet (the H200 figures in ``bench/results/device-cuda-path-h200.md`` predate it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from offload.pipeline._buffers import STAGING_ALIGN, LowpBuffers, Scratch, SlabListCache
+from offload.pipeline._jobs import ChunkJob, StageRecord
+from offload.state._items import KIND_MP, Item
+from offload.kernels._adamw import KernelSet
+from offload.pipeline._operands import flat, torch_grads
+from offload.state._slabs import HostSlabs
+
+__all__ = ["STAGING_SLOTS", "CudaTransport", "DeviceOps", "TorchCudaOps"]
+
+#: Pinned chunk-sized slots per direction. 2 is double buffering: chunk i+1's gradients come down
+#: and chunk i-1's weights go up while chunk i is in the kernel; more slots let copies run further
+#: ahead of a kernel that is sometimes slower (the reference system uses 4). Unmeasured beyond 2.
+STAGING_SLOTS = 2
+
+
+class DeviceOps(Protocol):
+    """The device operations the transport uses (events have ``synchronize``/``elapsed_time``)."""
+
+    def stream(self) -> Any: ...
+
+    def event(self, label: tuple[str, int, str]) -> Any: ...
+
+    def record(self, event: Any, stream: Any) -> None: ...
+
+    def wait(self, stream: Any, event: Any) -> None: ...
+
+    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None: ...
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor: ...
+
+    def context(self) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class TorchCudaOps:
+    """Real CUDA streams and timing events on one device; pinned host memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def event(self, label: tuple[str, int, str]) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.device)
+
+
+class _Ring:
+    """``slots`` pinned host buffers used in turn; each remembers the event of its last copy."""
+
+    def __init__(self, ops: DeviceOps, slots: int) -> None:
+        if slots < 2:
+            raise ValueError(f"staging slots={slots}: expected >= 2 (a copy and a kernel at once)")
+        self._ops = ops
+        self._bufs: list[Tensor | None] = [None] * slots
+        self._last: list[Any] = [None] * slots
+        self._next = 0
+
+    def take(self, nbytes: int) -> tuple[int, Tensor]:
+        slot = self._next
+        self._next = (slot + 1) % len(self._bufs)
+        last = self._last[slot]
+        if last is not None:
+            last.synchronize()
+            self._last[slot] = None
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._ops.pinned(max(nbytes, 1), torch.uint8)
+            self._bufs[slot] = buf
+        return slot, buf
+
+    def used_by(self, slot: int, event: Any) -> None:
+        self._last[slot] = event
+
+    def sync(self) -> None:
+        for slot, ev in enumerate(self._last):
+            if ev is not None:
+                ev.synchronize()
+                self._last[slot] = None
+
+
+def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+    offsets, off = [], 0
+    for it, dtype in zip(items, dtypes):
+        offsets.append(off)
+        nbytes = it.view.numel * dtype.itemsize
+        off += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+    return offsets, off
+
+
+def _staged(buf: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+    return buf[offset : offset + numel * dtype.itemsize].view(dtype)
+
+
+class _OpsLowpBuffers(LowpBuffers):
+    """:class:`LowpBuffers` allocating through the device ops (pinned on CUDA)."""
+
+    def __init__(self, ops: DeviceOps) -> None:
+        super().__init__(pin=False)
+        self._ops = ops
+
+    def new(self, it: Item) -> Tensor:
+        return self._ops.pinned(it.param.numel(), it.param.dtype)
+
+
+class CudaTransport:
+    """Parameters on one CUDA device (see the module doc for the schedule).
+
+    d2h: the d2h stream waits on the job's ``ready_event`` (gradients final on the producing
+    stream), copies the chunk's gradient views into a ring slot (model dtype) and records an
+    event; the worker waits on it when the chunk's kernel is next. materialize: the worker
+    writes the updated master (downcast) into a ring slot; the h2d stream waits on the job's
+    ``write_event`` (recorded on the caller's stream when ``step()`` began) and copies into the
+    parameters asynchronously. ``step()`` makes the caller's stream wait on the last h2d event,
+    so the next forward sees the new weights without a host sync.
+    """
+
+    def __init__(
+        self, device: torch.device, *, slots: int = STAGING_SLOTS, ops: DeviceOps | None = None
+    ) -> None:
+        self.device: torch.device | None = device
+        self._ops: DeviceOps = ops if ops is not None else TorchCudaOps(device)
+        #: Jobs whose gradient copies the worker issues ahead of the current chunk's kernel.
+        self.lookahead = slots - 1
+        self._d2h_stream = self._ops.stream()
+        self._h2d_stream = self._ops.stream()
+        self._d2h = _Ring(self._ops, slots)
+        self._h2d = _Ring(self._ops, slots)
+        self._lowp = _OpsLowpBuffers(self._ops)
+        self._scratch = Scratch()
+        self._last_h2d: Any = None
+
+    def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
+        """Nothing: the kernel's gradient operands exist only after the worker's d2h copy."""
+
+    def issue_d2h(self, job: ChunkJob) -> None:
+        t_issue = time.perf_counter()
+        ops = self._ops
+        dtypes = [it.grad.dtype for it in job.items]  # type: ignore[union-attr]
+        offsets, nbytes = _staging_layout(job.items, dtypes)
+        with ops.context():
+            slot, buf = self._d2h.take(nbytes)
+            start, end = ops.event(("d2h", job.chunk, "start")), ops.event(("d2h", job.chunk, "end"))
+            stream = self._d2h_stream
+            if job.ready_event is not None:
+                ops.wait(stream, job.ready_event)
+            ops.record(start, stream)
+            staged = []
+            for it, off, dtype in zip(job.items, offsets, dtypes):
+                dst = _staged(buf, off, it.view.numel, dtype)
+                ops.copy(dst, flat(it.grad)[it.view.start : it.view.stop], stream)  # type: ignore[arg-type]
+                staged.append(dst)
+            ops.record(end, stream)
+            self._d2h.used_by(slot, end)
+        job.transfer = (staged, start, end, t_issue)
+
+    def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        staged, start, end, t_issue = job.transfer
+        end.synchronize()
+        gpu_s = start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        # The kernels read the pinned copies where they are (fused-mp: low precision; fp32
+        # gradients: as they came down); only a low-precision gradient of the torch kernel is
+        # upcast, into the chunk-sized scratch buffer.
+        upcast = [i for i, (it, src) in enumerate(zip(job.items, staged))
+                  if it.kind != KIND_MP and src.dtype != torch.float32]
+        job.grads = torch_grads(job, list(staged), upcast, self._scratch)
+        t1 = time.perf_counter()
+        records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
+        job.transfer = None
+
+    def _slot_view(self, job: ChunkJob, item: Item) -> Tensor:
+        """``item``'s place in the job's h2d ring slot, taken on first use (before the kernel
+        writes into it: ``take`` waits for the slot's previous copy)."""
+        if job.staging is None:
+            dtypes = [it.param.dtype for it in job.items]
+            offsets, nbytes = _staging_layout(job.items, dtypes)
+            with self._ops.context():
+                slot, buf = self._h2d.take(nbytes)
+            where = {id(it): (off, dt) for it, off, dt in zip(job.items, offsets, dtypes)}
+            job.staging = (slot, buf, where)
+        _, buf, where = job.staging
+        off, dtype = where[id(item)]
+        return _staged(buf, off, item.view.numel, dtype)
+
+    def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
+        """A step's job: the job's h2d ring slot (the weights go up from there; no full-size host
+        copy). A job started during backward: the parameter's own pinned buffer, kept until
+        ``step()`` (after its previous host-to-device copy finished)."""
+        if job.materialize:
+            return self._slot_view(job, item)
+        return self._lowp.view(item, for_write=True)
+
+    def f32_out(self, job: ChunkJob, item: Item) -> Tensor | None:
+        """A step's job: fp32 weights are written by the kernel straight into the ring slot too
+        (no separate copy pass out of the master slab)."""
+        return self._slot_view(job, item) if job.materialize else None
+
+    def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        ops = self._ops
+        t0 = time.perf_counter()
+        with ops.context():
+            if job.staging is not None:  # the kernel of this job wrote its native items' weights
+                written = {id(it) for it in job.items if it.kind} if job.kernel_ran else set()
+                staged = []
+                for it in job.items:
+                    dst = self._slot_view(job, it)
+                    if id(it) not in written:
+                        dst.copy_(slabs.view("master", it.view))
+                    staged.append(dst)
+                slot = job.staging[0]
+                job.staging = None
+                lowp_used = False
+            else:
+                downcast = [it for it in job.items if it.kind != KIND_MP]
+                dtypes = [it.param.dtype for it in downcast]
+                offsets, nbytes = _staging_layout(downcast, dtypes)
+                slot, buf = self._h2d.take(nbytes)
+                by_item: dict[int, Tensor] = {}
+                for it, off, dtype in zip(downcast, offsets, dtypes):
+                    dst = _staged(buf, off, it.view.numel, dtype)
+                    dst.copy_(slabs.view("master", it.view))
+                    by_item[id(it)] = dst
+                # fused-mp items of a chunk started during backward: their pinned buffers.
+                staged = [
+                    by_item[id(it)] if it.kind != KIND_MP else self._lowp.view(it, for_write=False)
+                    for it in job.items
+                ]
+                lowp_used = True
+            t1 = time.perf_counter()
+            start, end = ops.event(("h2d", job.chunk, "start")), ops.event(("h2d", job.chunk, "end"))
+            stream = self._h2d_stream
+            if job.write_event is not None:
+                ops.wait(stream, job.write_event)
+            ops.record(start, stream)
+            for it, src in zip(job.items, staged):
+                ops.copy(it.param.detach().view(-1)[it.view.start : it.view.stop], src, stream)
+            ops.record(end, stream)
+            self._h2d.used_by(slot, end)
+            if lowp_used:
+                for it in job.items:
+                    if it.kind == KIND_MP:
+                        self._lowp.used_by(it.view.slot, end)
+            self._last_h2d = end
+        t2 = time.perf_counter()
+        records.append(
+            StageRecord(job.chunk, "materialize", t0, t2, t1 - t0, pending=(start, end))
+        )
+
+    def flush(self) -> Any:
+        """End of a step: wait for stray d2h copies; hand back the last h2d event (not waited)."""
+        self._d2h.sync()
+        last, self._last_h2d = self._last_h2d, None
+        return last
+
+    def forget(self) -> None:
+        """Nothing: the ring and the pinned buffers do not depend on the chunk layout."""

@@ -1,0 +1,120 @@
+"""The pipeline's records: a job (:class:`ChunkJob`, the :class:`~offload.state._items.Item`\ s it
+updates), what a stage took (:class:`StageRecord`) and what a step's drain hands back (:class:`DrainResult`).
+
+Items and jobs are mutable on purpose: the optimizer reuses a chunk's item list from step to step
+and only puts in each step's gradients (see ``CPUOffloadAdamW._items``), and the worker fills a
+job's transfer state as it goes. They are plain slotted records because the worker reads their
+fields once per chunk while the memory bus waits (see :mod:`offload.pipeline._pipeline`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from offload.kernels._adamw import Hyper
+from offload.state._items import Item, ItemKind
+
+__all__ = [
+    "Call",
+    "CallSteps",
+    "ChunkJob",
+    "DrainResult",
+    "StageRecord",
+]
+
+
+@dataclass(slots=True)
+class StageRecord:
+    """One stage of one chunk, in ``time.perf_counter`` seconds; GPU parts may be pending."""
+
+    chunk: int
+    """The chunk's index."""
+    stage: str
+    """``"d2h"``, ``"adam_kernel"`` or ``"materialize"``."""
+    start: float
+    """When the stage began (host clock)."""
+    end: float
+    """When it ended (host clock; moved later by GPU time in :meth:`finalize`)."""
+    busy_s: float
+    """Time the stage kept its resource busy."""
+    pending: tuple[Any, Any] | None = None
+    """(start_event, end_event) of GPU work whose time is added when the stats are read."""
+
+    def finalize(self) -> None:
+        if self.pending is None:
+            return
+        start_ev, end_ev = self.pending
+        end_ev.synchronize()
+        gpu_s = start_ev.elapsed_time(end_ev) / 1e3
+        self.busy_s += gpu_s
+        self.end = max(self.end, self.start + self.busy_s)
+        self.pending = None
+
+
+Call = tuple[ItemKind, Any, tuple[list[Tensor], ...]]
+"""(kind, kernel function, positional tensor lists) of one kernel call; the worker adds the steps
+to increment and the hyper-parameters."""
+CallSteps = tuple[list[int], list[Tensor]]
+"""The slots and step tensors of one call's items, in order."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ChunkJob:
+    """One chunk's work for one step: some of d2h, adam_kernel and materialize."""
+
+    chunk: int
+    """The chunk's index in the layout."""
+    items: list[Item]
+    """Its views (possibly the optimizer's reused list for the chunk)."""
+    hyper: Hyper
+    """The hyper-parameters of the chunk's param group."""
+    threads: int
+    """Intra-op threads the worker runs the job's CPU work with."""
+    update: bool
+    """Run d2h and adam_kernel."""
+    materialize: bool
+    """Write the new weights into the parameters."""
+    ready_event: Any = None
+    """CUDA: event after which the gradients are final (d2h waits on it)."""
+    write_event: Any = None
+    """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
+    before_kernel: Any = None
+    """Early launch: called by the worker with the job right before its kernel (the speculation's
+    checksums and backup, ``offload.overlap._speculation``)."""
+    # Filled by the transport and the worker.
+    transfer: Any = None
+    """The transport's state of an issued d2h (None: not issued yet)."""
+    grads: list[Tensor] | None = None
+    """Per item: the gradient operand its kernel reads (low precision for KIND_MP, fp32 else)."""
+    calls: list[Call] | None = None
+    """The kernel calls of the job, made by the submitting thread (see Transport.prepare)."""
+    call_steps: list[CallSteps] | None = None
+    """Per call: the slots and step tensors of its items (made with ``calls``)."""
+    staging: Any = None
+    """CUDA: the h2d ring slot the kernel wrote the new weights into (see CudaTransport)."""
+    kernel_ran: bool = False
+    """The job's kernel calls ran (read by the optimizer for early launches)."""
+    coef_in_grads: bool = False
+    """The transport multiplied the torch kernel's gradient operands by ``hyper.grad_coef``
+    already (a low-precision gradient is rounded to its dtype first, as torch's ``_foreach_mul_``
+    does): its calls run without the coefficient (see :func:`offload.pipeline._operands.torch_grads`)."""
+    direct: bool = False
+    """Host: every item's kernel reads its gradient where it is and writes its parameter itself
+    (no upcast, no materialize copy); set by :meth:`HostTransport.finish_d2h` or ``prepare``."""
+
+
+@dataclass(slots=True)
+class DrainResult:
+    """What :meth:`Pipeline.drain` hands back for the jobs since the previous drain."""
+
+    records: list[StageRecord]
+    """Every stage of every job, in the order they ran."""
+    error: BaseException | None
+    """The first error of the step (later jobs were skipped)."""
+    last_h2d_event: Any
+    """CUDA: the event of the step's last host-to-device copy (not waited for), else None."""
+    wait_s: float = 0.0
+    """How long ``drain`` waited."""

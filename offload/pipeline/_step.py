@@ -1,0 +1,104 @@
+"""The gradients and jobs of one ``step()``: one job per chunk, in chunk order.
+
+A chunk whose early job was committed (``committed``: the jobs an overlap with backward ran and
+found valid) only writes its weights (its kernel ran during backward); every other chunk with a gradient runs d2h, kernel and materialize
+with this step's hyper-parameters (clip coefficient and grad scale included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from offload.state._items import ItemCache
+from offload.pipeline._jobs import ChunkJob
+from offload.kernels._adamw import Hyper
+from offload.state._dtensor import local
+from offload.state._params import ParamRecord, check_grad, raise_bad_grad
+from offload.pipeline._pipeline import Pipeline
+from offload.state._slabs import Chunk
+
+__all__ = ["StepJobs", "collect_grads", "submit_step"]
+
+
+@dataclass(slots=True)
+class StepJobs:
+    """What :func:`submit_step` submitted."""
+
+    updates: list[ChunkJob] = field(default_factory=list)
+    """The jobs that update state in ``step()`` (not the committed speculations)."""
+    numel: int = 0
+    """Elements of all submitted chunks."""
+    chunks: int = 0
+    """Chunks submitted."""
+    native: bool = False
+    """Some item runs on the native kernel."""
+
+
+def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[int, ChunkJob],
+                grads: Mapping[int, Tensor], records: Sequence[ParamRecord],
+                state: Mapping[Tensor, dict[str, Any]], items: ItemCache, *,
+                hyper_now: Callable[[int], Hyper], kernel: str, threads: int,
+                event: Any, sharded: bool) -> StepJobs:
+    """Submit every chunk's job of this step (see the module doc)."""
+    out = StepJobs()
+    writes = []  # the committed chunks' weight writes go last: a failure in an update before them
+    for chunk in chunks:  # leaves no weight written, so step() can undo the early chunks wholly
+        early = committed.get(chunk.index)
+        if early is not None:  # its kernel ran during backward: only the weights to write
+            job = ChunkJob(chunk=chunk.index, items=early.items, hyper=early.hyper,
+                           threads=threads, update=False, materialize=True)
+        else:
+            hyper = hyper_now(chunk.group)
+            its = items.items(chunk, grads, records, state, kernel=kernel, sharded=sharded)
+            if not its:
+                continue
+            job = ChunkJob(chunk=chunk.index, items=its, hyper=hyper, threads=threads, update=True,
+                           materialize=True, ready_event=event)
+            out.updates.append(job)
+        job.write_event = event
+        n, native = items.summary(chunk, job.items)
+        out.native = out.native or native
+        out.numel += n
+        out.chunks += 1
+        if job.update:
+            pipeline.submit(job)
+        else:
+            writes.append(job)
+    for job in writes:
+        pipeline.submit(job)
+    return out
+
+
+def collect_grads(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]], items: ItemCache, *,
+                  init_state: Callable[[ParamRecord], None], count_empty: bool = True) -> dict[int, Tensor]:
+    """The gradients of this step by slot (this rank's shards); initialises the state of new
+    parameters; ``count_empty``: count the step of an empty shard (in no chunk) as torch does."""
+    grads: dict[int, Tensor] = {}
+    for rec in records:
+        param = rec.param
+        if param.grad is None:
+            continue
+        slot = rec.slot
+        if rec.layout is not None:  # a DTensor: its gradient must have its placements (not Partial)
+            check_grad(rec, param.grad)
+        p, g = rec.local(), local(param.grad)
+        # .data may have been replaced since construction (contiguity was checked there)
+        if g.is_sparse or not p.is_contiguous() or g.device != p.device or g.shape != p.shape:
+            raise_bad_grad(slot, p, g)
+        st = state[param]
+        if not st:
+            init_state(rec)
+        elif st.get("step") is not rec.step:
+            # The user replaced the step tensor (as torch's AdamW allows): the cached Items hold
+            # the old one.
+            rec.step = st.get("step")
+            items.new_state()
+        if count_empty and p.numel() == 0:
+            state[param]["step"] += 1
+        grads[slot] = g
+    return grads
+

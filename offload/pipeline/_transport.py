@@ -1,0 +1,63 @@
+"""The contract between the pipeline's worker and a transport (host or CUDA).
+
+A transport moves a job's gradients to where the kernel reads them (``issue_d2h`` /
+``finish_d2h``), says where the kernel writes its outputs (``lowp_out`` / ``f32_out``) and moves
+the new weights into the parameters (``materialize``). Every transport implements every member
+(the host transport with trivial ones), so the worker never probes for one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from offload.pipeline._buffers import SlabListCache
+from offload.pipeline._jobs import ChunkJob, StageRecord
+from offload.state._items import Item
+from offload.kernels._adamw import KernelSet
+from offload.state._slabs import HostSlabs
+
+__all__ = ["Transport"]
+
+
+class Transport(Protocol):
+    """What the worker (``offload.pipeline._worker.Worker``) calls, in this order per job."""
+
+    device: torch.device | None
+    """The CUDA device the worker thread binds to; None for parameters on the CPU."""
+    lookahead: int
+    """Jobs whose d2h the worker issues ahead of the current job's kernel (0: none)."""
+
+    def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
+        """On the submitting thread: optionally set ``job.calls``/``job.call_steps`` ahead."""
+        ...
+
+    def issue_d2h(self, job: ChunkJob) -> None:
+        """Start moving the job's gradients (sets ``job.transfer``)."""
+        ...
+
+    def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        """Wait for them; set ``job.grads`` unless ``job.calls`` were prepared."""
+        ...
+
+    def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
+        """Where a KIND_MP item's kernel writes the low-precision weight."""
+        ...
+
+    def f32_out(self, job: ChunkJob, item: Item) -> Tensor | None:
+        """Where a KIND_F32 item's kernel also writes its new weight; None: in place only."""
+        ...
+
+    def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+        """Move the job's new weights into the parameters."""
+        ...
+
+    def flush(self) -> Any:
+        """End of a step (the drain barrier): the last h2d event or None."""
+        ...
+
+    def forget(self) -> None:
+        """Drop what was cached for the old chunk layout (between steps)."""
+        ...

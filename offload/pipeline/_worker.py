@@ -1,0 +1,211 @@
+"""The pipeline's worker thread: runs each queued job's d2h, adam_kernel and materialize in order.
+
+All CPU work of the worker runs under ``thread_limit(job.threads)``, entered when a job needs a
+different count and left at the end of each step (the barrier). torch's intra-op thread count is
+per OS thread (OpenMP ICVs are per thread). Checked on torch 2.13 CPU (OpenMP backend):
+``torch.set_num_threads(n)`` called in the worker makes the worker's kernels use n threads (1 or 2
+busy threads seen in /proc per-thread CPU time) and leaves the main thread's count unchanged, but
+it also sets the default that threads created later start with, hence the restore.
+
+The worker runs with grad mode off for good, increments each parameter's step inside the kernel
+call (once per step, in the first chunk holding it that runs), and calls prepared kernel calls as
+they are (see :mod:`offload.pipeline._pipeline` for why the hot path is this lean). With an asynchronous
+transport (``lookahead > 0``) it issues the next queued jobs' d2h before the current kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from offload.pipeline._buffers import SlabListCache
+from offload.pipeline._jobs import ChunkJob, DrainResult, StageRecord
+from offload.state._items import KIND_TORCH
+from offload.kernels._adamw import KernelSet
+from offload.pipeline._operands import build_calls, call_steps
+from offload.state._slabs import HostSlabs
+from offload.threads._plan import thread_limit
+from offload.pipeline._transport import Transport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STOP", "Barrier", "OnWorker", "Worker", "worker_main"]
+
+
+@dataclass(slots=True)
+class Barrier:
+    """A drain's marker in the queue: the worker ends the step there and hands back its result."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set when :attr:`result` is there."""
+    result: DrainResult | None = None
+    """The step's records and first error."""
+
+
+#: The queue entry that ends the worker thread.
+STOP = object()
+
+
+@dataclass(slots=True)
+class OnWorker:
+    """A function to run on the worker thread (see :meth:`Pipeline.on_worker`)."""
+
+    fn: Any
+    """Called with no arguments."""
+    threads: int
+    """Intra-op threads it runs with."""
+    event: threading.Event = field(default_factory=threading.Event)
+    """Set when it returned or raised."""
+    error: BaseException | None = None
+    """What it raised."""
+
+
+class Worker:
+    """State owned by the worker thread (never touched by other threads while it runs), except
+    :attr:`lists`, which the submitting thread shares (see :class:`SlabListCache`)."""
+
+    def __init__(
+        self, q: queue.Queue[Any], slabs: HostSlabs, transport: Transport, lists: SlabListCache,
+        kernels: KernelSet,
+    ) -> None:
+        self.q = q
+        self.slabs = slabs
+        self.transport = transport
+        self.records: list[StageRecord] = []
+        self.error: BaseException | None = None
+        self.stepped: set[int] = set()
+        self.device: torch.device | None = transport.device
+        self.kernels = kernels
+        self._threads: int | None = None
+        self._limit = contextlib.ExitStack()
+        self.lists = lists
+
+    def _use_threads(self, threads: int) -> None:
+        if threads != self._threads:
+            self._limit.close()
+            self._limit.enter_context(thread_limit(threads))
+            self._threads = threads
+
+    def _release_threads(self) -> None:
+        self._limit.close()
+        self._threads = None
+
+    def run(self) -> None:
+        # Grad mode is per thread; nothing this thread runs is differentiated.
+        torch.set_grad_enabled(False)
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        pending: collections.deque[Any] = collections.deque()
+        lookahead = self.transport.lookahead
+        while True:
+            item = pending.popleft() if pending else self.q.get()
+            if item is STOP:
+                self._release_threads()
+                return
+            if isinstance(item, Barrier):
+                self._barrier(item)
+                continue
+            if isinstance(item, OnWorker):
+                try:
+                    self._use_threads(item.threads)
+                    item.fn()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    item.error = exc
+                finally:
+                    self._release_threads()
+                    item.event.set()
+                continue
+            job: ChunkJob = item
+            if self.error is not None:
+                continue  # a failed step: leave the remaining chunks untouched
+            try:
+                if job.update and job.transfer is None:
+                    self.transport.issue_d2h(job)
+                # Async transports: issue the gradient copies of the next queued jobs before this
+                # job's kernel, so they run while it computes (never past a barrier).
+                while job.update and len(pending) < lookahead and (
+                    not pending or isinstance(pending[-1], ChunkJob)
+                ):
+                    try:
+                        nxt = self.q.get_nowait()
+                    except queue.Empty:
+                        break
+                    pending.append(nxt)
+                    if isinstance(nxt, ChunkJob) and nxt.update and nxt.transfer is None:
+                        self.transport.issue_d2h(nxt)
+                self._process(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of step()
+                logger.debug("chunk %d failed", job.chunk, exc_info=True)
+                self.error = exc
+
+    def _process(self, job: ChunkJob) -> None:
+        self._use_threads(job.threads)
+        if job.update:
+            if job.before_kernel is not None:
+                # Before finish_d2h: the host transport reads (upcasts) gradients there, and the
+                # checksum must come before any read of them (offload.overlap._speculation).
+                job.before_kernel(job)
+            self.transport.finish_d2h(job, self.slabs, self.records)
+            self._kernel(job)
+        if job.materialize:
+            self.transport.materialize(job, self.slabs, self.records)
+
+    def _kernel(self, job: ChunkJob) -> None:
+        stepped = self.stepped
+        t0 = time.perf_counter()
+        calls, steps_of = job.calls, job.call_steps
+        if calls is None:
+            assert job.grads is not None  # set by finish_d2h
+            transport = self.transport
+            calls = build_calls(
+                job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it),
+                lambda it: transport.f32_out(job, it), self.kernels,
+            )
+        if steps_of is None:
+            steps_of = call_steps(job.items, calls)
+        # Each parameter's step goes up once per optimizer step, in the first chunk holding it
+        # that runs (set.add returns None: the test adds the slot as it goes).
+        hyper = job.hyper
+        for (kind, fn, args), (slots, steps) in zip(calls, steps_of):
+            new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
+            if job.coef_in_grads and kind == KIND_TORCH:  # the operands are the products already
+                hyper = replace(job.hyper, grad_coef=None)
+            fn(*args, steps_to_increment=new, hyper=hyper)
+            hyper = job.hyper
+        job.calls = job.call_steps = None
+        job.grads = None
+        self._record_kernel(job, t0)
+
+    def _record_kernel(self, job: ChunkJob, t0: float) -> None:
+        t1 = time.perf_counter()
+        job.kernel_ran = True
+        self.records.append(StageRecord(job.chunk, "adam_kernel", t0, t1, t1 - t0))
+
+    def _barrier(self, barrier: Barrier) -> None:
+        self._release_threads()
+        last = None
+        try:
+            last = self.transport.flush()
+        except BaseException as exc:  # noqa: BLE001
+            if self.error is None:
+                self.error = exc
+        barrier.result = DrainResult(records=self.records, error=self.error, last_h2d_event=last)
+        self.records, self.error = [], None
+        self.stepped = set()
+        barrier.done.set()
+
+
+def worker_main(worker: Worker) -> None:
+    try:
+        worker.run()
+    except BaseException:  # pragma: no cover - run() catches per job; this is a last resort
+        logger.exception("offload worker thread died")
+        raise

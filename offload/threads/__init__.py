@@ -1,0 +1,5 @@
+"""The thread budget of the CPU step: this machine's topology, the local ranks' affinity
+masks, the allocation rule, the plan and its reason, NUMA binding.
+
+Imports nothing else of ``offload``.
+"""

@@ -1,0 +1,325 @@
+"""Glue between ``CPUOffloadAdamW`` and the generic ``autotune.OnlineTuner``.
+
+This module is the only place that knows both sides: it builds the offload search space (threads
+x chunk size, x kernel on bf16/fp16 models) from the thread plan and the slab sizes, and the
+workload the cache key names (:func:`offload_workload`), turns each step's ``StepStats`` into the
+tuner's ``StepSample`` and turns the tuner's settings back into ``OffloadSettings``. It sees the
+optimizer only through :class:`Tunable` (settings, ``apply_settings``, ``last_stats``) and never
+imports it.
+
+Kernel knob ("torch", "fused-mp"): only when the model has bf16/fp16 parameters, the fused-mp
+kernel is available on *every* local rank and :func:`offload.kernels._fused_mp.bitwise_matches_torch` is
+true (so switching kernels never changes the math). The first two and the last are the same on
+every local rank by construction (one model, one torch build, one CPU model per node); build
+availability could differ in theory (a build that fails on one rank only), so the local ranks
+AND their answers with an all-gather on the node's agreement (:func:`agreed_kernels`, the same
+agreement as the thread plan and the tuner, ``offload.tuning._node_agreement``) before anyone builds the space. The baseline keeps the kernel in force (the default "auto" resolved). With the
+kernel knob the chunk ladder is shortened (:data:`MAX_CHUNK_CANDIDATES_WITH_KERNEL`) so the
+space stays near the default 40-step probe budget; beyond it the tuner samples with TPE.
+An fp32 model gets no kernel knob: there both kernels move the same 28 bytes per parameter in
+place and are bitwise equal, so the default "auto" (the native kernel where verified and built)
+is used without spending probe steps on a choice worth little.
+
+Objective: without ``overlap_backward`` the settings change nothing but ``step()`` itself (the
+worker thread sets its own intra-op thread count), so the tuner minimises the wall time of
+``step()``; that keeps the noise of forward and backward out of the comparison. With
+``overlap_backward`` part of the step runs during backward and competes with it for the CPU, so
+the tuner minimises the wall time of the whole iteration instead, from the return of the previous
+``step()`` to the return of this one. The first step after a switch is discarded by the tuner's
+warm-up rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any, Callable, Literal, Protocol
+
+from autotune import (
+    AutotuneConfig,
+    Knob,
+    OnlineTuner,
+    SearchSpace,
+    StepSample,
+    TraceWriter,
+    TuningCache,
+    geometric_ladder,
+    knobs,
+    powers_of_two,
+)
+from offload.tuning._node_agreement import NodeAgreement, node_agreement
+from offload.state._items import LOWP_DTYPES
+from offload.state._params import ParamRecord
+from offload._settings import KERNELS, OffloadSettings
+from offload._stats import StepStats
+from offload.state._slabs import ParamSlot
+from offload.threads._plan import ThreadPlan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "global_rank", "offload_search_space", "offload_workload"]
+
+#: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
+MIN_TUNED_CHUNK = 1 << 20
+#: Most chunk sizes probed; with the thread ladder this keeps the grid inside the probe budget
+#: on typical machines (the tuner switches to TPE when it does not fit).
+MAX_CHUNK_CANDIDATES = 4
+#: Most thread counts probed.
+MAX_THREAD_CANDIDATES = 5
+#: Most chunk sizes probed (besides the configured one) when the kernel knob doubles the space.
+MAX_CHUNK_CANDIDATES_WITH_KERNEL = 2
+
+
+def offload_search_space(
+    *,
+    max_threads: int,
+    baseline_threads: int,
+    largest_slab: int,
+    baseline_chunk: int,
+    fixed_threads: bool,
+    kernels: tuple[str, ...] = (),
+) -> SearchSpace:
+    """Threads (a geometric ladder from 1 to ``max_threads`` that holds the static plan's value)
+    x chunk size (powers of two from 1 Mi elements to the largest slab, plus the configured one)
+    x kernel when ``kernels`` holds more than one (see the module doc; fewer chunk sizes then).
+
+    Every argument must be the same on every local rank (derive them from agreed values).
+    """
+    for k in kernels:
+        if k not in KERNELS:
+            raise ValueError(f"offload_search_space: kernel {k!r}: expected one of {KERNELS}")
+    with_kernel = len(set(kernels)) > 1
+    max_chunks = MAX_CHUNK_CANDIDATES_WITH_KERNEL if with_kernel else MAX_CHUNK_CANDIDATES
+    if fixed_threads:
+        threads: tuple[int, ...] = (baseline_threads,)
+    else:
+        threads = geometric_ladder(1, max_threads, include=(baseline_threads,), max_count=MAX_THREAD_CANDIDATES)
+    hi = max(largest_slab, MIN_TUNED_CHUNK)
+    chunks = set(powers_of_two(MIN_TUNED_CHUNK, hi, max_count=max_chunks)) if largest_slab > MIN_TUNED_CHUNK else set()
+    # A chunk at least as large as the largest slab is the same schedule whatever its size: keep one.
+    chunks = {c for c in chunks if c < largest_slab}
+    chunks.add(baseline_chunk)
+    knob_list = [
+        Knob("threads", threads, prefer="low"),
+        Knob("chunk_numel", tuple(sorted(chunks)), prefer="high"),
+    ]
+    if with_kernel:
+        # Listed torch first and prefer="low": on a tie the torch path stays.
+        ordered = tuple(k for k in KERNELS if k in kernels)
+        knob_list.append(Knob("kernel", ordered, prefer="low"))
+    return SearchSpace(tuple(knob_list))
+
+
+def agreed_kernels(
+    *, has_lowp: bool, timeout_s: float, available: Callable[[], tuple[bool, str]] | None = None,
+    bitwise: Callable[[], bool] | None = None, agreement: Any = None,
+) -> tuple[str, ...]:
+    """The kernel knob's values, identical on every local rank: ``("torch", "fused-mp")`` when the
+    model has bf16/fp16 parameters, the kernel is bitwise equal to the torch path on this build,
+    and it is available on every local rank (an all-gather ANDs the ranks' answers); else ``()``.
+
+    ``has_lowp`` and ``bitwise()`` are the same on every rank of a node (one model, one torch
+    build, one CPU), so every rank takes the same branch and joins the all-gather, or none does.
+    ``agreement``: an ``autotune`` agreement to use (tests); default: one over this node's ranks.
+    """
+    from offload.kernels import _fused_mp
+
+    bitwise = bitwise or _fused_mp.bitwise_matches_torch
+    if not has_lowp or not bitwise():
+        return ()
+    ok, reason = (available or _fused_mp.fused_mp_available)()
+    from autotune import make_agreement
+
+    agree = agreement if agreement is not None else make_agreement(
+        None, timeout_s=timeout_s, owner="offload kernel knob"
+    )
+    try:
+        answers = agree.all_gather(bool(ok), step=None, what="exchange of fused-mp availability")
+    finally:
+        if agreement is None:
+            agree.close()
+    if not all(answers):
+        missing = [r for r, a in enumerate(answers) if not a]
+        logger.info(
+            "autotune: no kernel knob: fused-mp unavailable on local rank(s) %s%s",
+            missing, f" (here: {reason})" if not ok else "",
+        )
+        return ()
+    return KERNELS
+
+
+def offload_workload(records: Sequence[ParamRecord], slots: Sequence[ParamSlot], *, groups: int,
+                     device_type: str, overlap_backward: bool) -> tuple[dict[str, Any], int]:
+    """The tuner's workload of an optimizer (this rank's shard: its element count), and the
+    largest slab of any local rank (the search space must be the same on every local rank: it is
+    sized by the largest shard any rank holds; uneven shards differ by rank)."""
+    group_numel = [0] * groups
+    group_max = [0] * groups
+    for slot in slots:
+        group_numel[slot.group] += slot.numel
+        layout = records[slot.index].layout
+        group_max[slot.group] += slot.numel if layout is None else layout.max_local_numel
+    sharded = [r.layout for r in records if r.layout is not None]
+    objective = "iteration" if overlap_backward else "step"
+    workload = {
+        "params": sum(group_numel),
+        "groups": groups,
+        "dtypes": sorted({str(r.param.dtype) for r in records}),
+        "device": device_type,
+        "overlap_backward": bool(overlap_backward),
+        "objective": objective,
+        **({"sharded_params": len(sharded), "shard_ranks": sharded[0].mesh.size(),
+            "global_params": sum(r.param.numel() for r in records)} if sharded else {}),
+    }
+    return workload, max(group_max, default=0)
+
+
+class Tunable(Protocol):
+    """What the glue needs of the optimizer it tunes."""
+
+    @property
+    def settings(self) -> OffloadSettings: ...
+
+    @property
+    def last_stats(self) -> StepStats | None: ...
+
+    def apply_settings(self, settings: OffloadSettings) -> None: ...
+
+
+class OffloadTuning:
+    """Owns the ``OnlineTuner`` of one ``CPUOffloadAdamW`` and feeds it every step."""
+
+    def __init__(
+        self,
+        optimizer: Tunable,
+        config: AutotuneConfig,
+        *,
+        plan: ThreadPlan,
+        fixed_threads: bool,
+        objective: Literal["step", "iteration"],
+        workload: dict[str, Any],
+        largest_slab: int,
+        has_lowp: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+        agreement: NodeAgreement | None = None,
+        kernels_available: Callable[[], tuple[bool, str]] | None = None,
+    ) -> None:
+        """``agreement``: the node's agreement (``offload.tuning._node_agreement``) for the kernel vote and the
+        tuner; closed by :meth:`close`. Default: one made here. ``kernels_available``: whether the
+        native kernel can run on this rank (the optimizer's ``KernelSet.available``)."""
+        self._optimizer = optimizer
+        self._clock = clock
+        if objective not in ("step", "iteration"):
+            raise ValueError(f"objective={objective!r}: expected 'step' or 'iteration'")
+        self.objective = objective
+        self._own_threads = plan.threads
+        # Every local rank must build the same space: the ladder tops at the largest budget of any
+        # local rank and each rank caps the knob at its own plan (see _apply), so the static plan
+        # ("as many threads as my plan allows") is the same setting on every rank.
+        local = tuple(plan.local_threads) if getattr(plan, "local_threads", None) else (plan.threads,)
+        top = plan.threads if fixed_threads else max(local)
+        baseline: dict[str, Any] = {"threads": top, "chunk_numel": optimizer.settings.chunk_numel}
+        if agreement is None:
+            agreement = node_agreement(timeout_s=config.timeout_s, owner="OnlineTuner")
+        self._agreement = agreement
+        kernels = agreed_kernels(has_lowp=has_lowp, timeout_s=config.timeout_s, agreement=agreement,
+                                 available=kernels_available)
+        if kernels:
+            # The kernel the user set (resolved: "torch" where fused-mp cannot run here).
+            baseline["kernel"] = optimizer.settings.kernel
+        space = offload_search_space(
+            max_threads=top,
+            baseline_threads=top,
+            largest_slab=largest_slab,
+            baseline_chunk=baseline["chunk_numel"],
+            fixed_threads=fixed_threads,
+            kernels=kernels,
+        )
+        cache = None
+        if config.use_cache:
+            cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
+        # The tuner writes its cache and trace on local rank 0 only.
+        self._trace: TraceWriter | None = None
+        if config.trace_dir and (knobs.local_rank() or 0) == 0:
+            self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
+        self.tuner = OnlineTuner(
+            space,
+            baseline=baseline,
+            apply=self._apply,
+            config=config,
+            workload=workload,
+            cache=cache,
+            trace=self._trace,
+            group=agreement,
+        )
+        self._last_return: float | None = None
+        self.tuner.start()
+        self._last_return = self._clock()
+
+    @classmethod
+    def for_optimizer(cls, optimizer: Tunable, config: AutotuneConfig, *, plan: ThreadPlan,
+                      records: Sequence[ParamRecord], slots: Sequence[ParamSlot], groups: int,
+                      device_type: str, overlap_backward: bool,
+                      agreement: NodeAgreement | None = None,
+                      kernels_available: Callable[[], tuple[bool, str]] | None = None) -> OffloadTuning:
+        """The tuning of an optimizer of ``records`` laid out in ``slots`` (the workload and the
+        search space derived here)."""
+        workload, largest = offload_workload(records, slots, groups=groups, device_type=device_type,
+                                             overlap_backward=overlap_backward)
+        return cls(optimizer, config, plan=plan, fixed_threads=plan.source != "plan",
+                   objective=workload["objective"], workload=workload, largest_slab=largest,
+                   has_lowp=any(r.param.dtype in LOWP_DTYPES for r in records), agreement=agreement,
+                   kernels_available=kernels_available)
+
+    def _apply(self, setting: dict[str, Any]) -> None:
+        threads = min(int(setting["threads"]), self._own_threads)
+        current = self._optimizer.settings
+        kernel = str(setting.get("kernel", current.kernel))
+        self._optimizer.apply_settings(
+            replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel)  # type: ignore[arg-type]
+        )
+
+    def after_step(self) -> None:
+        """Called at the end of every ``step()``; reads the step's stats only while tuning
+        (on CUDA, reading them waits for the step's copies)."""
+        now = self._clock()
+        previous, self._last_return = self._last_return, now
+        if self.tuner.state == "locked" and not self.tuner.config.drift_window:
+            return  # locked: nothing per step
+        stats = self._optimizer.last_stats
+        if stats is None:
+            return
+        iteration_s = now - previous if previous is not None else stats.step_s
+        stages = {
+            "iteration_s": iteration_s,
+            "step_s": stats.step_s,
+            "d2h_s": stats.d2h_s,
+            "adam_kernel_s": stats.adam_kernel_s,
+            "materialize_s": stats.materialize_s,
+            "drain_s": stats.drain_s,
+        }
+        spans = tuple((s.stage, s.chunk, s.start_s, s.end_s) for s in stats.spans)
+        time_s = iteration_s if self.objective == "iteration" else stats.step_s
+        self.tuner.observe(StepSample(time_s=time_s, stages=stages, spans=spans))  # writes the summary at lock-in
+
+    def flush(self) -> None:
+        """Write the trace summary (idempotent); called by ``close``."""
+        if self._trace is not None:
+            self._trace.write_summary(self.tuner.summary())
+
+    def close(self) -> None:
+        self.flush()
+        if self._trace is not None:
+            self._trace.close()
+        self.tuner.close()
+        self._agreement.close()
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
