@@ -103,10 +103,6 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _dumps(value: Any, **kwargs: Any) -> str:
-    return json.dumps(_jsonable(value), allow_nan=False, **kwargs)
-
-
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
     if isinstance(value, dict):
         if not value and prefix:
