@@ -10,24 +10,22 @@ setting with the step index as a :class:`~autotune._records.Directive`; every ra
 Per step while probing (or re-checking a cached choice) the tuner runs two small collectives on
 its gloo group: an all-gather of ``(step, time_s, stages, spans)`` (the node time of a step is the
 maximum over local ranks; rank 0 also writes the per-rank stages to the trace) and a broadcast of
-the next setting. After lock-in it runs none, except the optional drift watch: one all-reduce of
-one float every ``drift_window`` steps.
+the next setting. After lock-in it runs none, except the optional drift watch
+(:mod:`autotune._drift`): one all-reduce of one float every ``drift_window`` steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import statistics
 import time
 from typing import Any, Callable, Mapping, Protocol
 
 from autotune import knobs
 from autotune._agree import Agreement, AgreementError, AgreementMismatch, make_agreement
 from autotune._config import AutotuneConfig, StepSample
-from autotune._measurement import format_ms
+from autotune._drift import DriftWatch
 from autotune._records import NO_DECISION, Decision, Directive, TunerState, lock_in_table
 from autotune._schedule import CacheLike, FingerprintLike, Schedule
 from autotune._space import SearchSpace, Setting
@@ -118,11 +116,7 @@ class OnlineTuner:
         self._decision: Decision | None = None
         self._collect_spans = False
         self._schedule: Schedule | None = None  # local rank 0 only
-        self._window: list[float] = []
-        self._drift_reference: float | None = None
-        self._slow_windows = 0
-        self._drift_events = 0
-        self._reprobes = 0
+        self._drift = DriftWatch(config, can_reprobe=len(space) > 1)
         self._overhead_s = 0.0
         self._error: BaseException | None = None
         self._closed = False
@@ -222,8 +216,8 @@ class OnlineTuner:
             "measurements": list(decision["measurements"]),
             "finalists": list(decision["finalists"]),
             "steps": self._steps,
-            "drift_events": self._drift_events,
-            "reprobes": self._reprobes,
+            "drift_events": self._drift.events,
+            "reprobes": self._drift.reprobes,
             "rank": self.rank,
             "local_world_size": self._agree.world_size if self._agree is not None else 1,
             "overhead_s": self._overhead_s,
@@ -342,42 +336,18 @@ class OnlineTuner:
 
     def _observe_locked(self, step: int, sample: StepSample) -> None:
         """Drift watch: one all-reduce of a float every ``drift_window`` steps."""
-        assert self._agree is not None and self._decision is not None
-        self._window.append(float(sample.time_s))
-        if len(self._window) < self.config.drift_window:
+        agree = self._agree
+        assert agree is not None and self._decision is not None
+        drift = self._drift.observe(
+            float(sample.time_s), lambda local: agree.max_float(local, step=step, what="drift check")
+        )
+        if drift is None:
             return
-        local = statistics.median(self._window)
-        self._window.clear()
-        node = self._agree.max_float(local, step=step, what="drift check")
-        if self._drift_reference is None:
-            # Nothing was measured before lock-in (one candidate): the first window is the reference.
-            self._drift_reference = node
-            return
-        reference = self._drift_reference
-        self._slow_windows = self._slow_windows + 1 if node > reference * self.config.drift_factor else 0
-        if self._slow_windows < self.config.drift_patience:
-            return
-        self._slow_windows = 0
-        self._drift_events += 1
-        reprobe = self.config.drift_reprobe and self._reprobes < self.config.max_reprobes and len(self.space) > 1
-        if self._agree.rank == 0:
-            logger.warning(
-                "%s: step %d: locked setting %s runs slower than measured: window median %s vs locked "
-                "median %s (x%.2f) for %d windows of %d steps; %s",
-                OWNER,
-                step,
-                self.space.describe(self._current),
-                format_ms(node),
-                format_ms(reference),
-                node / reference if reference > 0 else math.inf,
-                self.config.drift_patience,
-                self.config.drift_window,
-                "re-probing" if reprobe else "keeping it",
-            )
-        if not reprobe:
+        if agree.rank == 0:
+            logger.warning("%s", drift.message(owner=OWNER, step=step, setting=self.space.describe(self._current)))
+        if not drift.reprobe:
             return
         # Every rank saw the same all-reduced value, so every rank starts re-probing at this step.
-        self._reprobes += 1
         if self._schedule is not None:
             directive = self._schedule.new_session(step)
         else:
@@ -404,9 +374,7 @@ class OnlineTuner:
 
     def _lock(self, decision: Decision, step: int | None) -> None:
         self._decision = decision
-        self._drift_reference = decision.reference_s
-        self._window.clear()
-        self._slow_windows = 0
+        self._drift.lock(decision.reference_s)
         logger.debug(
             "%s: rank %d: step %s: locked %s (%s)",
             OWNER,
