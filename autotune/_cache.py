@@ -313,8 +313,8 @@ class TuningCache:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            self._cannot("Cannot %s: cache directory %s is unusable (%s); continuing without persisting",
-                         action, target.parent, exc)
+            self._cannot("Cannot %s: tuning cache %s is unusable: its directory %s cannot be created (%s); "
+                         "continuing without persisting", action, self.path, target.parent, exc.strerror or exc)
             return False
         with self._locked(action) as locked:
             if not locked:
@@ -351,7 +351,7 @@ class TuningCache:
     def _locked(self, action: str) -> Iterator[bool]:
         with exclusive_lock(self.lock_path, timeout_s=self.lock_timeout_s) as problem:
             if problem is not None:
-                self._cannot("Cannot %s: %s; continuing without persisting", action, problem)
+                self._cannot("Cannot %s: tuning cache %s %s; continuing without persisting", action, self.path, problem)
             yield problem is None
 
     def _temp_prefix(self) -> str:

@@ -144,7 +144,9 @@ def bad_path(target: Path) -> Path:
 @contextlib.contextmanager
 def exclusive_lock(lock_path: Path, *, timeout_s: float) -> Iterator[str | None]:
     """Hold an exclusive ``flock`` on ``lock_path`` (created if needed), polled for at most
-    ``timeout_s``: yields None while held, or why it could not be taken (then nothing is held).
+    ``timeout_s``: yields None while held, or why it could not be taken (then nothing is held),
+    worded about the file the lock guards, which the caller names: ``"is unusable: its lock file
+    ... cannot be opened (...)"``, ``"is busy: its lock file ... stayed locked for 10.0 s"``.
     The kernel releases the lock of a process that dies, so a killed writer never blocks others."""
     if fcntl is None:  # pragma: no cover
         yield None
@@ -152,7 +154,7 @@ def exclusive_lock(lock_path: Path, *, timeout_s: float) -> Iterator[str | None]
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        yield f"lock file {lock_path} is unusable ({exc})"
+        yield f"is unusable: its lock file {lock_path} cannot be opened ({exc.strerror or exc})"
         return
     try:
         problem = _acquire(fd, lock_path, timeout_s)
@@ -174,7 +176,7 @@ def _acquire(fd: int, lock_path: Path, timeout_s: float) -> str | None:
         except BlockingIOError:
             pass
         except OSError as exc:  # e.g. ENOLCK on a file system without flock
-            return f"locking {lock_path} failed ({exc})"
+            return f"is unusable: locking its lock file {lock_path} failed ({exc.strerror or exc})"
         if time.monotonic() >= deadline:
-            return f"{lock_path} stayed locked for {timeout_s:.1f} s"
+            return f"is busy: its lock file {lock_path} stayed locked for {timeout_s:.1f} s (another writer holds it)"
         time.sleep(LOCK_POLL_S)

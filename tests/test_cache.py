@@ -8,6 +8,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from autotune import TuningCache, knobs
-from autotune._cache import SCHEMA_VERSION
+from autotune._cache import SCHEMA_VERSION, CacheWriteError
+from autotune._cachefile import exclusive_lock
 from autotune._entry import CacheEntry, CacheEntryError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,6 +342,43 @@ def test_unwritable_location_warns_and_continues(tmp_path: Path, caplog: pytest.
         assert cache.put("k", make_entry()) is False
         assert cache.entries() == {}
     assert any("unusable" in m for m in cache_warnings(caplog))
+
+
+def test_a_lock_that_cannot_be_opened_names_the_cache_as_given(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    home = tmp_path / "shared"
+    home.mkdir()
+    (home / "cache.json.lock").mkdir()  # the lock cannot be opened, even by root
+    given = tmp_path / "my-cache.json"
+    given.symlink_to(home / "cache.json")  # the lock lives by the target, the user named the link
+    cache = TuningCache(given)
+    with caplog.at_level(logging.WARNING):
+        assert cache.put("k", make_entry()) is False
+    [warning] = cache_warnings(caplog)
+    assert warning.startswith(f"Cannot store entry 'k': tuning cache {given} is unusable: "), warning
+    assert f"its lock file {home / 'cache.json.lock'} cannot be opened" in warning, warning
+    with pytest.raises(CacheWriteError, match=f"tuning cache {re.escape(str(given))} is unusable"):
+        cache.clear(strict=True)
+
+
+def test_a_directory_that_cannot_be_created_names_the_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    path = blocker / "sub" / "cache.json"
+    with caplog.at_level(logging.WARNING):
+        assert TuningCache(path).put("k", make_entry()) is False
+    [warning] = cache_warnings(caplog)
+    assert warning.startswith(f"Cannot store entry 'k': tuning cache {path} is unusable: its directory "), warning
+
+
+def test_a_lock_held_elsewhere_names_the_cache_as_busy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "cache.json"
+    cache = TuningCache(path, lock_timeout_s=0)
+    with exclusive_lock(cache.lock_path, timeout_s=0) as problem, caplog.at_level(logging.WARNING):
+        assert problem is None  # held here: another open file, so the cache's own flock fails
+        assert cache.put("k", make_entry()) is False
+    [warning] = cache_warnings(caplog)
+    assert warning.startswith(f"Cannot store entry 'k': tuning cache {path} is busy: its lock file "), warning
+    assert cache.put("k", make_entry()) is True
 
 
 def test_cache_path_that_is_a_directory_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
