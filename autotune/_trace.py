@@ -13,11 +13,13 @@ One run directory holds:
 - ``summary.json``: what the tuner decided (baseline, winner, speed-up, probe steps, cache hit,
   fingerprint), written by :meth:`~TraceWriter.write_summary`;
 - ``tuning.png``: step time per step coloured by candidate, the winner marked; only when
-  matplotlib is installed (drawn by ``autotune/_plot.py``).
+  matplotlib is installed (drawn by :mod:`autotune._plot`).
 
 The rows are whatever the tuner passes; the documented shape is ``{"step": int, "phase": str,
 "candidate": {knob: value}, "ranks": {rank: {stage: seconds}}, "node_time_s": float,
-"decision": str | None}``. Values are made JSON-safe (NaN and infinities become null).
+"decision": str | None}``, where ``step`` counts training steps from 1, as the trainer's console
+and ``tuning.png`` do (the Chrome trace's steps are the same numbers). Values are made JSON-safe
+(NaN and infinities become null).
 
 The writer with ``rank=0`` writes the names above; a writer created with another rank writes
 ``trace.rank<r>.jsonl`` and so on, so that writers on several ranks never clobber each other.

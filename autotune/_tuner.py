@@ -406,9 +406,10 @@ class OnlineTuner:
     ) -> None:
         assert self._trace is not None
         decision = directive.decision
+        number = step + 1  # the trace counts training steps from 1, as the trainer's console does
         self._trace.add_step(
             {
-                "step": step,
+                "step": number,
                 "phase": phase,
                 "state": state,
                 "candidate": setting,
@@ -421,7 +422,7 @@ class OnlineTuner:
         )
         for rank, row in enumerate(rows):
             if row[3]:
-                self._trace.add_spans(rank, step, row[3])
+                self._trace.add_spans(rank, number, row[3])
 
     def _fail(self, exc: BaseException) -> None:
         self._state = "failed"

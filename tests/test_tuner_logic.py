@@ -527,7 +527,7 @@ def test_trace_gets_one_row_per_probe_step_and_the_summary():
     s = tuner.summary()
     assert len(trace.rows) == s["probe_steps"] == len(trace.spans)
     row = trace.rows[0]
-    assert row["step"] == 0 and row["phase"] == "warmup" and row["candidate"] == BASELINE
+    assert row["step"] == 1 and row["phase"] == "warmup" and row["candidate"] == BASELINE
     assert row["node_time_s"] == row["ranks"][0]["time_s"] and "step_s" in row["ranks"][0]
     assert trace.rows[-1]["decision"] == "locked threads=4 chunk_numel=4194304"
     assert [t["state"] for t in trace.summaries] == ["locked"] and trace.summaries[0]["winner"] == s["winner"]
