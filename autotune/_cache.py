@@ -5,7 +5,7 @@ File format (JSON only, never pickle)::
     {"schema": 1, "entries": {"<fingerprint key>": {<entry>}, ...}}
 
 An entry is what the tuner locked in for one fingerprint, a :class:`CacheEntry`
-(``autotune/_entry.py``, which alone spells its JSON form and checks its values).
+(:mod:`autotune._entry`, which alone spells its JSON form and checks its values).
 
 Guarantees (the file primitives live in :mod:`autotune._cachefile`):
 

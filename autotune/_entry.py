@@ -1,7 +1,7 @@
 """``CacheEntry``: what the tuner locked in for one fingerprint, and its JSON form.
 
 This module alone spells the entry's JSON form (:meth:`CacheEntry.to_json`,
-:meth:`CacheEntry.from_json`; ``tests/test_cache.py`` fails if another module spells a key)::
+:meth:`CacheEntry.from_json`; a cache test fails if another module spells a key)::
 
     {"winner": {...}, "baseline": {...}, "winner_median_s": float, "baseline_median_s": float,
      "measurements": [{"candidate": {...}, "samples": [float, ...]}, ...],
@@ -9,7 +9,7 @@ This module alone spells the entry's JSON form (:meth:`CacheEntry.to_json`,
 
 Values are checked for type only (knob dicts map str to a JSON scalar, ints fit in int64, floats
 are finite, counts are non-negative ints, not bools): a bad entry is a cache miss, never a crash
-(``autotune/_cache.py`` warns and sets it aside). Whether a cached setting belongs to the search
+(:class:`~autotune.TuningCache` warns and sets it aside). Whether a cached setting belongs to the search
 space is :meth:`CacheEntry.why_unusable`'s question, asked by the tuner.
 """
 

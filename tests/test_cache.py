@@ -137,10 +137,10 @@ def _uses_the_cache(tree: ast.Module) -> bool:
 
 
 def test_only_the_cache_module_spells_the_entry_json_keys() -> None:
-    """Issue 15: the entry's JSON form is owned by autotune/_entry.py; every other reader goes
-    through :class:`CacheEntry` fields. The keys come from a real ``to_json()``, so they cannot
-    go stale. Keys the tuner's summary also has are allowed in modules that never touch the
-    cache (there they are the summary's: bench/, the trace's plots, the tuner itself) and in
+    """The entry's JSON form is owned by autotune._entry, so it changes in one place; every other
+    reader goes through :class:`CacheEntry` fields. The keys come from a real ``to_json()``, so
+    they cannot go stale. Keys the tuner's summary also has are allowed in modules that never touch
+    the cache (there they are the summary's: bench/, the trace's plots, the tuner itself) and in
     :data:`_SUMMARY_READERS`; the entry's own keys (``created_unix``, ...) are allowed nowhere."""
     from autotune import Knob, OnlineTuner, SearchSpace
 
@@ -429,7 +429,7 @@ def test_fifo_as_cache_neither_blocks_nor_is_replaced(tmp_path: Path, caplog: py
     os.mkfifo(fifo)
     cache = TuningCache(fifo)
     with caplog.at_level(logging.WARNING):
-        assert _call_with_deadline(lambda: cache.get("k")) is None  # used to block forever
+        assert _call_with_deadline(lambda: cache.get("k")) is None  # a FIFO without a writer must not block a reader
         assert _call_with_deadline(lambda: cache.put("k", make_entry())) is False
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]  # no lock, temp or .bad-* file

@@ -278,7 +278,7 @@ def test_a_writer_nobody_closes_is_closed_at_exit(tmp_path: Path) -> None:
 
 
 def test_plot_words_match_the_console_and_the_objective() -> None:
-    """tuning.png reads on its own (issue 17): steps from 1, what the y axis measures, "static plan"."""
+    """tuning.png reads on its own: steps from 1, what the y axis measures, "static plan"."""
     from autotune._trace import plot_text
 
     rows = [{"step": 0, "phase": "probe", "node_time_s": 0.02,
