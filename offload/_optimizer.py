@@ -1,13 +1,10 @@
 """``CPUOffloadAdamW``: the thin class: arguments, param groups, settings, ``step()``.
 
-It validates its arguments (``offload._arguments``), records its parameters
-(``offload.state._params``), owns the host slabs and the pipeline, and decides *which* chunk runs
-*when*: at ``step()``, or early during backward with ``overlap_backward=True``
-(``offload.overlap._hooks``). The rest lives next door: the math in ``offload.kernels._adamw``, slabs and
-chunking in ``offload.state._slabs``, the worker and transports in ``offload.pipeline._pipeline``, each
-chunk's Items and kernel choice in ``offload.state._items``, masters in ``offload.state._masters``,
-edits in ``offload.state._edits``, ``state_dict`` in ``offload.state._state_io``, the tuner glue in
-``offload.tuning._glue``, the stage records turned into ``StepStats`` in ``offload.pipeline._timings``.
+It checks its arguments (``offload._arguments``, ``offload.state._groups``), owns the host state
+(one ``offload.state.HostLayout``: records, slabs, chunks, items), the pipeline that runs the
+step (``offload.pipeline``) and, with ``overlap_backward=True``, the launcher that starts chunks
+during backward (``offload.overlap``); it decides *which* chunk runs *when*. The math is
+``offload.kernels``'s, the thread budget ``offload.threads``'s, the tuner glue ``offload.tuning``'s.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -26,41 +22,31 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from autotune import OnlineTuner
-from offload.tuning._glue import OffloadTuning
 from offload._arguments import adamw_defaults, check_arguments, check_limit
-from offload.state._groups import check_options, check_param_group, hyper_of
-from offload.pipeline._cuda_transport import CudaTransport
-from offload.state._dtensor import local
-from offload.state._edits import WeightEdits
-from offload.tuning._node_agreement import thread_plan
-from offload.state._items import ItemCache
-from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, KernelSet, new_step_tensor
-from offload.state._masters import (
-    cast_seeds,
-    copy_state,
-    drop_equal_masters,
-    give_masters,
-    init_state,
-    loaded_seeds,
-    own_master_flags,
-    state_entry,
-)
 from offload._clip import ClipRequest, NonFiniteNorm, amp_arguments, clip_request
-from offload.overlap._launcher import EarlyWork, ddp_comm_hook
-from offload.state._params import ParamRecord, ParamRegistry, check_params, param_names
-from offload.state._placement import NumaBinder, NumaPlacement
-from offload.state._rebind import BoundParams, check_rebound, relayout_rebound
-from offload.pipeline._host_transport import HostTransport
-from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._transport import Transport
 from offload._settings import OffloadSettings
 from offload._stats import StepStats
-from offload.state._slabs import HostSlabs, plan_chunks
-from offload.pipeline._step import collect_grads, submit_step
-from offload.state._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
+from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, KernelSet
+from offload.overlap._launcher import Launcher, ddp_comm_hook
 from offload.overlap._speculation import checksums_of
+from offload.pipeline._cuda_transport import CudaTransport
+from offload.pipeline._host_transport import HostTransport
+from offload.pipeline._pipeline import Pipeline
+from offload.pipeline._step import collect_grads, ready_event, submit_step
 from offload.pipeline._timings import StatsBuilder
+from offload.pipeline._transport import Transport
+from offload.state._edits import edited, record, reseed
+from offload.state._groups import check_options, check_param_group, hyper_of
+from offload.state._layout import NO_SEEDS, HostLayout, Relaid
+from offload.state._masters import cast_seeds, drop_equal_masters, give_masters, loaded_seeds
+from offload.state._params import ParamRegistry, check_params, param_names
+from offload.state._placement import NumaBinder, NumaPlacement
+from offload.state._rebind import check_rebound
+from offload.state._slabs import HostSlabs
+from offload.state._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
 from offload.threads._plan import ThreadPlan
+from offload.tuning._node_agreement import thread_plan
+from offload.tuning._glue import OffloadTuning
 
 logger = logging.getLogger(__name__)
 
@@ -143,73 +129,55 @@ class CPUOffloadAdamW(Optimizer):
         super().__init__(params, defaults)
         self._constructed = True
 
-        # One record per parameter (DTensor (FSDP2) parameters: the slabs hold this rank's shard).
-        self._registry = ParamRegistry(self.param_groups)
-        self._bound = BoundParams(self.param_groups)  # what the slabs are laid out for
-        self._recheck_masters: set[int] = set()  # slots given a master by load_state_dict
-        self._items = ItemCache()
-        self._numa: NumaPlacement | None = None
-        shapes = [[local(p).shape for p in g["params"]] for g in self.param_groups]
-        if settings is not None and settings.bind_numa:  # bind first, then allocate untouched
-            self._numa = NumaPlacement.bind(self._registry.device, numa_binder)
-            self._slabs = self._numa.allocate(shapes, self._own_masters(overlap_backward))
-        else:
-            self._slabs = HostSlabs(shapes, self._own_masters(overlap_backward))
-
         settings = settings if settings is not None else OffloadSettings()
+        # One record per parameter (DTensor (FSDP2) parameters: the slabs hold this rank's shard).
+        registry = ParamRegistry(self.param_groups)
+        limit = check_limit(speculation_limit, overlap_backward)
+        self._numa: NumaPlacement | None = None
+        if settings.bind_numa:  # bind first, then allocate untouched
+            self._numa = NumaPlacement.bind(registry.device, numa_binder)
+        self._layout = HostLayout.build(
+            self.param_groups, self.state, registry=registry, chunk_numel=settings.chunk_numel,
+            overlap_backward=overlap_backward, allocate=HostSlabs if self._numa is None else self._numa.allocate).layout
+
         # A tuned optimizer's thread plan, kernel vote and tuner share one node agreement.
         plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
         self._planned_threads = plan.threads
         self._kernels = kernels if kernels is not None else DEFAULT_KERNELS
         self._settings = replace(settings, threads=self._planned_threads, kernel=self._kernels.resolve(settings.kernel))
-        self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
 
         self._pipeline = self._new_pipeline()
         if self._numa is not None:  # the pages land on the node of the CPUs that run the kernels
-            self._pipeline.on_worker(functools.partial(self._numa.first_touch, self._slabs),
+            self._pipeline.on_worker(functools.partial(self._numa.first_touch, self._layout.slabs),
                                      threads=self._planned_threads)
         self._in_step = False
-        self._edits = WeightEdits()
         self._stats: StatsBuilder | None = None
-        self._early_launches_last_step = 0
-
         self._clip: ClipRequest | None = None  # set by clip_grad_norm_, taken by the next step()
-        self._speculation_limit = check_limit(speculation_limit, overlap_backward)
-        self._overlap: EarlyWork | None = None
-        self._ddp = False  # attach_ddp: gradients reach the overlap after DDP's all-reduce
+        self._overlap: Launcher | None = None
         if overlap_backward:
-            self._start_overlap(calibrated=False)
+            self._overlap = Launcher(self, checksums=checksums_of(self._kernels.grad_stats), limit_numel=limit,
+                                     settings=self._settings)
+            self._overlap.bind(self._layout, self._pipeline)
 
         #: The online tuner (``autotune.OnlineTuner``), or None.
         self.tuner: OnlineTuner | None = None
         self._tuning: OffloadTuning | None = None
         if config is not None:
             self._tuning = OffloadTuning.for_optimizer(
-                self, config, plan=plan, records=self._registry.records, slots=self._slabs.slots,
-                groups=len(self.param_groups), device_type=self._registry.device.type,
+                self, config, plan=plan, records=self._layout.records, slots=self._layout.slabs.slots,
+                groups=len(self.param_groups), device_type=registry.device.type,
                 overlap_backward=overlap_backward, agreement=agreement,
                 kernels_available=self._kernels.available)
             self.tuner = self._tuning.tuner
         logger.debug("CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",
-                     len(self._registry), len(self._chunks), self._slabs.nbytes / 2**20,
-                     self._registry.device, self._settings)
+                     len(registry), len(self._layout.chunks), self._layout.slabs.nbytes / 2**20,
+                     registry.device, self._settings)
 
     def _new_pipeline(self) -> Pipeline:
         transport: Transport
-        if self._registry.device.type == "cuda":
-            transport = CudaTransport(self._registry.device)
-        else:
-            transport = HostTransport()
-        return Pipeline(self._slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)
-
-    def _start_overlap(self, *, calibrated: bool) -> None:
-        """Backward hooks on every parameter (``calibrated``: their hook counts are learned)."""
-        self._overlap = EarlyWork(self, calibrated=calibrated, checksums=checksums_of(self._kernels.grad_stats),
-                                  limit_numel=self._speculation_limit, external=self._ddp)
-
-    def _own_masters(self, overlap_backward: bool) -> list[list[bool]]:
-        return own_master_flags(self.param_groups, self._registry.records,
-                                device_type=self._registry.device.type, overlap_backward=overlap_backward)
+        device = self._layout.registry.device
+        transport = CudaTransport(device) if device.type == "cuda" else HostTransport()
+        return Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)
 
     # ---------------------------------------------------------------- param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -228,9 +196,10 @@ class CPUOffloadAdamW(Optimizer):
         where = f" in param group {len(self.param_groups)}"
         param_group, plist, tensors = check_param_group(where, param_group, self.defaults)
         if constructed:
-            n = len(self._registry)
+            registry = self._layout.registry
+            n = len(registry)
             names = param_names(self.param_groups) + [f"parameter {n + i}{where}" for i in range(len(tensors))]
-            check_params(self._registry.params() + tensors, names)
+            check_params(registry.params() + tensors, names)
         super().add_param_group({**param_group, "params": plist})
         if not constructed:
             return
@@ -244,50 +213,40 @@ class CPUOffloadAdamW(Optimizer):
             )
         logger.info(
             "CPUOffloadAdamW: param group %d added: %d params, %d chunks, %.1f MiB host slabs",
-            len(self.param_groups) - 1, len(self._registry), len(self._chunks),
-            self._slabs.nbytes / 2**20,
+            len(self.param_groups) - 1, len(self._layout.registry), len(self._layout.chunks),
+            self._layout.slabs.nbytes / 2**20,
         )
 
-    def _relayout(self, seeds: Mapping[int, Tensor] = MappingProxyType({})) -> None:
-        """New slabs, chunks, worker and hooks for the current groups (after ``add_param_group``,
-        or a master place given or dropped, ``offload.state._masters``).
-
-        A new group comes last, so every existing parameter keeps its slot and record; its moments
-        and master are copied into the new slabs (a slot that was its own master and now has a
-        master place takes ``seeds[slot]``) and its state entry points there.
-        """
-        old = self._slabs
-        self._registry = ParamRegistry(self.param_groups, self._registry)
-        shapes = [[local(p).shape for p in g["params"]] for g in self.param_groups]
-        self._slabs = HostSlabs(shapes, self._own_masters(self._overlap is not None))
-        records = self._registry.records
-        for slot in copy_state(old, self._slabs, records, self.state, seeds):
-            p = records[slot].param
-            self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
-        self._new_layout()
+    def _relayout(self, seeds: Mapping[int, Tensor] = NO_SEEDS) -> Relaid:
+        """A new layout for the current groups, with the state carried over (after
+        ``add_param_group``, a master place given or dropped, parameters re-bound in
+        ``param_groups``: ``HostLayout.build``), and a worker and hooks for it. ``seeds``: the fp32
+        values of slots that were their own master and now get a master place."""
+        relaid = HostLayout.build(self.param_groups, self.state, previous=self._layout, seeds=seeds,
+                                  chunk_numel=self._settings.chunk_numel,
+                                  overlap_backward=self._layout.overlap_backward)
+        self.state.clear()
+        self.state.update(relaid.entries)
+        record(relaid.layout.records, relaid.migrated)  # their masters were just seeded from them
+        self._layout = relaid.layout
+        self._pipeline.close()
+        self._pipeline = self._new_pipeline()
+        if self._overlap is not None:
+            self._overlap.bind(self._layout, self._pipeline)
+        return relaid
 
     def _follow_groups(self) -> None:
         """Parameters re-bound in ``param_groups`` since the last layout (accelerate's FSDP2
         swap, a framework re-wrapping): lay the slabs out for them, their state carried over
         where ``offload.state._rebind`` maps them to a parameter that had state."""
         groups = self.param_groups
-        if not self._bound.changed(groups):
+        if not self._layout.bound.changed(groups):
             return
         self._abandon_early("a param_groups re-bind")  # early chunks of the old layout
-        check_rebound(self._bound, groups, self.defaults, launched=False)
-        relayout_rebound(self, groups)
-        self._new_layout()
-
-    def _new_layout(self) -> None:
-        """Chunks, worker and hooks for new slabs."""
-        self._bound = BoundParams(self.param_groups)
-        self._items.clear()
-        self._chunks = plan_chunks(list(self._slabs.slots), self._settings.chunk_numel)
-        self._pipeline.close()
-        self._pipeline = self._new_pipeline()
-        if self._overlap is not None:
-            self._overlap.remove_hooks()
-            self._start_overlap(calibrated=self._overlap.calibrated)
+        check_rebound(self._layout.bound, groups, self.defaults, launched=False)
+        relaid = self._relayout()
+        logger.info("CPUOffloadAdamW: param_groups re-bound: %d params, %d with state (%d migrated)",
+                    len(relaid.layout.records), len(relaid.entries), len(relaid.migrated))
 
     # ---------------------------------------------------------------- public surface
     @property
@@ -311,14 +270,13 @@ class CPUOffloadAdamW(Optimizer):
             settings = replace(settings, threads=self._planned_threads)
         settings = replace(settings, kernel=self._kernels.resolve(settings.kernel))
         if settings.chunk_numel != self._settings.chunk_numel:
-            self._chunks = plan_chunks(list(self._slabs.slots), settings.chunk_numel)
+            self._layout.rechunk(settings.chunk_numel)
             if self._overlap is not None:
-                self._overlap.set_chunks(self._chunks)
-            # Cached views of the old layout: a tuner tries several, none should pile up.
-            self._slabs.forget_views()
-            self._items.clear()
+                self._overlap.rechunked()
             self._pipeline.forget_layout()
         self._settings = settings
+        if self._overlap is not None:
+            self._overlap.settings = settings
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -373,11 +331,12 @@ class CPUOffloadAdamW(Optimizer):
         for signature compatibility."""
         if self._in_step:
             raise RuntimeError("CPUOffloadAdamW.clip_grad_norm_() called while step() is running")
-        grads = {r.slot: r.param.grad for r in self._registry if r.param.grad is not None}
+        registry = self._layout.registry
+        grads = {r.slot: r.param.grad for r in registry if r.param.grad is not None}
         try:
-            self._clip = clip_request(self._registry.records, grads, max_norm=max_norm, norm_type=norm_type,
+            self._clip = clip_request(registry.records, grads, max_norm=max_norm, norm_type=norm_type,
                                       error_if_nonfinite=error_if_nonfinite, foreach=foreach,
-                                      device=self._registry.device, grad_stats=self._kernels.grad_stats)
+                                      device=registry.device, grad_stats=self._kernels.grad_stats)
         except NonFiniteNorm:  # the loop skips this step: the early chunks must not show
             self._abandon_early("clip_grad_norm_() (a non-finite norm)")
             raise
@@ -389,8 +348,8 @@ class CPUOffloadAdamW(Optimizer):
         DDP stays exact, but every chunk started during backward is redone in ``step()``."""
         if self._overlap is None:
             raise ValueError("attach_ddp() needs CPUOffloadAdamW(overlap_backward=True)")
-        model.register_comm_hook(None, ddp_comm_hook(self))
-        self._ddp = self._overlap.overlap.external = True
+        model.register_comm_hook(None, ddp_comm_hook(self._overlap))
+        self._overlap.set_external()
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW(fused=True)``'s keys: per parameter ``step``, ``exp_avg``,
@@ -409,11 +368,12 @@ class CPUOffloadAdamW(Optimizer):
         next step would.
         """
         self._check_idle("state_dict()")
-        self._sync_edits([r.slot for r in self._registry if self.state.get(r.param)])
-        sd = torch_shaped(super().state_dict(), self._registry.records)
-        if not self._registry.sharded:
+        registry = self._layout.registry
+        self._sync_edits([r.slot for r in registry if self.state.get(r.param)])
+        sd = torch_shaped(super().state_dict(), self._layout.records)
+        if not registry.sharded:
             return sd
-        return as_dtensor_state(sd, self._registry.records)
+        return as_dtensor_state(sd, self._layout.records)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a state dict (from this class, or ``torch.optim.AdamW``) into the host slabs.
@@ -431,15 +391,17 @@ class CPUOffloadAdamW(Optimizer):
             if result is not None:
                 state_dict = result
         groups = self.param_groups
-        saved_groups, entries = check_loaded(state_dict, groups, self.defaults, self._registry, self._slabs)
+        layout = self._layout
+        saved_groups, entries = check_loaded(state_dict, groups, self.defaults, layout.registry, layout.slabs)
         # A loaded master with bits its parameter lacks (a bf16 run resumed in fp32, or the model
         # not loaded yet) needs a master place where the parameter was its own master; the next
         # step() drops the place again where the parameter then equals it.
-        seeds = loaded_seeds(self._registry.records, self._slabs, entries)
+        seeds = loaded_seeds(layout.records, layout.slabs, entries)
         if seeds:
-            give_masters(self._registry.records, seeds, self._relayout)
-        self._recheck_masters.update(slot for slot, value in entries if "master_param" in value)
-        self.state = load_state(entries, self._registry.records, self._slabs, self._state_entry)
+            give_masters(layout.records, seeds)
+            layout = self._relayout(seeds).layout
+        layout.recheck_masters.update(slot for slot, value in entries if "master_param" in value)
+        self.state = load_state(entries, layout)
         self.param_groups = merged_groups(groups, saved_groups, self.defaults)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -481,7 +443,7 @@ class CPUOffloadAdamW(Optimizer):
         if found_inf is not None and bool(found_inf.to("cpu").reshape(-1)[0]):
             # GradScaler found inf/nan: nothing changes (torch's fused AdamW skips the same way).
             self._abandon_early("step() (GradScaler overflow)")
-            self._collect_grads(count_empty=False)  # state for new parameters, as torch makes it
+            collect_grads(self._layout, self.state, count_empty=False)  # state for new parameters, as torch makes it
             self._stats = StatsBuilder([], t0, step_s=time.perf_counter() - t0, drain_s=0.0, threads=threads,
                                        chunk_numel=self._settings.chunk_numel, num_chunks=0, numel=0)
             return
@@ -491,31 +453,30 @@ class CPUOffloadAdamW(Optimizer):
             return replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
 
         try:
-            grads = self._collect_grads()
-            late = self._edits.end_window(self._registry.records)
-            if late or self._recheck_masters:
+            grads = collect_grads(self._layout, self.state)
+            late = early.late_edits() if early is not None else []
+            if late or self._layout.recheck_masters:
                 self._abandon_early("step() (weights edited after backward started chunks)")
             committed, speculated = early.start_step(hyper_now=hyper_now, late=late, threads=threads) \
                 if early is not None else ({}, 0)
-            self._early_launches_last_step = speculated
             self._follow_edits(grads)
         except BaseException:
             self._abandon_early("step() (an error)")
             raise
 
-        sub = submit_step(self._pipeline, self._chunks, committed, grads, self._registry.records, self.state,
-                          self._items, hyper_now=hyper_now, kernel=self._settings.kernel, threads=threads,
-                          event=self._ready_event(), sharded=self._registry.sharded)
+        layout = self._layout
+        sub = submit_step(self._pipeline, layout, committed, grads, self.state, hyper_now=hyper_now,
+                          kernel=self._settings.kernel, threads=threads, event=ready_event(layout.registry.device))
         result = self._pipeline.drain()
-        self._items.release_grads()
+        layout.items.release_grads()
         if early is not None:  # a failure before any in-place update undoes the early chunks too
             early.end_step(grad_scale=scale, failed=result.error is not None and
                            not any(j.kernel_ran for j in sub.updates))
         if result.error is not None:
             raise result.error
         if result.last_h2d_event is not None:
-            torch.cuda.current_stream(self._registry.device).wait_event(result.last_h2d_event)
-        self._edits.record(self._registry.records, grads)  # our writes bumped the versions
+            torch.cuda.current_stream(layout.registry.device).wait_event(result.last_h2d_event)
+        record(layout.records, grads)  # our writes bumped the versions
         t1 = time.perf_counter()
         self._stats = StatsBuilder(
             result.records,
@@ -531,55 +492,34 @@ class CPUOffloadAdamW(Optimizer):
             committed_chunks=len(committed),
         )
 
-    def _ready_event(self) -> Any:
-        """CUDA: an event on the current stream after which this step's gradients are final."""
-        if self._registry.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._registry.device))
-        return event
-
-    def _collect_grads(self, *, count_empty: bool = True) -> dict[int, Tensor]:
-        return collect_grads(self._registry.records, self.state, self._items, init_state=self._init_state,
-                             count_empty=count_empty)
-
     def _follow_edits(self, grads: dict[int, Tensor]) -> None:
-        """Parameters edited since our last write: their masters follow them (offload.state._edits)."""
-        if self._recheck_masters:
-            slots, self._recheck_masters = self._recheck_masters, set()
-            drop_equal_masters(self._registry.records, self._slabs, slots, self._relayout)
+        """Parameters edited since our last write: their masters follow them (``offload.state._edits``);
+        masters loaded by ``load_state_dict`` are checked against their parameters."""
+        layout = self._layout
+        if layout.recheck_masters:
+            slots, layout.recheck_masters = layout.recheck_masters, set()
+            if drop_equal_masters(layout.records, layout.slabs, slots):
+                self._relayout()
         self._sync_edits(grads)
 
     def _sync_edits(self, slots: Iterable[int]) -> None:
-        """The edited parameters among ``slots`` (offload.state._edits): their masters follow them,
-        and their state entries are made again (they name the current tensors, and the cached
-        Items and kernel calls of their chunks are rebuilt: ``.data`` may be new storage). A
-        parameter that was its own master and is no longer fp32 (``model.to(torch.bfloat16)``)
-        first gets a master, seeded from its fp32 storage before the change."""
-        edited = self._edits.edited(self._registry.records, slots)
-        if not edited:
+        """The edited parameters among ``slots``: their masters follow them, and their state
+        entries are made again (they name the current tensors, and the cached Items and kernel
+        calls of their chunks are rebuilt: ``.data`` may be new storage). A parameter that was
+        its own master and is no longer fp32 (``model.to(torch.bfloat16)``) first gets a master,
+        seeded from its fp32 storage before the change."""
+        changed = edited(self._layout.records, slots)
+        if not changed:
             return
-        cast = cast_seeds(self._registry.records, self._slabs, self.state, edited)
+        cast = cast_seeds(self._layout.records, self._layout.slabs, self.state, changed)
         if cast:
-            give_masters(self._registry.records, cast, self._relayout)
-        records = self._registry.records
-        self._edits.reseed(records, self._slabs, edited)
-        for slot in edited:
-            p = records[slot].param
-            self.state[p].update(self._state_entry(slot, self.state[p]["step"]))
-
-    def _init_state(self, rec: ParamRecord) -> None:
-        init_state(self._slabs, rec)
-        self.state[rec.param].update(self._state_entry(rec.slot, new_step_tensor()))
-
-    def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]:
-        """The state entry of ``slot`` over the current slabs. Every new entry starts a new state
-        generation (cached Items hold step tensors)."""
-        self._items.new_state()
-        rec = self._registry.records[slot]
-        rec.step = step
-        self._slabs.used[slot] = 1
-        return state_entry(self._slabs, rec, step)
+            give_masters(self._layout.records, cast)
+            self._relayout(cast)
+        layout = self._layout
+        reseed(layout.records, layout.slabs, changed)
+        for slot in changed:
+            p = layout.records[slot].param
+            self.state[p].update(layout.entry(slot, self.state[p]["step"]))
 
     def _check_idle(self, what: str) -> None:
         if self._in_step:

@@ -58,7 +58,7 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, *, overlap: bool, side_s
             (model(batch(step, 0, device), use_sometimes=uses_sometimes(step)) / 2).backward()
             grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
             opt.step()
-            early.append(opt._early_launches_last_step)
+            early.append(opt.last_stats.speculated_chunks)
             # enqueued right after step() on the same stream, with no host sync in between:
             # must already see the updated weights
             seen = [p.detach().clone() for p in model.parameters()]
@@ -84,7 +84,7 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, *, overlap: bool, side_s
     else:  # host memory: the state and the chunk-sized rings, no buffer per parameter
         assert not opt._pipeline.transport._lowp._bufs
     numel = sum(p.numel() for p in model.parameters())
-    assert opt._slabs.nbytes <= 12 * numel + 3 * 64 * 4 * len(list(model.parameters()))
+    assert opt._layout.slabs.nbytes <= 12 * numel + 3 * 64 * 4 * len(list(model.parameters()))
     opt.close()
 
 

@@ -95,7 +95,7 @@ def _run(dtype, kernel: str, *, chunk: int = 1 << 10, threads: int = 1, overlap:
     )
     kernels = _train(model, opt, _schedule(opt), range(STEPS))
     if overlap:  # the early path (kernel during backward, weights staged until step()) ran
-        assert opt._early_launches_last_step > 0
+        assert opt.last_stats.speculated_chunks > 0
     params = list(model.parameters())
     result = ([p.detach().clone() for p in params], [t.clone() for t in _state(opt, params)])
     if inspect is not None:

@@ -124,7 +124,7 @@ def test_fp32_bitwise_equal_to_torch_fused_adamw(chunk_numel: int, threads: int,
     model, opt = _run(torch.float32, OffloadSettings(threads=threads, chunk_numel=chunk_numel,
                                                      kernel=kernel))  # type: ignore[arg-type]
     if chunk_numel == 1024:
-        assert len(opt._chunks) > 10  # chunks really split parameters
+        assert len(opt._layout.chunks) > 10  # chunks really split parameters
     _check_against_reference(model, opt, torch.float32)
     opt.close()
 

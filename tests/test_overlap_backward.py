@@ -32,7 +32,7 @@ def _train(model, opt, steps: range, *, early: list[int] | None = None) -> None:
                 loss.backward()
         opt.step()
         if early is not None:
-            early.append(opt._early_launches_last_step)
+            early.append(opt.last_stats.speculated_chunks)
         sched.step()
 
 
@@ -58,8 +58,8 @@ def test_overlap_is_bitwise_equal_to_the_plain_step(dtype, chunk_numel: int, thr
         assert_bitwise(_state(over_model, over, key), _state(plain_model, plain, key), key)
     assert not over.state.get(over_model.unused.weight)  # no grad ever: no state
     # the block run twice per backward fires its hook twice; the count was learned
-    slot = over._registry.of(over_model.twice.weight).slot
-    assert over._registry[slot].hooks_expected == 2
+    slot = over._layout.registry.of(over_model.twice.weight).slot
+    assert over._layout.registry[slot].hooks_expected == 2
     spans = over.last_stats.spans
     # (an early chunk's spans start before step() unless the worker was descheduled: not asserted)
     assert all(s.start_s >= 0 for s in spans if s.stage == "materialize")

@@ -26,7 +26,7 @@ def _bytes_per_param(dtype: torch.dtype, **kw) -> tuple[float, float, int]:
     backups = opt._overlap.speculation.backup_bytes if opt._overlap is not None else 0
     speculated = opt.last_stats.speculated_chunks
     opt.close()
-    return opt._slabs.nbytes / n, backups / n, speculated
+    return opt._layout.slabs.nbytes / n, backups / n, speculated
 
 
 @pytest.mark.parametrize(("dtype", "plain"), [(torch.float32, 8.0), (torch.bfloat16, 12.0)])

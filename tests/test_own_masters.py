@@ -94,7 +94,7 @@ def test_state_dict_right_after_an_edit_saves_the_edited_master(save_overlap: bo
     for m in (ref_model, model):
         edit_fn(m)
     sd = opt.state_dict()
-    slot = opt._registry.of(model.fc1.weight).slot
+    slot = opt._layout.registry.of(model.fc1.weight).slot
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "optim": sd}, buf)
     opt.close()
@@ -190,7 +190,7 @@ def test_mixed_fp32_bf16_with_kernel_and_chunk_switches(overlap: bool, set_to_no
     ref_model, model = _Mixed(), _Mixed()
     ref = _MixedReference(ref_model)
     opt = CPUOffloadAdamW(model.groups(), settings=settings[0], overlap_backward=overlap)
-    own = [s.own_master for s in opt._slabs.slots]
+    own = [s.own_master for s in opt._layout.slabs.slots]
     assert own == ([False] * 5 if overlap else [True, False, True, False, True])
     for step in range(16):
         opt.apply_settings(settings[step % 4])
@@ -252,7 +252,7 @@ def test_own_master_edits_with_settings_switches(set_to_none: bool) -> None:
     ref_model, model = make_model(), make_model()
     ref = torch.optim.AdamW(param_groups(ref_model), fused=True)
     opt = CPUOffloadAdamW(param_groups(model), settings=settings[0])
-    assert all(s.own_master for s in opt._slabs.slots)
+    assert all(s.own_master for s in opt._layout.slabs.slots)
     for step in range(13):
         opt.apply_settings(settings[step % 4])
         for m in (ref_model, model):
@@ -291,7 +291,7 @@ def test_bf16_checkpoint_resumed_in_fp32_keeps_the_fp32_master() -> None:
             resumed.load_state_dict(ck["model"])
             ropt.load_state_dict(ck["optim"])
         saved = [ck["optim"]["state"][i]["master_param"] for i in sorted(ck["optim"]["state"])]
-        params = [ropt._registry[i].param for i in sorted(ck["optim"]["state"])]  # param_groups order
+        params = [ropt._layout.registry[i].param for i in sorted(ck["optim"]["state"])]  # param_groups order
         assert any(not torch.equal(m, p.detach()) for m, p in zip(saved, params))  # extra bits
         assert_bitwise([ropt.state[p]["master_param"] for p in params], saved,
                        f"master after load (optimizer first: {optimizer_first})")
@@ -330,12 +330,12 @@ def test_optimizer_loaded_before_the_model_is_its_own_master_again_after_a_step(
     ref = torch.optim.AdamW(param_groups(ref_model), fused=True)
     _train(model, opt, range(3))
     _train(ref_model, ref, range(3))
-    slab_bytes = opt._slabs.nbytes
+    slab_bytes = opt._layout.slabs.nbytes
     buf = io.BytesIO()
     sd = opt.state_dict()
     names = {id(p): n for n, p in model.named_parameters()}
     for i, entry in sd["state"].items():  # the older layout
-        entry["master_param"] = model.state_dict()[names[id(opt._registry[i].param)]]
+        entry["master_param"] = model.state_dict()[names[id(opt._layout.registry[i].param)]]
     torch.save({"model": model.state_dict(), "optim": sd}, buf)
     opt.close()
     buf.seek(0)
@@ -344,13 +344,13 @@ def test_optimizer_loaded_before_the_model_is_its_own_master_again_after_a_step(
     ropt = CPUOffloadAdamW(param_groups(resumed), settings=SMALL)
     ropt.load_state_dict(ck["optim"])
     held = [i for i in sorted(ck["optim"]["state"])]
-    assert not any(ropt._slabs.slots[i].own_master for i in held)  # masters kept for now
-    assert_bitwise([ropt.state[ropt._registry[i].param]["master_param"] for i in held],
+    assert not any(ropt._layout.slabs.slots[i].own_master for i in held)  # masters kept for now
+    assert_bitwise([ropt.state[ropt._layout.registry[i].param]["master_param"] for i in held],
                    [ck["optim"]["state"][i]["master_param"] for i in held], "loaded masters")
     resumed.load_state_dict(ck["model"])
     _train(resumed, ropt, range(3, 6))
     _train(ref_model, ref, range(3, 6))
-    assert all(ropt._slabs.slots[i].own_master for i in held)
-    assert ropt._slabs.nbytes == slab_bytes
+    assert all(ropt._layout.slabs.slots[i].own_master for i in held)
+    assert ropt._layout.slabs.nbytes == slab_bytes
     assert_bitwise(list(resumed.parameters()), list(ref_model.parameters()), "params")
     ropt.close()

@@ -82,7 +82,7 @@ def _swap_load_fp32_worker(rank: int, world_size: int) -> dict[str, Any]:
     model, ref = sharded(), sharded()
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-3, fused=True)
     opt = CPUOffloadAdamW(groups(model), lr=1e-3, settings=OffloadSettings(threads=1, chunk_numel=1024))
-    assert all(s.own_master for s in opt._slabs.slots)
+    assert all(s.own_master for s in opt._layout.slabs.slots)
 
     def run(steps: range) -> None:
         for step in steps:

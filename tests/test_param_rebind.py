@@ -81,8 +81,8 @@ def test_a_swapped_parameter_is_stepped_with_its_state_carried_over(swap_at: int
     assert len(opt.state) == len(ref.state)  # no entry of the replaced tensors is left
     opt.state_dict()  # works (torch's raises KeyError when the old key stays)
     if overlap:  # the new parameters are hooked: their chunks start during backward again
-        assert opt._early_launches_last_step > 0
-        assert opt._registry.of(model.fc1.weight).hooks_expected > 0
+        assert opt.last_stats.speculated_chunks > 0
+        assert opt._layout.registry.of(model.fc1.weight).hooks_expected > 0
     opt.close()
 
 
@@ -251,7 +251,7 @@ def _fsdp_worker(rank: int, world_size: int) -> list[str]:
             assert [int(opt.state[p]["step"]) for p in model.parameters()] == \
                 [int(ref.state[p]["step"]) for p in ref_model.parameters()], what
             if overlap:
-                assert opt._early_launches_last_step > 0, f"{what}: the sharded params are not hooked"
+                assert opt.last_stats.speculated_chunks > 0, f"{what}: the sharded params are not hooked"
             opt.state_dict()
             opt.close()
             checked.append(what)

@@ -28,8 +28,8 @@ def test_host_slabs_hold_the_state_and_no_gradient(dtype, overlap, bytes_per_par
     model = make_model(dtype)
     opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024),
                           overlap_backward=overlap)
-    assert opt._slabs.nbytes <= bytes_per_param * _padded(model)
-    assert opt._slabs.nbytes >= bytes_per_param * sum(p.numel() for p in model.parameters())
+    assert opt._layout.slabs.nbytes <= bytes_per_param * _padded(model)
+    assert opt._layout.slabs.nbytes >= bytes_per_param * sum(p.numel() for p in model.parameters())
     model(batch(0)).backward()
     opt.step()
     sd = opt.state_dict()
@@ -61,7 +61,7 @@ def test_items_and_kernel_calls_are_made_once_per_chunk_layout() -> None:
     held = []  # the snapshots' objects stay alive, so their ids cannot be reused
 
     def snapshot():
-        items = dict(opt._items.entries)
+        items = dict(opt._layout.items.entries)
         prepared = dict(opt._pipeline.transport._prepared)
         held.append((items, prepared))
         return ({i: id(c.items) for i, c in items.items()}, {i: id(e.calls) for i, e in prepared.items()})

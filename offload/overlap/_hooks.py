@@ -1,4 +1,4 @@
-"""``overlap_backward``: start a chunk's d2h + kernel during backward, once all its gradients exist.
+"""``overlap_backward``'s hooks: which chunks have all their gradients, as backward runs.
 
 A post-accumulate-grad hook on every parameter counts its firings (FSDP2 runs these hooks on the
 sharded parameters after reduce-scatter). The first backward is a calibration: nothing starts
@@ -11,11 +11,11 @@ Work started early is a speculation (``offload.overlap._speculation``): at ``ste
 chunk is checked against what the step consumes, then committed, or undone and recomputed. A
 parameter that does not require a gradient gets no hook (its chunks run in ``step()``).
 
-Interface to the optimizer: two callables. ``start_early`` (:data:`StartEarly`, a method of the
-optimizer held weakly: the hooks live on the model's parameters and must not keep the optimizer
-alive) builds and submits a chunk's job from the gradients read here; ``drain`` waits for the
-pipeline before an error is raised. The per-parameter counts live in the parameter records
-(``ParamRecord.hooks_fired`` / ``hooks_expected``).
+Interface: one callable, ``start_early`` (:data:`StartEarly`, a method of the launcher, held
+weakly: the hooks live on the model's parameters and must not keep the optimizer alive), which
+builds and submits a chunk's job from the gradients read here. What started is the launcher's
+record (``offload.overlap._speculation``), not this module's. The per-parameter counts live in
+the parameter records (``ParamRecord.hooks_fired`` / ``hooks_expected``).
 """
 
 from __future__ import annotations
@@ -26,41 +26,31 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import Tensor
 
 from offload.state._dtensor import local
 from offload.state._params import ParamRecord
-from offload.pipeline._jobs import ChunkJob
 from offload.state._slabs import Chunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BackwardOverlap", "Launch", "StartEarly"]
+__all__ = ["GradHooks", "StartEarly"]
 
-StartEarly = Callable[[Chunk, dict[int, Tensor]], "ChunkJob | None"]
+StartEarly = Callable[[Chunk, dict[int, Tensor]], None]
 """``start_early(chunk, grads)``: submit ``chunk``'s d2h + kernel from ``grads`` (slot -> local
-gradient, read now); None when the chunk cannot start early (a
-parameter without state yet)."""
+gradient, read now), unless it cannot start early (a parameter without state yet)."""
 
 
-@dataclass(slots=True)
-class Launch:
-    """A chunk started during backward (what it read: ``offload.overlap._speculation``)."""
-
-    job: ChunkJob
-
-
-def _grad_hook(overlap_ref: weakref.ref[BackwardOverlap], slot: int, _param: Tensor) -> None:
+def _grad_hook(overlap_ref: weakref.ref[GradHooks], slot: int, _param: Tensor) -> None:
     overlap = overlap_ref()
     if overlap is not None:
         overlap.on_grad(slot)
 
 
-class BackwardOverlap:
-    """The hooks, the counts and the early launches of one optimizer (see the module doc)."""
+class GradHooks:
+    """The backward hooks and their counts of one layout (see the module doc)."""
 
     def __init__(self, records: Sequence[ParamRecord], start_early: StartEarly, *,
                  calibrated: bool = False) -> None:
@@ -76,7 +66,6 @@ class BackwardOverlap:
         self._chunks_of: list[list[int]] = [[] for _ in self._records]
         self._eligible: list[bool] = []
         self._pending: list[int] = []
-        self._launched: dict[int, Launch] = {}
         self.external = False
         """Gradients arrive through :meth:`on_grad` with ``external=True`` only (a DDP comm hook,
         after the all-reduce); the autograd hooks (before it) are ignored."""
@@ -121,10 +110,6 @@ class BackwardOverlap:
             with self._lock:
                 self._accumulating -= 1
 
-    def has_launched(self) -> bool:
-        with self._lock:
-            return bool(self._launched)
-
     def on_grad(self, slot: int, grad: Tensor | None = None, *, external: bool = False) -> None:
         """A gradient of ``slot`` arrived (``grad``: where to read it, else ``param.grad``)."""
         with self._lock:
@@ -141,15 +126,13 @@ class BackwardOverlap:
                     continue
                 self._pending[c] -= 1
                 if self._pending[c] == 0:
-                    launch = self._launch(self._chunks[c])
-                    if launch is not None:
-                        self._launched[c] = launch
+                    self._launch(self._chunks[c])
 
-    def _launch(self, chunk: Chunk) -> Launch | None:
+    def _launch(self, chunk: Chunk) -> None:
         """From a backward hook (under the lock): submit the chunk's d2h + kernel."""
         start_early = self._start_early()
         if start_early is None:
-            return None
+            return
         grads: dict[int, Tensor] = {}
         for slot in {v.slot for v in chunk.views}:
             p = self._records[slot].param
@@ -157,17 +140,13 @@ class BackwardOverlap:
             if g is None:
                 g = None if p.grad is None else local(p.grad)  # FSDP2: the reduce-scattered shard
             if g is None or g.is_sparse:
-                return None  # not launchable early; step() runs it
+                return  # not launchable early; step() runs it
             grads[slot] = g
-        job = start_early(chunk, grads)
-        if job is None:
-            return None
-        return Launch(job)
+        start_early(chunk, grads)
 
-    def end_window(self) -> dict[int, Launch]:
-        """At ``step()``: stop early launches for this step, learn counts, return the launches."""
+    def end_window(self) -> None:
+        """At ``step()``: stop early launches for this step and learn the counts."""
         with self._lock:
-            launched, self._launched = self._launched, {}
             self._source = {}
             recs = self._records
             fired = [r.hooks_fired for r in recs]
@@ -183,4 +162,3 @@ class BackwardOverlap:
                     r.hooks_expected = n
                 self.calibrated = True
             self._reset_pending()
-            return launched

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from offload.state._dtensor import local as _local
+from offload.state._edits import stamp
 from offload.pipeline._jobs import ChunkJob
 from offload.kernels._adamw import Hyper
 from offload.state._params import ParamRecord
@@ -90,6 +91,8 @@ class SpeculativeChunk:
     """Per slot: the gradient object it read (kept alive until the step ends)."""
     steps: dict[int, Tensor]
     """Per slot: the step tensor its kernel counts."""
+    stamps: dict[int, tuple[int, int, int]]
+    """Per slot: the parameter's edit stamp at the launch (an edit after it makes the chunk late)."""
     saved: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     """(slab view, backup view) pairs filled by the worker before the kernel."""
 
@@ -136,7 +139,8 @@ class Speculation:
                 self._device_sums[s] = (v, done)
         host = [s for s in first if grads[s].device.type != "cuda"]
         spec = SpeculativeChunk(job, tuple(grads), dict(grads),
-                                {s: state[records[s].param]["step"] for s in grads})
+                                {s: state[records[s].param]["step"] for s in grads},
+                                {s: stamp(records[s]) for s in grads})
         self._launched[chunk.index] = spec
         job.before_kernel = lambda job, spec=spec, host=host, chunk=chunk: self._before_kernel(
             job, spec, host, chunk)
@@ -172,9 +176,18 @@ class Speculation:
         spec.saved = pairs
 
     # -------------------------------------------------------------- step()
+    def has_launched(self) -> bool:
+        """Some chunk of this window started early."""
+        return bool(self._launched)
+
     def take(self) -> dict[int, SpeculativeChunk]:
         """The early chunks of this window (the window stays open until :meth:`close`)."""
         return dict(self._launched)
+
+    def late_edits(self, records: Sequence[ParamRecord]) -> list[int]:
+        """The slots of early chunks whose parameter was edited after the chunk started."""
+        return sorted({s for spec in self._launched.values() for s, st in spec.stamps.items()
+                       if st != stamp(records[s])})
 
     def stale_chunks(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord],
                      hyper_now: Callable[[int], Hyper], chunk_group: Callable[[int], int],

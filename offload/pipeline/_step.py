@@ -7,21 +7,21 @@ with this step's hyper-parameters (clip coefficient and grad scale included).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from offload.state._items import ItemCache
 from offload.pipeline._jobs import ChunkJob
 from offload.kernels._adamw import Hyper
 from offload.state._dtensor import local
-from offload.state._params import ParamRecord, check_grad, raise_bad_grad
+from offload.state._params import check_grad, raise_bad_grad
 from offload.pipeline._pipeline import Pipeline
-from offload.state._slabs import Chunk
+from offload.state._layout import HostLayout
 
-__all__ = ["StepJobs", "collect_grads", "submit_step"]
+__all__ = ["StepJobs", "collect_grads", "ready_event", "submit_step"]
 
 
 @dataclass(slots=True)
@@ -38,15 +38,14 @@ class StepJobs:
     """Some item runs on the native kernel."""
 
 
-def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[int, ChunkJob],
-                grads: Mapping[int, Tensor], records: Sequence[ParamRecord],
-                state: Mapping[Tensor, dict[str, Any]], items: ItemCache, *,
-                hyper_now: Callable[[int], Hyper], kernel: str, threads: int,
-                event: Any, sharded: bool) -> StepJobs:
+def submit_step(pipeline: Pipeline, layout: HostLayout, committed: Mapping[int, ChunkJob],
+                grads: Mapping[int, Tensor], state: Mapping[Tensor, dict[str, Any]], *,
+                hyper_now: Callable[[int], Hyper], kernel: str, threads: int, event: Any) -> StepJobs:
     """Submit every chunk's job of this step (see the module doc)."""
     out = StepJobs()
+    items, records, sharded = layout.items, layout.records, layout.registry.sharded
     writes = []  # the committed chunks' weight writes go last: a failure in an update before them
-    for chunk in chunks:  # leaves no weight written, so step() can undo the early chunks wholly
+    for chunk in layout.chunks:  # leaves no weight written, so step() can undo the early chunks wholly
         early = committed.get(chunk.index)
         if early is not None:  # its kernel ran during backward: only the weights to write
             job = ChunkJob(chunk=chunk.index, items=early.items, hyper=early.hyper,
@@ -73,12 +72,13 @@ def submit_step(pipeline: Pipeline, chunks: Sequence[Chunk], committed: Mapping[
     return out
 
 
-def collect_grads(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]], items: ItemCache, *,
-                  init_state: Callable[[ParamRecord], None], count_empty: bool = True) -> dict[int, Tensor]:
-    """The gradients of this step by slot (this rank's shards); initialises the state of new
-    parameters; ``count_empty``: count the step of an empty shard (in no chunk) as torch does."""
+def collect_grads(layout: HostLayout, state: Mapping[Tensor, dict[str, Any]], *,
+                  count_empty: bool = True) -> dict[int, Tensor]:
+    """The gradients of this step by slot (this rank's shards); the first state entry of a
+    parameter without one goes into ``state``; ``count_empty``: count the step of an empty shard
+    (in no chunk) as torch does."""
     grads: dict[int, Tensor] = {}
-    for rec in records:
+    for rec in layout.records:
         param = rec.param
         if param.grad is None:
             continue
@@ -91,14 +91,23 @@ def collect_grads(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[st
             raise_bad_grad(slot, p, g)
         st = state[param]
         if not st:
-            init_state(rec)
+            st.update(layout.first_entry(rec))
         elif st.get("step") is not rec.step:
             # The user replaced the step tensor (as torch's AdamW allows): the cached Items hold
             # the old one.
             rec.step = st.get("step")
-            items.new_state()
+            layout.items.new_state()
         if count_empty and p.numel() == 0:
             state[param]["step"] += 1
         grads[slot] = g
     return grads
 
+
+def ready_event(device: torch.device) -> Any:
+    """CUDA: an event on the current stream after which the gradients read so far are final
+    (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -25,7 +25,7 @@ nothing. The moments (``exp_avg``, ``exp_avg_sq``) and ``step`` are kept, as tor
 A CPU fp32 parameter that is its own master (no master slab place, see offload.state._slabs) has
 nothing to re-seed; the optimizer re-makes its state entry (``.data`` may be new storage) and,
 if it is no longer fp32, first gives it a master seeded from the fp32 storage it had
-(``CPUOffloadAdamW._sync_edits``, ``offload.state._masters``).
+(``offload.state._masters``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from offload.state._slabs import HostSlabs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightEdits", "stamp"]
+__all__ = ["edited", "record", "reseed", "stamp"]
 
 
 def stamp(rec: ParamRecord) -> tuple[int, int, int]:
@@ -53,67 +53,47 @@ def stamp(rec: ParamRecord) -> tuple[int, int, int]:
     return p._version, shard._version, shard.data_ptr()
 
 
-class WeightEdits:
-    """Finds the parameters written by someone else since our last write (stamps on the records)."""
+def record(records: Sequence[ParamRecord], slots: Iterable[int]) -> None:
+    """The parameters of ``slots`` now agree with their masters (just written or seeded)."""
+    for slot in slots:
+        rec = records[slot]
+        rec.stamp = stamp(rec)
 
-    def __init__(self) -> None:
-        #: Slots of chunks started during backward (``overlap_backward``), stamped at launch.
-        self._launched: dict[int, tuple[int, int, int]] = {}
 
-    @staticmethod
-    def record(records: Sequence[ParamRecord], slots: Iterable[int]) -> None:
-        """The parameters of ``slots`` now agree with their masters (just written or seeded)."""
-        for slot in slots:
-            rec = records[slot]
-            rec.stamp = stamp(rec)
+def edited(records: Sequence[ParamRecord], slots: Iterable[int]) -> list[int]:
+    """The slots whose parameter was written or replaced by someone else since recorded."""
+    out = []
+    for s in slots:
+        seen = records[s].stamp
+        if seen is not None and seen != stamp(records[s]):
+            out.append(s)
+    return out
 
-    def launch(self, records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> None:
-        """A chunk starts during backward: re-seed its edited masters now, and stamp its
-        parameters so that :meth:`end_window` finds an edit made after the launch."""
-        slots = list(slots)
-        self.reseed(records, slabs, slots)
-        for slot in slots:
-            self._launched.setdefault(slot, stamp(records[slot]))
 
-    def end_window(self, records: Sequence[ParamRecord]) -> list[int]:
-        """At ``step()``: the slots of early chunks whose parameter was edited after the launch."""
-        launched, self._launched = self._launched, {}
-        return sorted(s for s, st in launched.items() if st != stamp(records[s]))
+def reseed(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> list[int]:
+    """Re-seed the masters of the edited parameters among ``slots`` (see the module doc).
 
-    @staticmethod
-    def edited(records: Sequence[ParamRecord], slots: Iterable[int]) -> list[int]:
-        """The slots whose parameter was written or replaced by someone else since recorded."""
-        out = []
-        for s in slots:
-            seen = records[s].stamp
-            if seen is not None and seen != stamp(records[s]):
-                out.append(s)
-        return out
-
-    def reseed(self, records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> list[int]:
-        """Re-seed the masters of the edited parameters among ``slots`` (see the module doc).
-
-        Returns the slots re-seeded; they are recorded as agreeing with their masters.
-        """
-        edited = self.edited(records, slots)
-        for slot in edited:
-            p = local(records[slot].param)
-            if p.numel() != slabs.slots[slot].numel:
-                raise RuntimeError(
-                    f"parameter {slot} now has shape {tuple(p.shape)}: expected "
-                    f"{tuple(slabs.slots[slot].shape)}, the shape the optimizer's host slabs were "
-                    "laid out for (was its .data replaced by a tensor of another shape?)"
-                )
-            if slabs.slots[slot].own_master:
-                continue  # the parameter is its master (a CPU fp32 parameter): nothing to follow
-            master = slabs.flat("master", slot)
-            value = p.detach().reshape(-1).to("cpu")
-            if p.dtype == torch.float32:
-                master.copy_(value)
-            else:
-                keep = master.to(p.dtype) == value
-                master.copy_(torch.where(keep, master, value.to(torch.float32)))
-            logger.debug("CPUOffloadAdamW: parameter %d was edited since the last step; "
-                         "its master follows the parameter", slot)
-        self.record(records, edited)
-        return edited
+    Returns the slots re-seeded; they are recorded as agreeing with their masters.
+    """
+    found = edited(records, slots)
+    for slot in found:
+        p = local(records[slot].param)
+        if p.numel() != slabs.slots[slot].numel:
+            raise RuntimeError(
+                f"parameter {slot} now has shape {tuple(p.shape)}: expected "
+                f"{tuple(slabs.slots[slot].shape)}, the shape the optimizer's host slabs were "
+                "laid out for (was its .data replaced by a tensor of another shape?)"
+            )
+        if slabs.slots[slot].own_master:
+            continue  # the parameter is its master (a CPU fp32 parameter): nothing to follow
+        master = slabs.flat("master", slot)
+        value = p.detach().reshape(-1).to("cpu")
+        if p.dtype == torch.float32:
+            master.copy_(value)
+        else:
+            keep = master.to(p.dtype) == value
+            master.copy_(torch.where(keep, master, value.to(torch.float32)))
+        logger.debug("CPUOffloadAdamW: parameter %d was edited since the last step; "
+                     "its master follows the parameter", slot)
+    record(records, found)
+    return found

@@ -18,14 +18,14 @@ A parameter that was its own master gets a master place, seeded from its fp32 va
   its parameter is stale and the parameter wins (one warning); where an fp32 parameter now equals
   the master (the model was loaded after the optimizer), the parameter is its master again.
 
-Every change of places lays the slabs out again (the optimizer's ``_relayout``, which calls
-:func:`copy_state` to carry moments and masters into the new slabs).
+Every change of places lays the slabs out again (``HostLayout.relaid`` carries moments and
+masters into the new slabs).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "cast_seeds",
-    "copy_state",
     "drop_equal_masters",
     "give_masters",
     "init_state",
@@ -47,10 +46,6 @@ __all__ = [
     "own_master_flags",
     "state_entry",
 ]
-
-Relayout = Callable[[Mapping[int, Tensor]], None]
-"""Lays the slabs out again; its argument: the seeds of slots that get a master place."""
-
 
 def own_master_flags(param_groups: Sequence[dict[str, Any]], records: Sequence[ParamRecord], *,
                      device_type: str, overlap_backward: bool) -> list[list[bool]]:
@@ -90,32 +85,14 @@ def init_state(slabs: HostSlabs, rec: ParamRecord) -> None:
     slabs.used[slot] = 1
 
 
-def copy_state(old: HostSlabs, new: HostSlabs, records: Sequence[ParamRecord],
-               state: Mapping[Tensor, dict[str, Any]], seeds: Mapping[int, Tensor]) -> list[int]:
-    """Moments and masters of the slots of ``old`` that have state, into ``new``; a slot that was
-    its own master and now has a master place takes ``seeds[slot]``. Returns those slots."""
-    moved = []
-    for slot in range(len(old.slots)):
-        if not state.get(records[slot].param):
-            continue
-        for kind in ("exp_avg", "exp_avg_sq"):
-            new.flat(kind, slot).copy_(old.flat(kind, slot))
-        if not new.slots[slot].own_master:
-            # A slot only loses its own master through give_masters, which passes its seed.
-            master = seeds[slot] if old.slots[slot].own_master else old.flat("master", slot)
-            new.flat("master", slot).copy_(master.detach().reshape(-1))
-        moved.append(slot)
-    return moved
-
-
-def give_masters(records: Sequence[ParamRecord], seeds: Mapping[int, Tensor], relayout: Relayout) -> None:
+def give_masters(records: Sequence[ParamRecord], seeds: Mapping[int, Tensor]) -> None:
     """Slots that were their own master get a master slab place, seeded from ``seeds`` (fp32,
-    flat or shaped), and keep it; the slabs are laid out again (a copy of the moments)."""
+    flat or shaped), and keep it: the caller lays the slabs out again with these seeds
+    (``HostLayout.relaid``)."""
     logger.info("CPUOffloadAdamW: %d parameter(s) get an fp32 master of their own (a dtype "
                 "change or a loaded master that differs from the parameter)", len(seeds))
     for slot in seeds:
         records[slot].real_master = True
-    relayout(seeds)
 
 
 def cast_seeds(records: Sequence[ParamRecord], slabs: HostSlabs, state: Mapping[Tensor, dict[str, Any]],
@@ -159,8 +136,7 @@ def _agrees(master: Tensor, param: Tensor) -> bool:
         torch.equal(master.to(low).to(torch.float32), param) for low in (torch.bfloat16, torch.float16))
 
 
-def drop_equal_masters(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int],
-                       relayout: Relayout) -> None:
+def drop_equal_masters(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> bool:
     """At the first step after ``load_state_dict``, the slots it loaded a ``master_param`` into
     (the model may have been loaded after the optimizer, so not earlier):
 
@@ -169,7 +145,9 @@ def drop_equal_masters(records: Sequence[ParamRecord], slabs: HostSlabs, slots: 
       ``master_param`` along unchanged) is stale: the parameter wins (the master is re-seeded
       from it), with one warning naming how many;
     * an fp32 parameter that now equals its master (or won over it) is its own master again,
-      as before the load (the slabs are laid out again).
+      as before the load.
+
+    Returns whether some parameter is its own master again: the caller lays the slabs out again.
     """
     stale, own = 0, []
     for s in slots:
@@ -187,7 +165,6 @@ def drop_equal_masters(records: Sequence[ParamRecord], slabs: HostSlabs, slots: 
         logger.warning("CPUOffloadAdamW: the loaded master_param of %d parameter(s) no longer rounds to "
                        "the parameter (trained or edited since that checkpoint, e.g. by another "
                        "optimizer): the parameter wins", stale)
-    if own:
-        for s in own:
-            records[s].real_master = False
-        relayout({})
+    for s in own:
+        records[s].real_master = False
+    return bool(own)

@@ -38,7 +38,7 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,32 +46,12 @@ from torch import Tensor
 from offload.state._groups import check_param_group
 from offload.state._dtensor import local, local_part_of
 from offload.kernels._adamw import new_step_tensor
-from offload.state._params import ParamRecord, ParamRegistry
+from offload.state._params import ParamRecord
 from offload.state._slabs import HostSlabs
-
-if TYPE_CHECKING:
-    from offload.state._edits import WeightEdits
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BoundParams", "RebindHost", "Source", "check_rebound", "copy_sources", "local_part",
-           "plan_sources", "relayout_rebound"]
-
-
-class RebindHost(Protocol):
-    """What :func:`relayout_rebound` reads and replaces of ``CPUOffloadAdamW``."""
-
-    state: Any
-    _registry: ParamRegistry
-    _slabs: HostSlabs
-    _bound: BoundParams
-    _recheck_masters: set[int]
-    _edits: WeightEdits
-    _overlap: object | None
-
-    def _own_masters(self, overlap_backward: bool) -> list[list[bool]]: ...
-
-    def _state_entry(self, slot: int, step: Tensor) -> dict[str, Tensor]: ...
+__all__ = ["BoundParams", "Source", "check_rebound", "copy_sources", "local_part", "plan_sources"]
 
 
 class BoundParams:
@@ -168,9 +148,12 @@ def local_part(t: Tensor, rec: ParamRecord, what: str) -> Tensor | None:
 
 
 def copy_sources(old: HostSlabs, new: HostSlabs, records: Sequence[ParamRecord],
-                 sources: Mapping[int, Source], state: Mapping[Tensor, dict[str, Any]]) -> dict[int, Tensor]:
+                 sources: Mapping[int, Source], state: Mapping[Tensor, dict[str, Any]],
+                 seeds: Mapping[int, Tensor]) -> dict[int, Tensor]:
     """Moments and masters into ``new`` from their sources; returns the step tensor of every
-    slot that has state now (a migration that does not fit the new layout starts fresh)."""
+    slot that has state now (a migration that does not fit the new layout starts fresh). A slot
+    that was its own master and has a master place in ``new`` takes ``seeds[slot]`` where given
+    (its fp32 value before a dtype change, a loaded master), else the parameter."""
     steps: dict[int, Tensor] = {}
     for slot, src in sources.items():
         rec = records[slot]
@@ -180,9 +163,11 @@ def copy_sources(old: HostSlabs, new: HostSlabs, records: Sequence[ParamRecord],
             for kind in ("exp_avg", "exp_avg_sq"):
                 new.flat(kind, slot).copy_(old.flat(kind, src.old_slot))
             if not new.slots[slot].own_master:
-                master = (rec.local().detach().reshape(-1) if old.slots[src.old_slot].own_master
-                          else old.flat("master", src.old_slot))
-                new.flat("master", slot).copy_(master)
+                if not old.slots[src.old_slot].own_master:
+                    master = old.flat("master", src.old_slot)
+                else:
+                    master = seeds[slot] if slot in seeds else rec.local()
+                new.flat("master", slot).copy_(master.detach().reshape(-1))
             steps[slot] = state[rec.param]["step"]
             continue
         assert src.entry is not None
@@ -212,26 +197,3 @@ def _followed_master(master: Tensor | None, param: Tensor) -> Tensor:
         return value.to(torch.float32)
     master = master.to(torch.float32)
     return torch.where(master.to(param.dtype) == value, master, value.to(torch.float32))
-
-
-def relayout_rebound(opt: RebindHost, groups: list[dict[str, Any]]) -> None:
-    """``CPUOffloadAdamW``'s new registry, slabs and state entries for re-bound ``groups`` (its
-    ``_follow_groups``; the caller lays out chunks and worker next): every new parameter takes
-    the state :func:`plan_sources` maps it to."""
-    old, old_registry = opt._slabs, opt._registry
-    recheck = {id(old_registry[s]) for s in opt._recheck_masters}  # records, by identity
-    opt._registry = ParamRegistry(groups, old_registry, by_identity=True)
-    records = opt._registry.records
-    sources = plan_sources(opt._bound, groups, old_registry.records, records, opt.state)
-    opt._slabs = HostSlabs([[local(p).shape for p in g["params"]] for g in groups],
-                            opt._own_masters(opt._overlap is not None))
-    steps = copy_sources(old, opt._slabs, records, sources, opt.state)
-    entries = {records[s].param: {**opt.state[records[s].param], **opt._state_entry(s, st)}
-               for s, st in steps.items()}
-    opt.state.clear()
-    opt.state.update(entries)
-    moved = [s for s in steps if sources[s].old_slot is None]
-    opt._edits.record(records, moved)  # their masters were just seeded from them
-    opt._recheck_masters = {rec.slot for rec in records if id(rec) in recheck}
-    logger.info("CPUOffloadAdamW: param_groups re-bound: %d params, %d with state (%d migrated)",
-                len(records), len(steps), len(moved))

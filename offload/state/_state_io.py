@@ -28,7 +28,7 @@ their parameter lacks get a master place first (``offload.state._masters``).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -41,6 +41,7 @@ from offload.state._dtensor import as_dtensor, is_dtensor, local
 from offload.kernels._adamw import new_step_tensor
 from offload.state._masters import load_master
 from offload.state._params import ParamRecord, ParamRegistry
+from offload.state._layout import HostLayout
 from offload.state._slabs import HostSlabs
 
 __all__ = ["LoadedState", "as_dtensor_state", "check_loaded", "load_state", "merged_groups", "standalone",
@@ -145,10 +146,10 @@ def check_loaded(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], d
     return saved_groups, entries
 
 
-def load_state(entries: LoadedState, records: Sequence[ParamRecord], slabs: HostSlabs,
-               state_entry: Callable[[int, Tensor], dict[str, Tensor]]) -> defaultdict[Tensor, dict[str, Any]]:
-    """Copy the loaded masters, moments and steps into ``slabs``; the new ``optimizer.state``
-    (``state_entry(slot, step)`` makes each entry)."""
+def load_state(entries: LoadedState, layout: HostLayout) -> defaultdict[Tensor, dict[str, Any]]:
+    """Copy the loaded masters, moments and steps into the layout's slabs; returns the new
+    ``optimizer.state``."""
+    records, slabs = layout.records, layout.slabs
     new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     with torch.no_grad():
         for slot, value in entries:
@@ -162,7 +163,7 @@ def load_state(entries: LoadedState, records: Sequence[ParamRecord], slabs: Host
                 if isinstance(step, Tensor)
                 else new_step_tensor(float(step))
             )
-            new_state[rec.param] = state_entry(slot, step)
+            new_state[rec.param] = layout.entry(slot, step)
     return new_state
 
 

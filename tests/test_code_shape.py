@@ -1,9 +1,12 @@
-"""The codebase's shape, checked: modules a reader can hold, no import cycles, no patched internals.
+"""The code's shape, checked: modules a reader can hold, no import cycles, no patched internals.
 
 * every module of ``offload/``, ``autotune/`` and ``bench/`` has at most :data:`MAX_LINES` lines;
 * no import cycle between modules, counting imports inside functions and under ``TYPE_CHECKING``
   (a package's ``__init__`` counts as a module; the implicit import of a parent package does not);
 * ``autotune`` imports neither ``offload`` nor ``bench``; ``offload`` never imports ``bench``;
+* ``offload``'s top-level import graph (a subpackage is one node) has at most :data:`MAX_NODES`
+  nodes, :data:`MAX_LAYERS` layers and :data:`MAX_EDGES` edges, and each part imports only the
+  parts under it (:data:`PARTS`);
 * no test or bench module patches a private name of ``offload`` or ``autotune``. A patch is a
   ``setattr``/``delattr`` (builtin, ``monkeypatch.``, ``object.__setattr__``), ``mock.patch``
   (a dotted string, also as ``target=``), ``patch.object``, ``patch.multiple``, ``patch.dict``,
@@ -153,6 +156,80 @@ def test_offload_uses_only_the_public_autotune() -> None:
     bad = sorted((m, t) for m, targets in graph.items() if m.split(".")[0] == "offload"
                  for t in targets if t.split(".")[0] == "autotune" and _private_path(t))
     assert not bad, f"offload imports private autotune modules: {bad}"
+
+
+#: ``offload``'s parts (its subpackages) and the leaf records every part may use, with what each
+#: may import of the rest of ``offload`` (docs/architecture.md draws the same picture).
+LEAVES = {"_settings": set(), "_stats": {"_settings"}}
+PARTS: dict[str, set[str]] = {
+    "kernels": set(),
+    "threads": set(),
+    "state": {"kernels", "threads"},
+    "pipeline": {"state", "kernels", "threads"},
+    "overlap": {"state", "pipeline", "kernels"},
+    "tuning": {"state", "threads", "kernels"},
+}
+#: Limits on the top-level import graph of ``offload`` (a subpackage is one node).
+MAX_NODES, MAX_LAYERS, MAX_EDGES = 14, 8, 50
+
+
+def _node(module: str) -> str:
+    """``offload.state._slabs`` -> ``state``; ``offload._optimizer`` -> ``_optimizer``; the package's
+    own ``__init__`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _top_graph() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, targets in _graph().items():
+        if m.split(".")[0] != "offload":
+            continue
+        src = _node(m)
+        out.setdefault(src, set()).update(_node(t) for t in targets if t.split(".")[0] == "offload")
+        out[src].discard(src)
+    return out
+
+
+def _layers(graph: dict[str, set[str]]) -> int:
+    """The longest import chain, counted in nodes (the graph has no cycle)."""
+    depth: dict[str, int] = {}
+
+    def d(v: str) -> int:
+        if v not in depth:
+            depth[v] = 0
+            depth[v] = 1 + max((d(w) for w in graph.get(v, ())), default=0)
+        return depth[v]
+
+    return max(d(v) for v in graph)
+
+
+def test_offload_top_level_graph_is_small_and_layered() -> None:
+    graph = _top_graph()
+    assert not _cycles(graph), f"import cycles between offload's parts: {_cycles(graph)}"
+    edges = sum(len(t) for t in graph.values())
+    assert len(graph) <= MAX_NODES, f"{len(graph)} top-level nodes in offload (at most {MAX_NODES}): {sorted(graph)}"
+    assert _layers(graph) <= MAX_LAYERS, f"{_layers(graph)} layers (at most {MAX_LAYERS})"
+    assert edges <= MAX_EDGES, f"{edges} import edges between offload's top-level nodes (at most {MAX_EDGES})"
+
+
+def test_offload_parts_import_only_what_they_stand_on() -> None:
+    """kernels and threads import nothing else of offload; state stands on them; the pipeline on
+    state (never on overlap); no part imports the root's modules but the leaf records."""
+    graph = _top_graph()
+    assert set(PARTS) <= set(graph), f"missing parts: {set(PARTS) - set(graph)}"
+    bad = {part: sorted(graph[part] - allowed - set(LEAVES)) for part, allowed in PARTS.items()
+           if graph[part] - allowed - set(LEAVES)}
+    bad.update({leaf: sorted(graph.get(leaf, set()) - allowed) for leaf, allowed in LEAVES.items()
+                if graph.get(leaf, set()) - allowed})
+    assert not bad, f"imports a part must not make (part -> forbidden targets): {bad}"
+
+
+def test_the_part_rules_catch_what_they_claim() -> None:
+    """The graph helpers see a cycle and count layers as chains of nodes."""
+    assert _layers({"a": {"b"}, "b": {"c"}, "c": set()}) == 3
+    assert _node("offload.state._slabs") == "state" and _node("offload._optimizer") == "_optimizer"
+    assert _node("offload") == "__init__"
 
 
 def _exported(package: str) -> set[str]:
