@@ -57,6 +57,7 @@ from offload.kernels._fused_mp import (
     check_hyper,
     check_lists,
     check_step,
+    NativeScalars,
     bitwise_matches_torch,
     fused_mp_available,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "fused_adamw_",
     "mixed_precision_adamw_",
     "native_adamw_f32_",
+    "native_scalars",
     "new_step_tensor",
     "torch_mp_adamw_",
 ]
@@ -258,24 +260,17 @@ def fused_adamw_(
     )
 
 
-def _hyper_args(hyper: Hyper) -> dict[str, float | None]:
-    lr = hyper.lr
-    return {
-        "lr": float(lr.item()) if isinstance(lr, Tensor) else float(lr),
-        "beta1": hyper.beta1,
-        "beta2": hyper.beta2,
-        "eps": hyper.eps,
-        "weight_decay": hyper.weight_decay,
-    }
-
-
-def _native_args(hyper: Hyper, steps_to_increment: Sequence[Tensor]) -> dict[str, float | None] | None:
-    """The native kernels' scalar arguments; None where ``found_inf`` skips the step (done here)."""
+def native_scalars(hyper: Hyper, steps_to_increment: Sequence[Tensor]) -> NativeScalars | None:
+    """The native kernels' scalar arguments of ``hyper``; None where ``found_inf`` skips the step
+    (done here)."""
     scale, coef, skip = check_grad_transform(hyper)
     if skip:
         _skip_step(steps_to_increment, hyper.found_inf)  # type: ignore[arg-type]
         return None
-    return {**_hyper_args(hyper), "grad_scale": scale, "grad_coef": coef}
+    lr = hyper.lr
+    return NativeScalars(lr=float(lr.item()) if isinstance(lr, Tensor) else float(lr), beta1=hyper.beta1,
+                         beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+                         grad_scale=scale, grad_coef=coef)
 
 
 def native_adamw_f32_(
@@ -297,13 +292,12 @@ def native_adamw_f32_(
     whose extension runs (None: the process's). Raises ``FusedMPUnavailable`` when the kernel could
     not be built.
     """
-    args = _native_args(hyper, steps_to_increment)
-    if args is None:
+    scalars = native_scalars(hyper, steps_to_increment)
+    if scalars is None:
         return
     call_f32_unchecked(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
-        outs=list(outs), steps_to_increment=list(steps_to_increment), **args,  # type: ignore[arg-type]
-        loader=loader,
+        outs=list(outs), steps_to_increment=list(steps_to_increment), scalars=scalars, loader=loader,
     )
 
 
@@ -328,16 +322,14 @@ def mixed_precision_adamw_(
     process's). Raises ``FusedMPUnavailable`` when the kernel could not be built (the optimizer
     checks first and keeps the torch path then).
     """
-    hyper_args = _native_args(hyper, steps_to_increment)
-    if hyper_args is None:
+    scalars = native_scalars(hyper, steps_to_increment)
+    if scalars is None:
         return
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
     if len(dtypes) <= 1:  # the usual case: one call
         call_steps_unchecked(
             list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
-            list(state_steps), steps_to_increment=list(steps_to_increment),
-            **hyper_args,  # type: ignore[arg-type]
-            loader=loader,
+            list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars, loader=loader,
         )
         return
     # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
@@ -348,9 +340,7 @@ def mixed_precision_adamw_(
         call_steps_unchecked(
             *([lst[i] for i in idx] for lst in (params_lowp, grads_lowp, masters, exp_avgs,
                                                 exp_avg_sqs, state_steps)),
-            steps_to_increment=[],
-            **hyper_args,  # type: ignore[arg-type]
-            loader=loader,
+            steps_to_increment=[], scalars=scalars, loader=loader,
         )
 
 

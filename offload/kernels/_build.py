@@ -1,11 +1,11 @@
-"""Build and load of the fused-mp extension (``offload/kernels/csrc/fused_mp_adamw.cpp``).
+"""Build and load of the fused-mp extension (its source: ``csrc/fused_mp_adamw.cpp`` of this package).
 
 The C++ source is compiled on first use with torch's extension tooling
 (``torch.utils.cpp_extension.load``, which needs a C++ compiler and ``ninja``) into
 ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set (torch's own convention for extension builds),
 else ``$XDG_CACHE_HOME/offload-autotune/ext/<name>`` (``autotune.knobs.extensions_dir``; never
 beside the tuning cache, whose path may be ``/dev/null`` or a bare ``c.json``), and ``<name>``
-hashes the source, the torch and Python versions, the compiler's ``--version`` and the flags, so
+hashes the source and its path, the torch and Python versions, the compiler's ``--version`` and the flags, so
 a cached build is reused only where it was made for exactly this combination. The flags are those torch compiles its own kernels with
 for the CPU capability torch dispatches to at runtime (``torch.backends.cpu.get_cpu_capability()``:
 AVX512, AVX2 or DEFAULT), never ``-march=native``: that would tie a cache shared over NFS to one CPU
@@ -122,6 +122,9 @@ def build_spec(source: Path = SOURCE, cache_root: Path | None = None) -> BuildSp
     key = hashlib.sha256()
     for part in (
         source.read_bytes(),
+        # torch's build.ninja names the source by its path: two checkouts sharing one directory
+        # would rebuild each other's build (about 25 s) on every first use.
+        str(source.resolve()).encode(),
         torch.__version__.encode(),
         str(torch.compiled_with_cxx11_abi()).encode(),
         sys.version.encode(),

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "STEP_RTOL",
     "FusedMPUnavailable",
     "bitwise_matches_torch",
+    "NativeScalars",
     "call_f32_unchecked",
     "call_steps_unchecked",
     "check_hyper",
@@ -107,6 +109,22 @@ def bitwise_matches_torch() -> bool:
     """True where this torch build and CPU capability are in :data:`BITWISE_VERIFIED`."""
     major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     return (major_minor, torch.backends.cpu.get_cpu_capability()) in BITWISE_VERIFIED
+
+
+@dataclass(frozen=True, slots=True)
+class NativeScalars:
+    """The scalar arguments of one native kernel call: a param group's ``Hyper`` as the floats the
+    kernel reads (``offload.kernels._adamw.native_scalars`` makes it once per job)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_scale: float | None = None
+    """Each gradient element is used as ``g / grad_scale`` (None: not applied)."""
+    grad_coef: float | None = None
+    """Then ``* grad_coef`` rounded to the gradient's dtype (None: not applied)."""
 
 
 def check_lists(**lists: Sequence[Tensor]) -> None:
@@ -229,12 +247,13 @@ def fused_mp_adamw_steps_(
         exp_avg_sqs=exp_avg_sqs, state_steps=state_steps, steps_to_increment=steps_to_increment,
     )
     check_hyper(lr, beta1, beta2, eps, weight_decay)
+    scalars = NativeScalars(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                            weight_decay=float(weight_decay),
+                            grad_scale=None if grad_scale is None else float(grad_scale),
+                            grad_coef=None if grad_coef is None else float(grad_coef))
     call_steps_unchecked(
         list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
-        list(state_steps), steps_to_increment=list(steps_to_increment), lr=float(lr),
-        beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
-        grad_scale=None if grad_scale is None else float(grad_scale),
-        grad_coef=None if grad_coef is None else float(grad_coef), loader=loader,
+        list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars, loader=loader,
     )
 
 
@@ -247,13 +266,7 @@ def call_steps_unchecked(
     state_steps: list[Tensor],
     *,
     steps_to_increment: list[Tensor],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_scale: float | None = None,
-    grad_coef: float | None = None,
+    scalars: NativeScalars,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_mp_adamw_steps_` without its Python-side checks, for the offload pipeline.
@@ -266,8 +279,9 @@ def call_steps_unchecked(
     module = _module(loader)
     module.fused_mp_adamw_steps_(
         params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps,
-        steps_to_increment=steps_to_increment, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, grad_coef=grad_coef,
+        steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
+        eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
+        grad_coef=scalars.grad_coef,
     )
 
 
@@ -280,23 +294,17 @@ def call_f32_unchecked(
     *,
     outs: list[Tensor],
     steps_to_increment: list[Tensor],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_scale: float | None = None,
-    grad_coef: float | None = None,
+    scalars: NativeScalars,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """The fp32 entry point (each parameter its own master, fp32 gradients; ``outs`` empty or a
     copy target per parameter), with the step bookkeeping of :func:`fused_mp_adamw_steps_`.
     Bitwise equal to ``torch._fused_adamw_`` on the builds of :data:`BITWISE_VERIFIED` (the
-    same lane arithmetic as the mixed-precision master update). Checks as :func:`call_steps_unchecked`;
-    ``grad_scale``, ``grad_coef`` as in :func:`fused_mp_adamw_steps_`."""
+    same lane arithmetic as the mixed-precision master update). Checks as :func:`call_steps_unchecked`."""
     module = _module(loader)
     module.adamw_f32_steps_(
         params, grads, exp_avgs, exp_avg_sqs, state_steps, outs=outs,
-        steps_to_increment=steps_to_increment, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, grad_coef=grad_coef,
+        steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
+        eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
+        grad_coef=scalars.grad_coef,
     )
