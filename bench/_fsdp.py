@@ -29,7 +29,7 @@ def shard_model(model: nn.Module, *, param_dtype: torch.dtype | None = None,
     keep theirs. ``cpu_offload`` sets FSDP's ``CPUOffloadPolicy()`` (sharded parameters and
     gradients live on the CPU; pinned only where CUDA is available). ``mesh``: the data-parallel
     ``DeviceMesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP; default: all ranks,
-    ``bench/_parallel.py`` makes the others). Needs an initialised default process group. Returns ``model``.
+    :mod:`bench._parallel` makes the others). Needs an initialised default process group. Returns ``model``.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 

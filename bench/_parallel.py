@@ -3,10 +3,10 @@
 The ranks form one ``DeviceMesh`` of shape ``(R, world / (R * N), N)`` named ``("replicate",
 "shard", "tp")`` (rank-major: the N ranks of a TP group are neighbours, so on one node they share
 the fast links, as torchtitan lays them out). Tensor parallel is the Megatron plan for the
-reference GPT (``bench/model.py``): per block ``qkv`` and ``fc`` column-parallel
+reference GPT (:mod:`bench.model`): per block ``qkv`` and ``fc`` column-parallel
 (``ColwiseParallel``: weight ``Shard(0)``), ``proj`` and ``out`` row-parallel (``RowwiseParallel``:
 weight ``Shard(1)``, output all-reduced), on the ``tp`` dimension; then ``fully_shard``
-(``bench/_fsdp.py``) on the data dimensions: ``shard`` (FSDP) or ``(replicate, shard)`` (HSDP,
+(:mod:`bench._fsdp`) on the data dimensions: ``shard`` (FSDP) or ``(replicate, shard)`` (HSDP,
 gradients reduce-scattered within a replica group and all-reduced across them). The optimizer
 sees DTensors such as ``(Replicate(), Shard(0), Shard(1))`` or ``(_StridedShard(0, sf=N), Shard(0))``,
 all of which ``offload.CPUOffloadAdamW`` steps on their local tensors.

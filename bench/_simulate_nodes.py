@@ -1,7 +1,8 @@
 """The simulated nodes of ``python -m bench.simulate``: hardware, each local rank's mask, workload.
 
-The first three are the issue's (two sockets of 60 cores with NUMA-bound or shared masks, one
-16-core socket); the others widen the picture (exclusive masks, overlap with backward, 2 ranks).
+The first three, :data:`REQUIRED_NODES` (two sockets of 60 cores with NUMA-bound or shared masks,
+one 16-core socket), are the nodes the regret targets are judged on and ``--quick`` runs; the
+others widen the picture (exclusive masks, overlap with backward, 2 ranks).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _one_socket(ranks: int = 1) -> Node:
                 description=f"1 socket x 16 cores x SMT2 (32 CPUs, 110 GB/s); {who}; {1e9 / ranks:.0e} params per rank")
 
 
-#: Node name -> builder. The first three are the issue's; the others widen the picture.
+#: Node name -> builder. The first three are :data:`REQUIRED_NODES`; the others widen the picture.
 NODES: dict[str, Callable[[], Node]] = {
     "2s60c-smt2-8r-numa": lambda: _two_socket("numa"),
     "2s60c-smt2-8r-shared": lambda: _two_socket("shared"),
@@ -56,6 +57,7 @@ NODES: dict[str, Callable[[], Node]] = {
     "2s60c-smt2-8r-numa-overlap": lambda: _two_socket("numa", overlap=True),
     "1s16c-smt2-2r": lambda: _one_socket(2),
 }
+#: The nodes the regret targets are judged on (and the only ones --quick and the what-if variants run).
 REQUIRED_NODES = ("2s60c-smt2-8r-numa", "2s60c-smt2-8r-shared", "1s16c-smt2-1r")
 
 

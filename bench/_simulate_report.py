@@ -57,7 +57,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     over = [n for n in result["nodes"] if n["static_rule"]["oversubscribed"]]
     lines += [
         "",
-        f"The old static rule `min(len(mask), cpu_count // local ranks)` oversubscribes on {len(over)} of "
+        f"The static rule `min(len(mask), cpu_count // local ranks)` oversubscribes on {len(over)} of "
         f"{len(result['nodes'])} node types (it is deterministic per node: the same every seed).",
         "",
     ]
@@ -75,7 +75,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"chunk_numel={n['baseline']['chunk_numel']}` ({n['baseline_true_s']:.4f} s, "
             f"regret {_pct(n['baseline_regret'])})",
             f"- true best `{n['best']['candidate']}`: {n['best']['true_s']:.4f} s",
-            f"- old static rule: threads {sorted(set(sr['threads']))} per rank, chunk {n['baseline']['chunk_numel']}: "
+            f"- static rule: threads {sorted(set(sr['threads']))} per rank, chunk {n['baseline']['chunk_numel']}: "
             f"{sr['true_s']:.4f} s = {sr['vs_best']:.3f}x the true best; "
             f"{'oversubscribes' if sr['oversubscribed'] else 'does not oversubscribe'} ({sr['detail']})",
             f"- regret: median {_pct(n['regret']['median'])}, p95 {_pct(n['regret']['p95'])}, max "
@@ -85,8 +85,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             "measured per session)",
             f"- probing cost: {n['probe_overhead_steps_median']:.1f} step-equivalents over running the true best for "
             f"{n['probe_steps']['median']:g} steps (slow candidates probed); the tuner's winner is "
-            f"{n['tuner_vs_static_median']:.2f}x faster than the old static rule (median)",
-            f"- winners (seeds): " + ", ".join(f"`{k}` {v}" for k, v in n["winners"].items()),
+            f"{n['tuner_vs_static_median']:.2f}x faster than the static rule (median)",
+            "- winners (seeds): " + ", ".join(f"`{k}` {v}" for k, v in n["winners"].items()),
             "",
             "| candidate | true s | vs best |",
             "|---|---:|---:|",

@@ -11,7 +11,7 @@ with trivial arithmetic, and report GB/s from the bytes they really move:
     p, m, v. 28 B per element. Threads take 16 Ki-element blocks from a shared counter, like the
     fused-mp kernel's threads: with a fixed 1/threads share each, one thread delayed by another
     process on a shared machine held up the whole pass, and the probe then understated the
-    bandwidth a kernel could reach (before 2026-11-30 03:45 UTC the probe used fixed shares).
+    bandwidth a kernel could reach.
     Skipped, with the reason recorded, if no C compiler works.
 ``torch_3pass``
     The cheapest torch expression of the same update, three in-place streaming ops over the

@@ -30,7 +30,8 @@ __all__ = [
     "startup_cost",
 ]
 
-#: Target of the issue: the tuner's choice within 3 % of the best swept setting.
+#: Target: the tuner's choice within 3 % of the best swept setting (about what the sweep can
+#: resolve on a shared machine).
 TARGET_REGRET = 0.03
 #: Confidence of the bootstrap intervals and resamples drawn for them.
 CI_LEVEL = 0.95

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in under 8 minutes on one GPU machine (issue 16 item 9):
+# The checks that need a GPU, in under 8 minutes on one GPU machine:
 #   1. the CUDA tests (-k cuda over tests/test_cuda_*.py and the files with a cuda marker or test),
 #   2. python -m bench.bandwidth --device cuda (50M parameters, fp32 and bf16, 2 thread counts),
 #   3. the trainer on the GPU with the offloaded optimizer: --overlap-backward --clip-grad-norm 1.0,

@@ -84,7 +84,7 @@ class _Block(nn.Module):
         self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # chunk(3) and -1 heads: under tensor parallel (bench/_parallel.py) qkv's output is this
+        # chunk(3) and -1 heads: under tensor parallel (bench._parallel) qkv's output is this
         # rank's q, k and v columns of its heads; unsharded, the same views as split(d) / n_heads
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
