@@ -7,29 +7,17 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
 
 from bench import _dist
-from bench.model import PRESETS
+from bench._args import PATH_RULE, HelpFormatter, output_dir, output_file
+from bench.model import PRESETS, preset
 
 __all__ = ["DTYPES", "build_parser", "check_args"]
 
 #: --dtype / --fsdp-param-dtype
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only where the help text does not already say it and it means something
-    (not None, not a flag's False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default is None or action.default is False \
-                or action.default is argparse.SUPPRESS:
-            return text
-        return super()._get_help_string(action) or text
 
 
 def _positive_int(text: str) -> int:
@@ -86,7 +74,7 @@ def _clip_norm(text: str) -> float:
 def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.train", description=description,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model parameter dtype")
@@ -123,24 +111,25 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="fp16 autocast of forward and torch.amp.GradScaler (scaled backward, scaler.step; "
                         "scaler.unscale_ before --clip-grad-norm)")
     p.add_argument("--fsdp", action="store_true",
-                   help="FSDP2: fully_shard each block and the root (see bench/_fsdp.py)")
+                   help="FSDP2: fully_shard each block and the root (see bench._fsdp)")
     p.add_argument("--fsdp-cpu-offload", action="store_true",
                    help="with --fsdp: FSDP2's CPUOffloadPolicy and stock torch.optim.AdamW(fused=True) stepping "
                         "on the CPU shards; --autotune / --threads set that step's threads (offload.tune_step_threads)")
     p.add_argument("--fsdp-param-dtype", choices=sorted(DTYPES), default=None,
                    help="with --fsdp: MixedPrecisionPolicy(param_dtype=...) for forward/backward")
-    p.add_argument("--tp", type=_positive_int, default=1, help="with --fsdp: tensor parallel over N ranks (bench/_parallel.py)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="with --fsdp: tensor parallel over N ranks (bench._parallel)")
     p.add_argument("--hsdp", type=_positive_int, default=1, help="with --fsdp: HSDP, R replica groups of FSDP shards")
-    p.add_argument("--cache", type=Path, default=None,
+    p.add_argument("--cache", type=output_file, default=None,
                    help="tuning cache file (default: $OFFLOAD_AUTOTUNE_CACHE, else "
                         "$XDG_CACHE_HOME/offload-autotune/cache.json, XDG_CACHE_HOME defaulting "
-                        "to ~/.cache)")
-    p.add_argument("--trace-dir", type=Path, default=None,
+                        "to ~/.cache); its folder: as for --trace-dir")
+    p.add_argument("--trace-dir", type=output_dir, default=None,
                    help="folder of run traces: each run writes a new DIR/run-N (DIR/latest links "
-                        "to it) with the tuner's trace, train_steps.jsonl and run.json")
+                        f"to it) with the tuner's trace, train_steps.jsonl and run.json ({PATH_RULE})")
     p.add_argument("--compute-threads", type=_thread_count, default=None,
                    help="intra-op threads for forward/backward (default: the rank's thread plan)")
-    p.add_argument("--summary-json", type=Path, default=None, help="write the run summary here")
+    p.add_argument("--summary-json", type=output_file, default=None,
+                   help="write the run summary here (its folder: as for --trace-dir)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging level of the trainer and the libraries (stderr)")
     p.add_argument("--dist-timeout", type=_positive_seconds, default=_dist.DEFAULT_TIMEOUT_S, metavar="SECONDS",
@@ -176,6 +165,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--cache is the tuning cache: add --autotune")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch reports no CUDA device here; use --device cpu")
+    max_seq_len = preset(args.model_size).max_seq_len
+    if args.seq_len is not None and args.seq_len > max_seq_len:
+        p.error(f"--seq-len {args.seq_len}: the {args.model_size} model's max_seq_len is {max_seq_len}; "
+                f"expected 1 to {max_seq_len}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         p.error(f"--warmup-steps {args.warmup_steps}: expected an integer >= 0")
     if not (math.isfinite(args.lr) and args.lr > 0):

@@ -1,7 +1,7 @@
 """What the reference trainer reports: the per-step line, the run summary (a JSON-able dict) and
 its printed form.
 
-Kept apart from ``bench/train.py`` (argument handling, model, loop) so that the loop stays
+Kept apart from :mod:`bench.train` (argument handling, model, loop) so that the loop stays
 readable and under the module size limit; nothing here touches the model or the optimizer's
 state, it only reads ``opt.last_stats`` / ``opt.tuner`` and the loop's measurements.
 
@@ -23,8 +23,8 @@ import torch
 
 from bench._stats import iqr, median
 
-__all__ = ["STAGES", "SpeculationTally", "build_summary", "format_step", "opt_knobs", "plot_note",
-           "print_summary", "stats_dict", "tuner_summary"]
+__all__ = ["STAGES", "SpeculationTally", "build_summary", "format_step", "locked_setting", "opt_knobs",
+           "plot_note", "print_summary", "stats_dict", "step_legend", "tuner_summary"]
 
 #: StepStats fields summarised per step (seconds).
 STAGES = ("step_s", "d2h_s", "adam_kernel_s", "materialize_s", "drain_s")
@@ -81,27 +81,64 @@ def tuner_summary(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return summary
 
 
+def step_legend(offloaded: bool) -> str:
+    """What the step line's figures are, printed once before the first step line: two wall times
+    of the trainer's (``step_s`` and ``opt_s`` in the summary JSON) and, for the offloaded
+    optimizer, its own ``StepStats`` (``opt_stats_median``)."""
+    lines = [
+        "per step: step = wall time of the whole training step (forward, backward, gradient averaging, "
+        "clip + optimizer step, loss averaging)",
+        "  opt = the trainer's wall time of clip + opt.step() alone, with GradScaler's unscale/step/update, "
+        "the tuner's work after the step and the device sync",
+    ]
+    if offloaded:
+        lines += [
+            "  (...) = the optimizer's own StepStats: step() = StepStats.step_s, from the call of step() to its "
+            "return (no clip, no tuner)",
+            "  d2h/adam/mat/drain = its stage times summed over chunks (they overlap: their sum may exceed step())",
+        ]
+    lines.append("  threads/chunk = the setting that step ran with (a tuner's lock-in applies from the next step)")
+    return "\n".join(lines)
+
+
+def locked_setting(opt: torch.optim.Optimizer, was_locked: bool) -> tuple[dict[str, Any] | None, bool]:
+    """``(setting, locked)``: the setting the optimizer's tuner locked in during the last step
+    (what the next steps run; None if it did not lock in then) and whether it is locked now."""
+    tuner = getattr(opt, "tuner", None)
+    locked = tuner is not None and tuner.state == "locked"
+    return (dict(tuner.current) if locked and not was_locked else None), locked
+
+
+def _setting_text(setting: dict[str, Any]) -> str:
+    return " ".join(f"{'chunk' if k == 'chunk_numel' else k} {v}" for k, v in setting.items())
+
+
 def _rate_text(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate * 100:.1f}%"
 
 
 def format_step(step: int, steps: int, loss: float, step_s: float, opt_s: float,
                 stats: dict[str, float] | None, knobs: tuple[int, int | None],
-                grad_norm: float | None = None, commit: tuple[int, int] | None = None) -> str:
-    """One step's line. ``commit``: (committed, speculated) chunks of this step, shown when any
-    chunk was speculated; ``grad_norm``: the total norm the clip measured."""
+                grad_norm: float | None = None, commit: tuple[int, int] | None = None,
+                locked: dict[str, Any] | None = None) -> str:
+    """One step's line (its figures: :func:`step_legend`). ``knobs``: the (threads, chunk_numel)
+    this step ran with; ``commit``: (committed, speculated) chunks of this step, shown when any
+    chunk was speculated; ``grad_norm``: the total norm the clip measured; ``locked``: the setting
+    the tuner locked in during this step, which the next steps run (:func:`locked_setting`)."""
     line = f"step {step:>4}/{steps} | loss {loss:8.4f} | step {step_s * 1e3:9.1f} ms | opt {opt_s * 1e3:8.1f} ms"
     if stats is not None:
         line += (
             f" (d2h {stats['d2h_s'] * 1e3:.1f} adam {stats['adam_kernel_s'] * 1e3:.1f}"
             f" mat {stats['materialize_s'] * 1e3:.1f} drain {stats['drain_s'] * 1e3:.1f}"
-            f" step {stats['step_s'] * 1e3:.1f})"
+            f" step() {stats['step_s'] * 1e3:.1f})"
         )
     line += f" | threads {knobs[0]} chunk {knobs[1] if knobs[1] is not None else '-'}"
     if grad_norm is not None:
         line += f" | gnorm {grad_norm:.4g}"
     if commit is not None and commit[1]:
         line += f" | commit {commit[0]}/{commit[1]}"
+    if locked is not None:
+        line += f" | tuner locked in {_setting_text(locked)}: from the next step"
     return line
 
 
@@ -191,8 +228,8 @@ def print_summary(s: dict[str, Any]) -> None:
           f"({s.get('committed_chunks', 0)}/{s.get('speculated_chunks', 0)} chunks)", flush=True)
     med = s["opt_stats_median"]
     if med:
-        print("optimizer stage medians: " + " ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in med.items()),
-              flush=True)
+        print("StepStats medians: " + " ".join(f"{'step()' if k == 'step_s' else k[:-2]} {v * 1e3:.1f} ms"
+                                             for k, v in med.items()), flush=True)
     t = s["tuner"]
     if t["state"] == "off":
         print("tuner: off", flush=True)

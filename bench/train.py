@@ -11,16 +11,16 @@
 optimizer: the coefficient is applied inside its kernel; else ``torch.nn.utils.clip_grad_norm_``);
 ``--amp fp16`` runs forward under fp16 autocast with a ``torch.amp.GradScaler`` (unscaled before
 the clip). The summary gives the last step's total gradient norm and, with overlap, the share of
-the chunks started during backward that were committed (``bench/_train_summary.py``).
+the chunks started during backward that were committed (:mod:`bench._train_summary`).
 
 Rank 0 prints one line per step (loss, step wall time, the optimizer's stage times) and a final
 summary, and writes ``--summary-json`` once, atomically. With ``--trace-dir DIR`` every run gets
-its own ``DIR/run-N`` (``DIR/latest`` links to the newest; see ``autotune/_runs.py``) holding the
+its own ``DIR/run-N`` (``DIR/latest`` links to the newest; see :mod:`autotune._runs`) holding the
 tuner's trace, ``train_steps.jsonl`` and ``run.json`` (the summary), so a second run never
 overwrites the first. A bad ``--trace-dir`` or environment value ends the run with one line
 naming it and exit status 2. Under torchrun the ranks initialise the
 model from the same seed, draw different data, and average gradients with one all-reduce after
-backward (see ``bench/_dist.py`` for why not DDP).
+backward (see :mod:`bench._dist` for why not DDP).
 
 Threads: the main thread's intra-op threads (forward/backward) are set to this rank's
 ``plan_cpu_threads()`` share, because torchrun sets ``OMP_NUM_THREADS=1`` for every rank and the
@@ -47,8 +47,8 @@ from bench import _dist
 from bench._stats import atomic_write_json
 from bench import _train_args
 from bench._train_args import DTYPES, check_args
-from bench._train_summary import (SpeculationTally, build_summary, format_step, opt_knobs, plot_note,
-                                   print_summary, stats_dict)
+from bench._train_summary import (SpeculationTally, build_summary, format_step, locked_setting, opt_knobs,
+                                   plot_note, print_summary, stats_dict, step_legend)
 from bench.model import GPT, SyntheticTokens, count_params, preset
 
 logger = logging.getLogger("bench.train")
@@ -61,12 +61,13 @@ TRAIN_STEPS = "train_steps.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The trainer's command line (``bench/_train_args.py``)."""
+    """The trainer's command line (:mod:`bench._train_args`)."""
     return _train_args.build_parser(description=__doc__.split("\n\n")[0])
 
 
 class _SetupError(Exception):
-    """A bad --trace-dir or environment value: reported in one line, exit status 2."""
+    """A bad --trace-dir, environment value or flag for this launch (found once the ranks are
+    known): reported in one line, exit status 2, like the parser's own errors."""
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -237,8 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         if info.world_size > 1 and args.overlap_backward and not args.fsdp:
-            raise SystemExit(
-                "error: --overlap-backward with world size "
+            raise _SetupError(
+                "--overlap-backward with world size "
                 f"{info.world_size}: the optimizer would start chunk updates during backward, before "
                 "gradients are averaged across ranks; add --fsdp (FSDP2 reduce-scatters each "
                 "gradient before its hook runs) or run it single-process"
@@ -265,10 +266,7 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
     run_dir = _run_dir(args, info)
 
     cfg = preset(args.model_size)
-    seq_len = args.seq_len or min(128, cfg.max_seq_len)
-    if seq_len > cfg.max_seq_len:
-        raise SystemExit(f"error: --seq-len {seq_len} exceeds the {args.model_size} model's max_seq_len "
-                         f"{cfg.max_seq_len}")
+    seq_len = args.seq_len or min(128, cfg.max_seq_len)  # check_args refused one above max_seq_len
     torch.manual_seed(args.seed)  # same init on every rank
     model = GPT(cfg).to(device=device, dtype=DTYPES[args.dtype])
     n_params = count_params(model)
@@ -303,7 +301,10 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
     opt_times: list[float] = []
     stats_rows: list[dict[str, float]] = []
     knobs_used = opt_knobs(opt)
+    _, was_locked = locked_setting(opt, False)
     local_loss = math.nan
+    if is_main:
+        print(step_legend(offloaded=args.optim_cpu_offload), flush=True)
     try:
         for step in range(1, args.steps + 1):
             # Synthetic data is made before the clock starts: it is not what the step measures.
@@ -344,14 +345,15 @@ def _train(args: argparse.Namespace, device: torch.device, info: _dist.DistInfo,
                 skipped += scaler.get_scale() < scale
                 scale = scaler.get_scale()
             commit = speculation.add(opt)
+            locked, was_locked = locked_setting(opt, was_locked)
             losses.append(loss_value)
             step_times.append(step_s)
             opt_times.append(opt_s)
             if stats is not None:
                 stats_rows.append(stats)
             if is_main:
-                print(format_step(step, args.steps, loss_value, step_s, opt_s, stats, knobs_used, grad_norm, commit),
-                      flush=True)
+                print(format_step(step, args.steps, loss_value, step_s, opt_s, stats, knobs_used, grad_norm, commit,
+                                  locked), flush=True)
                 if step_log is not None:
                     row = {"step": step, "loss": loss_value, "step_s": step_s, "opt_s": opt_s,
                            "threads": knobs_used[0], "chunk_numel": knobs_used[1], "stats": stats,
