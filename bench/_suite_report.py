@@ -122,6 +122,8 @@ def _headline_table(s: dict[str, Any]) -> list[str]:
 
 
 def render_roofline_md(r: dict[str, Any], header: list[str], png: str = "roofline.png") -> str:
+    from bench.bandwidth import verdict_text
+
     out = ["# Roofline: memory-bandwidth probe vs. the offload kernel, per thread count", "", *header,
            f"- command: `{r['command']}` ({r['duration_s']} s)",
            f"- uptime right after the roofline: `{r.get('uptime_after_roofline')}`",
@@ -133,7 +135,7 @@ def render_roofline_md(r: dict[str, Any], header: list[str], png: str = "rooflin
         h = s["headline"]
         out += [f"## {s['model_size']} ({s['params']:,} parameters), {s['dtype']}", "",
                 f"At the probe's best thread count ({h['probe_best_threads']}): ratio **{h['ratio']:.3f}** "
-                f"(target {h['target']}: {'met' if h['meets_target'] else 'not met'}).", "",
+                f"({verdict_text(h)}).", "",
                 "| threads | probe | probe GB/s | adam_kernel GB/s | ratio | best chunk | step GB/s |",
                 "|---:|---|---:|---:|---:|---:|---:|"]
         for p in s["points"]:

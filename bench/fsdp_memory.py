@@ -32,8 +32,10 @@ from typing import Any, Sequence
 
 import torch
 
-from bench._args import OUT_DIR_HELP, resolve_out_dir
-from bench._stats import atomic_write_json, atomic_write_text, machine_info
+from bench._args import OUT_DIR_HELP, HelpFormatter, int_list, output_dir
+from bench._cli import bench_main
+from bench._stats import machine_info
+from bench.model import PRESETS
 
 __all__ = ["main", "measure_rank"]
 
@@ -82,7 +84,7 @@ def measure_rank(model_size: str, steps: int = 2) -> dict[str, Any]:
         opt.step()
     gc.collect()
     after = _rss()
-    slab_bytes = opt._slabs.nbytes
+    slab_bytes = opt._layout.slabs.nbytes
     opt.close()
     return {
         "rank": dist.get_rank(),
@@ -152,37 +154,41 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fsdp_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-size", default="small")
-    p.add_argument("--world-sizes", default="1,2,4", help="comma-separated")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default="fsdp_memory")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.fsdp_memory", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model-size", choices=sorted(PRESETS), default="small", help="GPT preset")
+    p.add_argument("--world-sizes", type=int_list, default=[1, 2, 4], help="comma-separated rank counts")
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--name", default="fsdp_memory", help="result file stem")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker_out is not None:
-        return _worker(args)
-    resolve_out_dir(args, args.name)
+    return p
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     worlds = []
-    for w in (int(x) for x in args.world_sizes.split(",")):
+    for w in args.world_sizes:
         ranks = _run_world(w, args.model_size)
         if len(ranks) != w:
             raise SystemExit(f"world size {w}: {len(ranks)} rank results, expected {w}")
         worlds.append({"world_size": w, "ranks": ranks})
         worst = max(r["rss_bytes_per_global_param"] for r in ranks)
         print(f"world size {w}: optimizer RSS per global parameter, max over ranks {worst:.2f} B", flush=True)
-    result = {
-        "command": " ".join(["python -m bench.fsdp_memory", *(argv if argv is not None else sys.argv[1:])]),
+    return {
+        "command": " ".join(["python -m bench.fsdp_memory", *argv]),
         "model_size": args.model_size,
         "global_params": worlds[0]["ranks"][0]["global_params"],
         "torch": torch.__version__,
         "machine": machine_info(),
         "worlds": worlds,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out_dir / f"{args.name}.json", result)
-    atomic_write_text(args.out_dir / f"{args.name}.md", _markdown(result))
-    print(_markdown(result))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith("--worker-out") for a in argv):  # one rank of _run_world's launch
+        return _worker(build_parser().parse_args(argv))
+    bench_main(argv, build_parser=build_parser, run=run, render_markdown=_markdown)
     return 0
 
 

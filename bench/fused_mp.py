@@ -34,16 +34,15 @@ import argparse
 import logging
 import os
 import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, int_list, resolve_out_dir, thread_list
-from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
+from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir, thread_list
+from bench._cli import bench_main
+from bench._stats import iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
 from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_adamw_, fused_mp_available
@@ -65,7 +64,7 @@ _VARIANTS = ("torch", "fused-mp", "probe")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.fused_mp", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model-size", choices=sorted(PRESETS), default="125m",
                    help="GPT preset whose parameter shapes are used")
@@ -77,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="discarded rounds before measuring")
     p.add_argument("--allow-small", action="store_true",
                    help=f"accept models under {_MIN_PARAMS:,} parameters")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="fused_mp", help="result file stem")
     p.add_argument("--note", default="", help="free text stored with the result")
     return p
@@ -317,16 +316,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    resolve_out_dir(args, args.name)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    result = run(args, argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out_dir / f"{args.name}.json", result)
-    text = render_markdown(result)
-    atomic_write_text(args.out_dir / f"{args.name}.md", text)
-    print(text)
+    bench_main(argv, build_parser=build_parser, run=run, render_markdown=render_markdown)
     return 0
 
 

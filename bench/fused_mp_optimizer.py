@@ -31,16 +31,15 @@ import logging
 import os
 import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, int_list, resolve_out_dir, thread_list
-from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
+from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir, thread_list
+from bench._cli import bench_main
+from bench._stats import iqr, machine_info, median
 from bench._stream import ProbeBuffers, c_kernel_status
 from bench.fused_mp import BYTES_PER_PARAM, TARGET_PROBE_RATIO, TARGET_SPEEDUP
 from bench.model import GPT, PRESETS, preset
@@ -56,20 +55,22 @@ _VARIANTS = ("torch", "fused-mp", "probe")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.fused_mp_optimizer",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model-size", choices=sorted(PRESETS), default="125m")
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model-size", choices=sorted(PRESETS), default="125m",
+                   help="GPT preset whose bf16 parameters are stepped")
     p.add_argument("--threads", type=thread_list, default=None, help="thread counts (default 1..cpus)")
     p.add_argument("--chunk-numel", type=int, default=4 << 20, help="pipeline chunk size")
     p.add_argument("--rounds", type=int, default=9, help="measured interleaved rounds")
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds before measuring")
     p.add_argument("--steps", type=int, default=2, help="measured steps per optimizer visit")
     p.add_argument("--allow-small", action="store_true", help=f"accept models under {_MIN_PARAMS:,} params")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="fused_mp_optimizer", help="result file stem")
     p.add_argument("--note", default="", help="free text stored with the result")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model (implies --allow-small), 2 rounds, 1 step per visit")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging level (stderr)")
     return p
 
 
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     from offload import CPUOffloadAdamW, OffloadSettings
     from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_available
 
+    started = time.time()
     ok, reason = fused_mp_available()
     if not ok:
         raise SystemExit(f"fused-mp kernel unavailable: {reason}")
@@ -181,7 +183,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                     "speedup_met": speedup >= TARGET_SPEEDUP,
                     "probe_ratio_met": probe_ratio >= TARGET_PROBE_RATIO},
         "uptime_before": uptime_before, "uptime_after": uptime_after,
-        "note": args.note, "machine": machine_info(),
+        "note": args.note, "machine": machine_info(), "duration_s": round(time.time() - started, 1),
     }
 
 
@@ -240,24 +242,16 @@ def render_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.quick:
         args.model_size, args.allow_small, args.rounds, args.steps = "tiny", True, 2, 1
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
-        build_parser().error(f"--rounds {args.rounds} / --steps {args.steps} / --warmup {args.warmup}: "
-                             "expected >= 1 / >= 1 / >= 0")
-    resolve_out_dir(args, args.name)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
-    started = time.time()
-    result = run(args, argv)
-    result["duration_s"] = round(time.time() - started, 1)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = atomic_write_json(args.out_dir / f"{args.name}.json", result)
-    md_path = atomic_write_text(args.out_dir / f"{args.name}.md", render_markdown(result))
-    print(render_markdown(result), flush=True)
-    print(f"wrote {json_path} and {md_path}", flush=True)
+        p.error(f"--rounds {args.rounds} / --steps {args.steps} / --warmup {args.warmup}: "
+                "expected >= 1 / >= 1 / >= 0")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
     return 0
 
 

@@ -24,16 +24,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, resolve_out_dir
-from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
+from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
+from bench._cli import bench_main
+from bench._stats import iqr, machine_info, median
 from offload.kernels._fused_mp import fused_mp_available
 from offload.kernels._grad_stats import grad_stats_
 from offload.kernels._adamw import Hyper, native_adamw_f32_
@@ -48,12 +47,13 @@ BYTES_PER_ELEMENT = {"grad_stats": 4, "grad_stats_bf16": 2, "vector_norm": 4, "c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.grad_stats", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.grad_stats", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--numel", type=int, default=50_000_000, help="gradient elements")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads")
     p.add_argument("--rounds", type=int, default=15, help="measured interleaved rounds")
     p.add_argument("--warmup", type=int, default=2, help="discarded rounds before measuring")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="grad_stats", help="result file stem")
     return p
 
@@ -141,16 +141,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    resolve_out_dir(args, args.name)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    result = run(args, argv)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out_dir / f"{args.name}.json", result)
-    text = render_markdown(result)
-    atomic_write_text(args.out_dir / f"{args.name}.md", text)
-    print(text)
+    bench_main(argv, build_parser=build_parser, run=run, render_markdown=render_markdown)
     return 0
 
 

@@ -26,19 +26,20 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from bench._args import OUT_DIR_HELP, resolve_out_dir, thread_list
-from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
+from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir, thread_list
+from bench._cli import bench_main
+from bench._stats import iqr, machine_info, median
 
 logger = logging.getLogger("bench.many_tensors")
 
 __all__ = ["MoEShape", "PRESETS", "make_params", "main", "run"]
 
-#: Targets of issue 10: step within 1.2x of torch fused AdamW, construction within 5x.
+#: Targets: step within 1.2x of torch fused AdamW (the per-tensor work must not dominate where
+#: tensors are small), construction within 5x (it is paid once per run).
 STEP_TARGET = 1.2
 BUILD_TARGET = 5.0
 
@@ -161,11 +162,6 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                     "meets_target": ours_build / ref_build <= BUILD_TARGET},
         "rows": rows, "step_target": STEP_TARGET, "build_target": BUILD_TARGET,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out_dir / f"{args.name}.json", result)
-    md = render_markdown(result)
-    atomic_write_text(args.out_dir / f"{args.name}.md", md)
-    print(md, flush=True)
     return result
 
 
@@ -199,34 +195,35 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.many_tensors", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    p = argparse.ArgumentParser(prog="python -m bench.many_tensors", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="tensor shapes (default moe; quick with --quick)")
     p.add_argument("--threads", type=thread_list, default=None,
                    help="comma-separated thread counts (default 1..cpus)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per optimizer, thread count and round")
     p.add_argument("--quick", action="store_true", help="the quick preset, 2 rounds")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="result file stem (default many_tensors[-quick])")
-    p.add_argument("--note", default="")
+    p.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     args.threads = args.threads or list(range(1, cpus + 1))
     if args.steps < 1:
-        parser.error(f"--steps {args.steps}: expected an integer >= 1")
+        p.error(f"--steps {args.steps}: expected an integer >= 1")
     args.preset = args.preset or ("quick" if args.quick else "moe")
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: expected an integer >= 1")
     args.name = args.name or ("many_tensors-quick" if args.quick else "many_tensors")
-    resolve_out_dir(args, args.name)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    run(args, argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
     return 0
 
 

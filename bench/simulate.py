@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
-from bench._args import resolve_out_dir
+from bench._args import PATH_RULE, HelpFormatter, output_dir, resolve_out_dir
 from bench._simulate_nodes import NODES, REQUIRED_NODES, build_node
 from bench._simulate_report import model_text, render_markdown, summary_line
 from bench._stepmodel import Node, NoiseModel
@@ -68,7 +68,7 @@ __all__ = [
     "tuning_inputs",
 ]
 
-#: Regret targets of the issue.
+#: Regret targets, judged on :data:`REQUIRED_NODES`.
 TARGET_MEDIAN_REGRET = 0.02
 TARGET_P95_REGRET = 0.05
 #: Seconds a simulated collective waits for the other simulated ranks before it fails.
@@ -320,7 +320,7 @@ def _quantile(xs: Sequence[float], q: float) -> float:
     return float(np.quantile(np.asarray(xs, dtype=float), q)) if xs else math.nan
 
 
-#: What-if variants run on the issue's nodes after the main run: the same real tuner with another
+#: What-if variants run on :data:`REQUIRED_NODES` after the main run: the same real tuner with another
 #: ``AutotuneConfig`` (``"seed_per_run"``: Optuna seeded with the run's seed instead of the default 0).
 #: ``"noise"``: keyword arguments of :class:`NoiseModel` (a quieter machine, not a tuner change).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -469,21 +469,26 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=50, help="tuning sessions per node (default 50)")
-    p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="4 seeds of the issue's three nodes, no files unless --out-dir")
-    p.add_argument("--nodes", default=None, help=f"comma-separated subset of {','.join(NODES)}")
-    p.add_argument("--out-dir", type=Path, default=None, help="where to write simulated_nodes.{json,md} "
+    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--seeds", type=int, default=50, help="tuning sessions per node (default 50; 4 with --quick)")
+    p.add_argument("--first-seed", type=int, default=0, help="seed of the first session of every node")
+    p.add_argument("--quick", action="store_true",
+                   help=f"4 seeds of the three target nodes ({','.join(REQUIRED_NODES)}), no files unless --out-dir")
+    p.add_argument("--nodes", default=None,
+                   help=f"comma-separated subset of {','.join(NODES)} (default: all; the three target nodes "
+                        "with --quick)")
+    p.add_argument("--out-dir", type=output_dir, default=None, help="where to write <name>.{json,md} "
                    "(default: a new runs/bench/<name>-N for a full run, nothing for --quick; the committed "
-                   "results are replaced only with --out-dir bench/results)")
+                   f"results are replaced only with --out-dir bench/results; {PATH_RULE})")
     p.add_argument("--what-if-seeds", type=int, default=None,
                    help="seeds per node of each what-if variant (default 20; 0 with --quick)")
     p.add_argument("--gloo-check-seeds", type=int, default=None,
                    help="seeds of the first node re-run with one real process per rank over gloo, decisions "
                    "compared with the in-process run (default 5; 0 with --quick)")
-    p.add_argument("--name", default="simulated_nodes")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--name", default="simulated_nodes", help="result file stem")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="logging level (stderr)")
     return p
 
 

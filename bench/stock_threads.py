@@ -1,5 +1,5 @@
-"""Stock AdamW's CPU step, three ways: the launcher default (1 thread), the old static rule
-(cores / local ranks) and ``offload.tune_step_threads`` (the online tuner's choice).
+"""Stock AdamW's CPU step, three ways: the launcher default (1 thread), the static rule
+(cores / local ranks, what a rank gets without tuning) and ``offload.tune_step_threads`` (the online tuner's choice).
 
     python -m bench.stock_threads                      # this machine + simulated 8-rank nodes
     python -m bench.stock_threads --quick              # smoke run (small, few rounds and seeds)
@@ -13,7 +13,7 @@ This machine: three optimizers over three identical tensor sets. The wrapped one
 step of each variant per round, in a rotating order, each timed around ``step()`` with its thread
 count set (the wrapper sets its own). Reported: median, IQR and n of each, and ratios of medians.
 
-Simulated nodes (``bench/simulate.py``'s 8-rank nodes and step-time model, ``bench/_stepmodel.py``):
+Simulated nodes (:mod:`bench.simulate`'s 8-rank nodes and step-time model, :mod:`bench._stepmodel`):
 the same nodes, masks and real ``plan_cpu_threads``, a workload of ``--sim-params`` elements per
 rank moving 28 bytes per element (fused AdamW in fp32: read parameter, gradient and both moments,
 write three) with no PCIe stage (FSDP2 copies outside the step), and the real ``OnlineTuner`` of
@@ -31,15 +31,15 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from autotune import AutotuneConfig
 from bench import simulate
-from bench._args import OUT_DIR_HELP, resolve_out_dir
-from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median, quantile
+from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
+from bench._cli import bench_main
+from bench._stats import iqr, machine_info, median, quantile
 from bench._stepmodel import Workload
 from offload import thread_limit, tune_step_threads
 from offload._stock import step_threads_space
@@ -219,38 +219,40 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.stock_threads", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.stock_threads", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--params", type=int, default=16_000_000, help="fp32 elements stepped on this machine")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds on this machine")
     p.add_argument("--sim-params", type=int, default=1_000_000_000, help="elements per simulated rank")
     p.add_argument("--seeds", type=int, default=30, help="tuner sessions per simulated node")
     p.add_argument("--skip-here", action="store_true", help="only the simulated nodes")
     p.add_argument("--quick", action="store_true", help="smoke run: 1M elements, 3 rounds, 3 seeds")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default="stock_threads", help="file stem of the results")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    resolve_out_dir(args, args.name)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.quick:
         args.params, args.rounds, args.seeds = 1_000_000, 3, 3
     for flag in ("params", "rounds", "sim_params", "seeds"):
         if getattr(args, flag) < 1:
-            raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: expected an integer >= 1")
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected an integer >= 1")
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     torch.set_num_threads(1)  # what torchrun leaves every rank with, outside the measured steps
-    result: dict[str, Any] = {"command": " ".join(["python -m bench.stock_threads", *(argv or sys.argv[1:])])}
+    result: dict[str, Any] = {"command": " ".join(["python -m bench.stock_threads", *argv])}
     if not args.skip_here:
         result["here"] = measure_here(params=args.params, rounds=args.rounds)
     result["simulated"] = simulate_nodes(names=SIM_NODES, params=args.sim_params, seeds=args.seeds)
     result["machine"] = machine_info()
-    json_path = atomic_write_json(args.out_dir / f"{args.name}.json", result)
-    md = render_markdown(result)
-    atomic_write_text(args.out_dir / f"{args.name}.md", md + "\n")
-    print(md)
-    print(f"written: {json_path} and {json_path.with_suffix('.md')}")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve,
+               render_markdown=lambda result: render_markdown(result) + "\n", log_level="WARNING")
     return 0
 
 

@@ -8,7 +8,7 @@
 Sections (``--only`` picks some):
 
 ``scenarios``
-    For each (local ranks, dtype) group, rows 1-6 of the issue, each a real ``bench.train`` run
+    For each (local ranks, dtype) group, rows 1-6 of the scenario table, each a real ``bench.train`` run
     (see :mod:`bench._scenarios` for how each row maps to flags and environment). The runs go
     round-robin over ``--rounds`` rounds, every unit of every group once per round in a rotated
     order, so drift of the shared machine hits all rows alike. Per row: median step time (median
@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench import _scenarios as sc
-from bench._args import OUT_DIR_HELP, resolve_out_dir
+from bench._args import OUT_DIR_HELP, PATH_RULE, HelpFormatter, output_dir
+from bench._cli import bench_main
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._suite_report import plot_roofline, plot_scenarios, render_roofline_md, render_suite_md
 
@@ -80,7 +81,8 @@ def _csv(kind, choices: Sequence[str] | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, bf16, 3 steps, one round: a smoke run")
     p.add_argument("--only", type=_csv(str, SECTIONS), default=list(SECTIONS),
                    help=f"sections to run, comma-separated (default all: {','.join(SECTIONS)})")
@@ -99,11 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2; 1 with --quick)")
     p.add_argument("--roofline-size", default=None, help="bandwidth model preset (default 50m; tiny with --quick)")
     p.add_argument("--roofline-repeats", type=int, default=None, help="bandwidth rounds (default 3; 1 with --quick)")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="scenario result stem (default suite or suite-quick)")
-    p.add_argument("--keep-runs", type=Path, default=None, help="keep every run's summary, trace and output here")
+    p.add_argument("--keep-runs", type=output_dir, default=None,
+                   help=f"keep every run's summary, trace and output here ({PATH_RULE})")
     p.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="logging level (stderr)")
     return p
 
 
@@ -502,13 +506,7 @@ def _write(args: argparse.Namespace, result: dict[str, Any], started: float, upt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = _resolve(parser, parser.parse_args(argv))
-    resolve_out_dir(args, args.name)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    result = run(args, argv)
+    result = bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve)
     print(render_suite_md(result), flush=True)
     for path in result["written"]:
         print(f"wrote {path}", flush=True)

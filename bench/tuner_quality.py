@@ -11,7 +11,7 @@ enter (on this machine the step times with and without them agree within noise: 
 gets 4x the samples in the same time on a noisy shared machine. ``--grads backward`` runs the
 trainer's forward+backward (batch 1, short sequences) before every step instead.
 
-Everything runs in ONE process on ONE model (the reference trainer's GPT from ``bench/model.py``,
+Everything runs in ONE process on ONE model (the reference trainer's GPT from :mod:`bench.model`,
 its two parameter groups and AdamW hyper-parameters), so every number below is measured on the
 same memory, the same slabs and the same (shared, noisy) machine:
 
@@ -73,7 +73,8 @@ from typing import Any, Sequence
 import torch
 
 from bench import train
-from bench._args import OUT_DIR_HELP, resolve_out_dir
+from bench._args import OUT_DIR_HELP, PATH_RULE, HelpFormatter, output_dir
+from bench._cli import bench_main
 from bench._stats import atomic_write_json, atomic_write_text, machine_info, median
 from bench._tuner_quality_analysis import (
     DEFINITIONS,
@@ -107,7 +108,7 @@ __all__ = [
     "TARGET_REGRET",
 ]
 
-#: The reference trainer's AdamW hyper-parameters (bench/train.py); lr is lower so that hundreds
+#: The reference trainer's AdamW hyper-parameters (bench.train); lr is lower so that hundreds
 #: of steps at batch 1 never diverge (the value does not change the step's speed).
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.1
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -317,7 +318,7 @@ def sweep(work: Workload, opt: Any, candidates: list[dict[str, Any]], *, rounds:
 # ------------------------------------------------------------------------------------ driver
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.tuner_quality", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model-size", choices=sorted(PRESETS), default=None, help="default 50m (small with --quick)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="model parameter dtype")
     p.add_argument("--grads", choices=("backward", "synthetic"), default=None,
@@ -336,13 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recheck-tolerance", type=float, default=None,
                    help="AutotuneConfig.recheck_tolerance of every run (default: its default); a large value "
                         "makes the cache-hit run's re-check confirm whatever the machine's load (tests)")
-    p.add_argument("--trace-dir", type=Path, default=None, help="tuner trace of repetition 0")
+    p.add_argument("--trace-dir", type=output_dir, default=None, help=f"tuner trace of repetition 0 ({PATH_RULE})")
     p.add_argument("--quick", action="store_true", help="small model, synthetic gradients, few rounds: a smoke run")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--out-dir", type=Path, default=None, help=OUT_DIR_HELP)
+    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="result file stem (default tuner_quality or tuner_quality-quick)")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="logging level (stderr)")
     return p
 
 
@@ -470,13 +472,7 @@ def _config_dict(rep: dict[str, Any], recheck_tolerance: float | None) -> dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = _resolve(parser, parser.parse_args(argv))
-    resolve_out_dir(args, args.name)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    run(args, argv)
+    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve)
     return 0
 
 

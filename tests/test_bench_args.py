@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,97 @@ def test_trainer_ctrl_c_under_a_launcher_names_the_rank(monkeypatch: pytest.Monk
     assert train.main(["--steps", "1"]) == 130
     assert len(torn_down) == 1
     assert capsys.readouterr().err.strip().splitlines() == ["python -m bench.train: interrupted (rank 0)"]
+
+
+ALL_PARSERS = ["bandwidth", "clip", "fsdp_memory", "fused_mp", "fused_mp_optimizer", "grad_stats", "many_tensors",
+               "simulate", "stock_threads", "suite", "train", "tuner_quality"]
+
+
+def _option_helps(parser) -> dict[str, str]:
+    """Each option's help as --help prints it, on one line."""
+    helps: dict[str, str] = {}
+    current = None
+    for line in parser.format_help().split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            helps[current] = line
+        elif current is not None:
+            helps[current] += " " + line.strip()
+    return {k: " ".join(v.split()) for k, v in helps.items()}
+
+
+@pytest.mark.parametrize("module", ALL_PARSERS)
+def test_help_shows_each_default_once(module: str) -> None:
+    """A hand-written "(default X; Y with --quick)" is not followed by argparse's "(default: None)",
+    and every flag whose default means something shows it."""
+    import argparse
+
+    parser = importlib.import_module(f"bench.{module}").build_parser()
+    helps = _option_helps(parser)
+    for action in parser._actions:
+        if action.help is argparse.SUPPRESS or action.dest == "help":
+            continue
+        text = helps[action.option_strings[0]]
+        assert text.count("(default") <= 1 and "(default: None)" not in text and "(default: False)" not in text, text
+        if action.default not in (None, False, ""):
+            assert "default" in text, text
+
+
+def test_list_defaults_are_shown_as_typed() -> None:
+    from bench import bandwidth
+
+    assert "(default: fp32,bf16)" in _option_helps(bandwidth.build_parser())["--dtypes"]
+
+
+def test_trainer_seq_len_above_the_model_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import train
+
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--model-size", "tiny", "--seq-len", "100000", "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    max_len = train.preset("tiny").max_seq_len
+    assert err[-1] == (f"python -m bench.train: error: --seq-len 100000: the tiny model's max_seq_len is "
+                       f"{max_len}; expected 1 to {max_len}")
+
+
+def test_trainer_overlap_under_a_launcher_without_fsdp_is_a_usage_error(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import _dist, train
+
+    monkeypatch.setattr(_dist, "setup", lambda *a, **k: _dist.DistInfo(
+        rank=0, world_size=2, local_rank=0, local_world_size=2, backend="gloo"))
+    monkeypatch.setattr(_dist, "teardown", lambda info: None)
+    assert train.main(["--optim-cpu-offload", "--overlap-backward", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m bench.train: error: --overlap-backward with world size 2")
+
+
+#: (module, flag, what the flag names): every output path a command line takes.
+OUTPUT_FLAGS = [("train", "--trace-dir", "dir"), ("train", "--summary-json", "file"), ("train", "--cache", "file"),
+                ("tuner_quality", "--trace-dir", "dir"), ("suite", "--keep-runs", "dir"),
+                *((m, "--out-dir", "dir") for m in ALL_PARSERS if m != "train")]
+
+
+@pytest.mark.parametrize(("module", "flag", "kind"), OUTPUT_FLAGS)
+def test_output_paths_never_make_a_folder_tree_outside_the_working_directory(
+        module: str, flag: str, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo such as /nonexistent/a/b is refused as it is parsed (one usage line naming the
+    path, exit status 2, nothing made); below the working directory missing folders are made,
+    elsewhere only the last one."""
+    parser = importlib.import_module(f"bench.{module}").build_parser()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    leaf = "x.json" if kind == "file" else "c"
+    bad = tmp_path / "missing" / "b" / leaf
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([flag, str(bad)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    missing = bad.parent if kind == "dir" else bad.parent.parent  # a file's folder may be made, not above it
+    assert err.startswith(f"{parser.prog}: error: argument {flag}: '{bad}': {missing} does not exist"), err
+    assert not (tmp_path / "missing").exists()
+    for good in (tmp_path / leaf, Path("runs") / "new" / leaf):  # the last folder only; any below cwd
+        assert getattr(parser.parse_args([flag, str(good)]), flag[2:].replace("-", "_")) == good
