@@ -324,7 +324,7 @@ class CPUOffloadAdamW(Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, applied inside the
-        next ``step()``'s kernel (``offload/_clip.py``): returns the total norm (a float32 tensor
+        next ``step()``'s kernel (``offload._clip``): returns the total norm (a float32 tensor
         on the parameters' device; over all ranks and meshes for DTensor parameters); the
         gradients themselves are not modified. Call it after backward, before ``step()``; calling
         it again replaces the coefficient (the gradients were not scaled). ``foreach`` is accepted

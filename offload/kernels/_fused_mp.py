@@ -5,7 +5,7 @@ gradient into an fp32 buffer (read 2 + write 4 bytes per parameter), torch's fus
 fp32 master and moments (28 bytes), downcast the master into the bf16 parameter (read 4 + write 2),
 about 40 bytes per parameter. :func:`fused_mp_adamw_` does it in one pass: it reads the bf16
 gradient, updates the fp32 master and moments in place and writes the bf16 parameter, 28 bytes per
-parameter (``offload/kernels/csrc/fused_mp_adamw.cpp``).
+parameter (``csrc/fused_mp_adamw.cpp`` of this package).
 
 Build and load: :mod:`offload.kernels._build` (a :class:`KernelLoader` per source and cache;
 every function here takes ``loader=``, default the process's own, built once per process).

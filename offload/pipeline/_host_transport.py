@@ -87,7 +87,7 @@ class HostTransport:
         backward write a staging buffer and are checked at step(); the worker prepares those.)
 
         The calls of a chunk are made once for the item list the optimizer reuses from step to
-        step (see ``CPUOffloadAdamW._items``); a later step only puts in its gradients.
+        step (``HostLayout.items``, ``offload.state._items``); a later step only puts in its gradients.
         """
         if not (job.update and job.materialize):
             return

@@ -2,7 +2,7 @@
 updates), what a stage took (:class:`StageRecord`) and what a step's drain hands back (:class:`DrainResult`).
 
 Items and jobs are mutable on purpose: the optimizer reuses a chunk's item list from step to step
-and only puts in each step's gradients (see ``CPUOffloadAdamW._items``), and the worker fills a
+and only puts in each step's gradients (``HostLayout.items``, ``offload.state._items``), and the worker fills a
 job's transfer state as it goes. They are plain slotted records because the worker reads their
 fields once per chunk while the memory bus waits (see :mod:`offload.pipeline._pipeline`).
 """

@@ -11,7 +11,7 @@ A parameter that was its own master gets a master place, seeded from its fp32 va
 (``ParamRecord.real_master``, :func:`give_masters`) when:
 
 * it stopped being fp32 (``model.to(torch.bfloat16)``): seeded from the fp32 storage it had
-  (:func:`cast_seeds`, from ``_sync_edits``);
+  (:func:`cast_seeds`, when the edit is followed);
 * ``load_state_dict`` brought a ``master_param`` with bits the parameter lacks (a bf16 run
   resumed in fp32, or the model not loaded yet: :func:`loaded_seeds`). Every loaded master is
   re-checked at the next ``step()`` (:func:`drop_equal_masters`): one that no longer rounds to

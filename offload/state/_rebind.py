@@ -8,7 +8,7 @@ gradient on the old tensors) and say nothing. So every ``step()``, ``zero_grad()
 ``state_dict()``, ``load_state_dict()``, ``add_param_group()`` and ``apply_settings()`` first
 compares the groups' parameters with those it laid its slabs out for (:class:`BoundParams`: one
 identity comparison per parameter in C, ``map(operator.is_, ...)``, about 0.2 ms for 10,000
-tensors) and, when they differ, lays the slabs out again (``CPUOffloadAdamW._follow_groups``).
+tensors) and, when they differ, lays the slabs out again (``HostLayout.build``).
 
 Which state a re-bound parameter gets (:func:`plan_sources`), in this order:
 

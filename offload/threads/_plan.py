@@ -78,9 +78,10 @@ class ThreadPlan:
     cgroup_cpus: float | None = None
     """The cgroup CPU quota (CPUs) that applied, if any."""
     static_rule_threads: int | None = None
-    """The old rule ``min(len(mask), os.cpu_count() // local_world_size)`` for this rank."""
+    """The static rule ``min(len(mask), os.cpu_count() // local_world_size)`` for this rank (what
+    a launcher-side "cores / ranks" recipe would give; the plan's reason compares with it)."""
     oversubscribed_by_static_rule: bool = False
-    """Whether the old rule, applied on every local rank, totals more threads than the budget."""
+    """Whether the static rule, applied on every local rank, totals more threads than the budget."""
 
 
 def _check_threads(value: object, what: str) -> int:

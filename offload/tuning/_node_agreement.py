@@ -3,9 +3,8 @@
 A tuned optimizer (``CPUOffloadAdamW(autotune=...)``, ``tune_step_threads``) runs three kinds of
 node-local collectives: the thread plan's exchange of affinity masks, the vote on the fused-mp
 kernel knob (``offload.tuning._glue``) and the tuner's own agreement (cache decision, step times,
-lock-in). Each used to make its own gloo group: a tuned bf16 optimizer built three groups at
-construction, each a rendezvous of every rank. Now :func:`node_agreement` makes one ``autotune``
-agreement (a gloo group over this node's ranks with the tuner's timeout, or a ``LocalAgreement``
+lock-in). A gloo group per kind would be three rendezvous of every rank at construction, so
+:func:`node_agreement` makes one ``autotune`` agreement (a gloo group over this node's ranks with the tuner's timeout, or a ``LocalAgreement``
 in a single process) and all three go through it; its owner closes it once.
 
 An untuned optimizer needs only the thread plan: ``plan_cpu_threads`` keeps its own group there
