@@ -33,18 +33,18 @@ def _same_run(a: dict, b: dict, *, norms: bool = True) -> None:
     assert [r["param_sha256"] for r in a["ranks"]] == [r["param_sha256"] for r in b["ranks"]]
 
 
-def _close_to_torch(ours: dict, ref: dict) -> None:
-    """Our norm is deterministic and float64-accurate (offload/_clip.py), torch's is a float32
+def _close_to_torch(ours: dict, ref: dict, *, later_rel: float = 1e-5) -> None:
+    """Our norm is deterministic and float64-accurate (``offload._clip``), torch's is a float32
     reduction in its own order: they may differ in the last bit, and so the clip coefficients.
     The first step's norm is over the same gradients; later ones over weights that moved by that
     last bit's share of one update; under fp16 autocast such a weight may round to another fp16
-    value, hence the losses' 1e-5."""
+    value, hence the losses' 1e-5 (``later_rel``: the tolerance of steps after the first)."""
     assert len(ours["grad_norms"]) == len(ref["grad_norms"]) == ours["steps"]
     assert math.isclose(ours["grad_norms"][0], ref["grad_norms"][0], rel_tol=1e-6)
     for got, want in zip(ours["grad_norms"], ref["grad_norms"]):
-        assert math.isclose(got, want, rel_tol=1e-5), (ours["grad_norms"], ref["grad_norms"])
+        assert math.isclose(got, want, rel_tol=later_rel), (ours["grad_norms"], ref["grad_norms"])
     for got, want in zip(ours["losses"], ref["losses"]):
-        assert math.isclose(got, want, rel_tol=1e-5), (ours["losses"], ref["losses"])
+        assert math.isclose(got, want, rel_tol=later_rel), (ours["losses"], ref["losses"])
 
 
 def test_clip_amp_and_overlap_against_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -143,7 +143,12 @@ def test_torchrun_two_ranks_fsdp_clip_amp_overlap_match_torch(tmp_path: Path) ->
     """Under FSDP2 the norm is over both ranks' shards (torch's clip of DTensor gradients, ours
     over the DTensor parameters) and GradScaler's found_inf is reduced over the mesh."""
     ref = _torchrun(tmp_path, "torch")
+    off = _torchrun(tmp_path, "off", "--optim-cpu-offload", "--chunk-numel", "4096")
     ours = _torchrun(tmp_path, "ours", "--optim-cpu-offload", "--overlap-backward", "--chunk-numel", "4096")
     assert ours["world_size"] == 2 and ours["fsdp"] and ours["overlap_backward"]
-    _close_to_torch(ours, ref)
+    _same_run(ours, off)  # overlap is a pure speed option: the bits of overlap off
+    # Under FSDP2 torch's norm also sums the two ranks' float32 partial norms: on a 2-core Xeon
+    # (Dec 2026) the third step's norm differed by 2.7e-5 relative while overlap on and off agreed
+    # bitwise, so the later steps are compared to torch at 1e-4.
+    _close_to_torch(ours, ref, later_rel=1e-4)
     assert ours["speculated_chunks"] > 0 and ours["commit_rate"] is not None
