@@ -92,7 +92,7 @@ def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor], wha
 def kernel_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the subprocess examples (README, docs/integrations.md) build the native kernel: the
     caller's ``TORCH_EXTENSIONS_DIR``, else one directory for the session (a first build per
-    example cost ~33 s each in CI; a first run's build is tests/test_first_run.py's)."""
+    example cost ~33 s each in CI)."""
     import os
 
     given = os.environ.get("TORCH_EXTENSIONS_DIR")

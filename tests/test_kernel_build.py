@@ -1,4 +1,5 @@
-"""Where the native kernel is built and what the first build says (issue 17, items 1 and 2)."""
+"""Where the native kernel is built (``TORCH_EXTENSIONS_DIR``, else under ``XDG_CACHE_HOME``, never
+beside the tuning cache), when it needs a build, and the one line a first build logs."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_torch_extensions_dir_wins(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setenv("OFFLOAD_AUTOTUNE_CACHE", "/dev/null")
     assert knobs.extensions_dir() == tmp_path / "ext"
+    assert build_spec().build_dir.parent == tmp_path / "ext"
 
 
 def test_a_bad_xdg_cache_home_names_the_variable(monkeypatch) -> None:

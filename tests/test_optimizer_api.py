@@ -54,6 +54,13 @@ def test_invalid_option_in_a_param_group_is_rejected() -> None:
         CPUOffloadAdamW([{"params": ps[:1]}, {"params": ps[1:], "lr": -1}])
 
 
+def test_unsupported_option_error_says_what_the_step_runs() -> None:
+    with pytest.raises(ValueError) as info:
+        CPUOffloadAdamW([nn.Parameter(torch.zeros(4))], amsgrad=True)
+    text = str(info.value)
+    assert "amsgrad=True" in text and "always runs torch's" not in text and "fused-mp" in text, text
+
+
 @pytest.mark.parametrize(
     ("param", "match"),
     [

@@ -349,6 +349,17 @@ def test_local_rank_without_local_world_size_is_one_rank(monkeypatch: pytest.Mon
     assert (plan.local_world_size, plan.local_rank, plan.threads) == (1, 0, 2)
 
 
+def test_node_local_rank_beyond_local_world_size_names_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert knobs.node_local_rank() == 1
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(knobs.KnobError, match=r"LOCAL_RANK=5 with LOCAL_WORLD_SIZE=2: expected LOCAL_RANK from 0 to 1"):
+        knobs.node_local_rank()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert knobs.node_local_rank() == 5  # LOCAL_RANK alone: nothing to check it against
+
+
 def _plans_over(agreements: list[InProcessAgreement], masks: list[set[int]], **kw: object) -> list[ThreadPlan]:
     plans: list[ThreadPlan | BaseException | None] = [None] * len(agreements)
 

@@ -93,7 +93,7 @@ def test_autotune_locks_in_then_hits_the_cache_without_changing_the_math(tmp_pat
     assert t["winner"] is not None and set(t["winner"]) == {"threads", "chunk_numel"}
     assert [first["ranks"][0][k] for k in ("threads", "chunk_numel")] == [
         t["winner"]["threads"], t["winner"]["chunk_numel"]]
-    run = trace / "run-1"  # one directory per run (tests/test_first_run.py)
+    run = trace / "run-1"  # one directory per run (tests/test_run_dirs.py)
     for name in ("trace.jsonl", "trace.csv", "trace.chrome.json", "summary.json", "train_steps.jsonl",
                  "run.json"):
         assert (run / name).is_file(), name

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import itertools
 import logging
 import math
 import random
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -253,6 +255,22 @@ def test_choose_breaks_ties_deterministically():
 def test_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"AutotuneConfig.{field}="):
         AutotuneConfig(**kwargs)
+
+
+def test_config_accepts_path_objects_and_stores_str(tmp_path: Path) -> None:
+    config = AutotuneConfig(cache_path=tmp_path / "c.json", trace_dir=tmp_path / "trace")
+    assert config.cache_path == str(tmp_path / "c.json") and isinstance(config.cache_path, str)
+    assert config.trace_dir == str(tmp_path / "trace") and isinstance(config.trace_dir, str)
+    assert config == AutotuneConfig(cache_path=str(tmp_path / "c.json"), trace_dir=str(tmp_path / "trace"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache_path = "other.json"  # type: ignore[misc]
+    assert dataclasses.replace(config, trace_dir=Path("t")).trace_dir == "t"
+
+
+@pytest.mark.parametrize("bad", ["", b"c.json", 3])
+def test_config_refuses_other_paths(bad: object) -> None:
+    with pytest.raises(ValueError, match="AutotuneConfig.cache_path=.*os.PathLike"):
+        AutotuneConfig(cache_path=bad)  # type: ignore[arg-type]
 
 
 def test_inputs_are_validated():

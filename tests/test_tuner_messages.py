@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 
-from test_tuner_logic import BASELINE, Client, FakeCache, make_tuner, table
+from test_tuner_logic import BASELINE, Client, FakeCache, make_space, make_tuner, table
 
 from autotune import AutotuneConfig, Measurement
 from autotune._measurement import format_ms
@@ -101,3 +101,14 @@ def test_closing_a_retune_after_a_stale_recheck_counts_the_check_steps(caplog) -
     needed = int(re.search(r"train for at least (\d+) steps", warning).group(1))
     planned = int(re.search(r"of the (\d+) probe steps it planned", warning).group(1))
     assert needed == s["check_steps"] + planned and "4 step(s) before this session" in warning, warning
+
+
+def test_only_one_candidate_logs_no_empty_table_header(caplog) -> None:
+    client = Client(table({}, default=0.01))
+    space = make_space(threads=(BASELINE["threads"],), chunks=(BASELINE["chunk_numel"],))
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        tuner = make_tuner(client, space=space, config=AutotuneConfig(probe_steps=40))
+        client.run(tuner, 3)
+    locked = [r.getMessage() for r in caplog.records if "locked in" in r.getMessage()]
+    assert len(locked) == 1 and "only one candidate" in locked[0], locked
+    assert "median ms" not in locked[0] and len(locked[0].splitlines()) == 1, locked[0]
