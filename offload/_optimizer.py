@@ -490,6 +490,7 @@ class CPUOffloadAdamW(Optimizer):
             kernel="fused-mp" if sub.native else "torch",
             speculated_chunks=speculated,
             committed_chunks=len(committed),
+            speculation_paused=early is not None and early.paused,
         )
 
     def _follow_edits(self, grads: dict[int, Tensor]) -> None:

@@ -42,6 +42,11 @@ class OffloadSettings:
     it is bitwise equal to "torch" on this torch build and CPU (``bitwise_matches_torch``) and it
     builds, else "torch". Where the kernel cannot be built the optimizer logs why once and runs
     "torch" (``CPUOffloadAdamW.settings`` says which kernel is in force, never "auto")."""
+    speculate: bool = True
+    """With ``CPUOffloadAdamW(overlap_backward=True)``: start chunks during backward (False: every
+    chunk runs in ``step()``, the hooks stay). Exact either way (a speculation is validated before
+    it commits), so the tuner may switch it: on a machine where backward needs the same cores it
+    locks in False. No effect without ``overlap_backward``."""
     bind_numa: bool = False
     """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
     mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
@@ -63,6 +68,8 @@ class OffloadSettings:
             raise ValueError(
                 f"OffloadSettings.chunk_numel={self.chunk_numel!r}: expected an int >= {MIN_CHUNK_NUMEL}"
             )
+        if not isinstance(self.speculate, bool):
+            raise ValueError(f"OffloadSettings.speculate={self.speculate!r}: expected a bool")
         if not isinstance(self.bind_numa, bool):
             raise ValueError(f"OffloadSettings.bind_numa={self.bind_numa!r}: expected a bool")
         if not isinstance(self.kernel, str) or self.kernel not in (*KERNELS, "auto"):

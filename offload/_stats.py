@@ -54,4 +54,8 @@ class StepStats:
     """Of those, the chunks whose speculative update was committed as it was (the rest were
     rolled back and recomputed in ``step()``: a gradient, hyper-parameter, clip coefficient or
     grad scale changed after they started)."""
+    speculation_paused: bool = False
+    """Speculation is paused after this step: several steps in a row redid every early chunk (e.g.
+    clipping on every step); it resumes at the first step whose hyper-parameters, clip coefficient
+    and grad scale would have let an early chunk commit."""
     spans: tuple[StageSpan, ...] = field(default=(), repr=False)

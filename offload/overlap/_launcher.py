@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from offload._settings import OffloadSettings
 from offload.overlap._hooks import GradHooks
-from offload.overlap._speculation import Checksums, Speculation, SpeculativeChunk
+from offload.overlap._speculation import Checksums, Speculation, SpeculativeChunk, same_hyper
 from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._pipeline import Pipeline
 from offload.pipeline._step import ready_event
@@ -41,7 +41,11 @@ from offload.state._slabs import Chunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Launcher", "ddp_comm_hook"]
+__all__ = ["PAUSE_AFTER_STALE_STEPS", "Launcher", "ddp_comm_hook"]
+
+#: Steps in a row that redid every early chunk before speculation pauses (one is a changed lr or a
+#: first clip; three in a row is a loop that clips every step, where early work only costs).
+PAUSE_AFTER_STALE_STEPS = 3
 
 
 class Launcher:
@@ -60,6 +64,10 @@ class Launcher:
         """The optimizer's settings in force (kernel and threads of the early jobs)."""
         self.external = False
         """Gradients come from a DDP comm hook (:func:`ddp_comm_hook`), not the autograd hooks."""
+        self.paused = False
+        """Speculation is paused (:meth:`_count_stale`): chunks run in ``step()`` until a step
+        that would have committed."""
+        self._stale_steps = 0  # steps in a row that redid every early chunk
         self._numel = 0  # elements launched in this window
         self._grad_scale: Tensor | None = None  # the scale the last step used (GradScaler)
         self.layout: HostLayout | None = None
@@ -115,7 +123,7 @@ class Launcher:
     def _start_early(self, chunk: Chunk, grads: dict[int, Tensor]) -> None:
         """Submit ``chunk``'s d2h + kernel as a speculation (under the hooks' lock)."""
         opt, layout, pipeline = self._opt(), self.layout, self.pipeline
-        if opt is None or layout is None or pipeline is None:
+        if opt is None or layout is None or pipeline is None or self.paused or not self.settings.speculate:
             return
         records, state = layout.records, opt.state
         if any(not state.get(records[slot].param) for slot in grads):
@@ -141,6 +149,10 @@ class Launcher:
         self.hooks.end_window()
         launched = self.speculation.take()
         if not launched:
+            if self.paused and self._would_commit(opt.param_groups, hyper_now):
+                self.paused, self._stale_steps = False, 0
+                logger.info("overlap_backward: speculation resumes (this step's hyper-parameters, clip "
+                            "coefficient and grad scale are those an early chunk would have used)")
             return {}, 0
         pipeline.on_worker(lambda: None, threads=1)  # the early kernels (and checksums) ran
         if self._step_counts_change(layout, opt.state, launched):
@@ -153,7 +165,27 @@ class Launcher:
         if stale:
             pipeline.on_worker(lambda: self.speculation.restore(stale), threads=threads)
             logger.debug("overlap_backward: %d of %d early chunks redone in step()", len(stale), len(launched))
+        self._count_stale(len(stale) == len(launched))
         return {c: s.job for c, s in launched.items() if c not in stale}, len(launched)
+
+    def _count_stale(self, all_stale: bool) -> None:
+        """Pause speculating after :data:`PAUSE_AFTER_STALE_STEPS` steps in a row that redid every
+        early chunk: then the early work is pure cost (clipping on every step: no chunk launched
+        during backward knows the coefficient)."""
+        self._stale_steps = self._stale_steps + 1 if all_stale else 0
+        if self._stale_steps >= PAUSE_AFTER_STALE_STEPS and not self.paused:
+            self.paused = True
+            logger.info("overlap_backward: speculation paused: %d steps in a row redid every chunk started "
+                        "during backward (a clip coefficient, a changed lr or grad scale, or gradients "
+                        "changed after backward); it resumes at the first step that would have committed",
+                        self._stale_steps)
+
+    def _would_commit(self, param_groups: Sequence[dict[str, Any]], hyper_now: Callable[[int], Any]) -> bool:
+        """Would a chunk launched during this backward have committed, as far as the step's
+        hyper-parameters tell (the lr at backward, the last step's grad scale, no clip
+        coefficient)? Changes of the gradients themselves cannot be told without speculating."""
+        return all(same_hyper(replace(hyper_of(g), grad_scale=self._grad_scale), hyper_now(i))
+                   for i, g in enumerate(param_groups))
 
     @staticmethod
     def _step_counts_change(layout: HostLayout, state: Any, launched: dict[int, SpeculativeChunk]) -> bool:

@@ -27,6 +27,12 @@ worker thread sets its own intra-op thread count), so the tuner minimises the wa
 the tuner minimises the wall time of the whole iteration instead, from the return of the previous
 ``step()`` to the return of this one. The first step after a switch is discarded by the tuner's
 warm-up rule.
+
+Speculate knob (off, on): only with ``overlap_backward``. Work started during backward is
+validated before it commits, so switching it never changes the math; whether it pays depends on
+the machine (free cores during backward: a GPU node) and the loop (clipping every step redoes
+every early chunk). The baseline is on, as asked; the lock-in rule keeps it unless off is
+clearly faster, as it is where backward runs on the same cores (a CPU-only box).
 """
 
 from __future__ import annotations
@@ -81,10 +87,13 @@ def offload_search_space(
     baseline_chunk: int,
     fixed_threads: bool,
     kernels: tuple[str, ...] = (),
+    speculate: bool = False,
 ) -> SearchSpace:
     """Threads (a geometric ladder from 1 to ``max_threads`` that holds the static plan's value)
     x chunk size (powers of two from 1 Mi elements to the largest slab, plus the configured one)
-    x kernel when ``kernels`` holds more than one (see the module doc; fewer chunk sizes then).
+    x kernel when ``kernels`` holds more than one (see the module doc; fewer chunk sizes then)
+    x ``speculate`` (off, on) with ``speculate`` (an optimizer with ``overlap_backward``: the
+    overlap is exact, so whether it pays is a measurement like the others; fewer chunk sizes then).
 
     Every argument must be the same on every local rank (derive them from agreed values).
     """
@@ -92,7 +101,7 @@ def offload_search_space(
         if k not in KERNELS:
             raise ValueError(f"offload_search_space: kernel {k!r}: expected one of {KERNELS}")
     with_kernel = len(set(kernels)) > 1
-    max_chunks = MAX_CHUNK_CANDIDATES_WITH_KERNEL if with_kernel else MAX_CHUNK_CANDIDATES
+    max_chunks = MAX_CHUNK_CANDIDATES_WITH_KERNEL if with_kernel or speculate else MAX_CHUNK_CANDIDATES
     if fixed_threads:
         threads: tuple[int, ...] = (baseline_threads,)
     else:
@@ -110,6 +119,9 @@ def offload_search_space(
         # Listed torch first and prefer="low": on a tie the torch path stays.
         ordered = tuple(k for k in KERNELS if k in kernels)
         knob_list.append(Knob("kernel", ordered, prefer="low"))
+    if speculate:
+        # Off first and prefer="low": where on and off tie, nothing runs during backward.
+        knob_list.append(Knob("speculate", (False, True), prefer="low"))
     return SearchSpace(tuple(knob_list))
 
 
@@ -230,6 +242,9 @@ class OffloadTuning:
         if kernels:
             # The kernel the user set (resolved: "torch" where fused-mp cannot run here).
             baseline["kernel"] = optimizer.settings.kernel
+        speculate = objective == "iteration"  # overlap_backward: on (the user's ask) vs off
+        if speculate:
+            baseline["speculate"] = optimizer.settings.speculate
         space = offload_search_space(
             max_threads=top,
             baseline_threads=top,
@@ -237,6 +252,7 @@ class OffloadTuning:
             baseline_chunk=baseline["chunk_numel"],
             fixed_threads=fixed_threads,
             kernels=kernels,
+            speculate=speculate,
         )
         cache = None
         if config.use_cache:
@@ -278,8 +294,10 @@ class OffloadTuning:
         threads = min(int(setting["threads"]), self._own_threads)
         current = self._optimizer.settings
         kernel = str(setting.get("kernel", current.kernel))
+        speculate = bool(setting.get("speculate", current.speculate))
         self._optimizer.apply_settings(
-            replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel)  # type: ignore[arg-type]
+            replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel,  # type: ignore[arg-type]
+                    speculate=speculate)
         )
 
     def after_step(self) -> None:
