@@ -41,19 +41,16 @@ def test_a_lock_in_is_reported_on_its_step_line_as_the_next_steps_setting() -> N
 
 
 def test_run_prints_the_legend_first_and_the_lock_in_where_it_happened(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from autotune import AutotuneConfig
-
-    # A short probing session (at most 8 steps, no finals) so that the tuner locks in mid-run.
-    monkeypatch.setattr(train, "_autotune_kwargs", lambda args, run_dir: {"autotune": AutotuneConfig(
-        probe_steps=8, finalists=0, use_cache=False, trace_dir=str(run_dir))})
-    out = tmp_path / "s.json"
-    assert train.main([*TINY, "--optim-cpu-offload", "--autotune", "--steps", "12", "--trace-dir", str(tmp_path / "t"),
-                       "--summary-json", str(out)]) == 0
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The default probe budget (40 steps and the finals) locks in well before step 90; a cache of
+    # this test's own keeps a cached choice from skipping the probing.
+    out, n = tmp_path / "s.json", 90
+    assert train.main([*TINY, "--optim-cpu-offload", "--autotune", "--steps", str(n), "--trace-dir",
+                       str(tmp_path / "t"), "--cache", str(tmp_path / "cache.json"), "--summary-json", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    steps = [i for i, line in enumerate(lines) if line.startswith("step ") and "/12 |" in line]
+    steps = [i for i, line in enumerate(lines) if line.startswith("step ") and f"/{n} |" in line]
     legend = [i for i, line in enumerate(lines) if line.startswith("per step: step = ")]
-    assert len(steps) == 12 and len(legend) == 1 and legend[0] < steps[0]
+    assert len(steps) == n and len(legend) == 1 and legend[0] < steps[0]
     assert any("StepStats medians: step() " in line for line in lines)
     assert not any("optimizer stage medians" in line for line in lines)
 
