@@ -88,6 +88,23 @@ def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor], wha
             )
 
 
+@pytest.fixture(scope="module")
+def kernel() -> object:
+    """The native extension (fused-mp AdamW, its fp32 entry and grad_stats), built on first use:
+    about 20 s on 2 cores, then reused from the build directory. Skips where there is no C++
+    compiler or ninja; fails where the build itself fails: a broken kernel on a machine that can
+    build it is a defect, not a skip."""
+    from offload.kernels._fused_mp import fused_mp_available, process_loader
+
+    ok, reason = fused_mp_available()
+    if not ok:
+        if reason.startswith(("no C++ compiler", "ninja is not installed")):
+            pytest.skip(f"the native kernel needs a C++ toolchain: {reason}")
+        pytest.fail(f"the native kernel failed to build on a machine with a toolchain: {reason}")
+    module, _ = process_loader().get()
+    return module
+
+
 @pytest.fixture(scope="session")
 def kernel_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the subprocess examples (README, docs/integrations.md) build the native kernel: the

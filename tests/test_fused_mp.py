@@ -26,7 +26,6 @@ from offload.kernels._fused_mp import (
     fused_mp_adamw_,
     fused_mp_adamw_steps_,
     fused_mp_available,
-    process_loader,
 )
 from offload.kernels._build import build_spec, pip_ninja_on_path
 from offload.kernels._adamw import Hyper, fused_adamw_, new_step_tensor, torch_mp_adamw_
@@ -36,17 +35,6 @@ HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 
 # Sizes: empty, below one vector, around the 8-element tail block and the 16-float vector, around
 # the 64-element parallel unit, large enough to be split across threads.
 SIZES = (0, 1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 63, 64, 65, 1000, 4097, 100_003)
-
-
-@pytest.fixture(scope="module")
-def kernel() -> object:
-    ok, reason = fused_mp_available()
-    if not ok:
-        if reason.startswith(("no C++ compiler", "ninja is not installed")):
-            pytest.skip(f"fused-mp kernel needs a C++ toolchain: {reason}")
-        pytest.fail(f"fused-mp kernel failed to build on a machine with a toolchain: {reason}")
-    module, _ = process_loader().get()
-    return module
 
 
 def _state(sizes, pdtype, gen):

@@ -1,4 +1,4 @@
-"""Every kernel of KernelSet honours Hyper.grad_coef / grad_scale / found_inf bitwise (issue 16).
+"""Every kernel of KernelSet honours Hyper.grad_coef / grad_scale / found_inf bitwise.
 
 The reference is torch alone: the clipping coefficient as ``torch._foreach_mul_(grads, coef)`` on a
 copy of the gradients in their own dtype, then ``torch._fused_adamw_`` on the upcast copy; the
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from offload import KernelSet
-from offload.kernels._fused_mp import fused_mp_available
 from offload.kernels._adamw import (
     Hyper,
     fused_adamw_,
@@ -26,15 +25,6 @@ LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
 # be split across threads.
 SIZES = (1, 7, 17, 33, 65, 1000, 66_001)
 MODES = ("coef", "scale", "both")
-
-
-@pytest.fixture(scope="module")
-def native() -> None:
-    ok, reason = fused_mp_available()
-    if not ok:
-        if reason.startswith(("no C++ compiler", "ninja is not installed")):
-            pytest.skip(f"the native kernels need a C++ toolchain: {reason}")
-        pytest.fail(f"the native kernel failed to build on a machine with a toolchain: {reason}")
 
 
 def _grads(dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
@@ -127,31 +117,31 @@ CASES = [("torch", dt) for dt in (torch.float32, torch.bfloat16, torch.float16)]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("kernel", "dtype"), CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
-def test_transforms_are_bitwise_torch(request, kernel, dtype, mode) -> None:
-    if kernel != "torch":
-        request.getfixturevalue("native")
-    gen = torch.Generator().manual_seed(sum(map(ord, f"{kernel}{dtype}{mode}")))
+@pytest.mark.parametrize(("path", "dtype"), CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_transforms_are_bitwise_torch(request, path, dtype, mode) -> None:
+    if path != "torch":
+        request.getfixturevalue("kernel")
+    gen = torch.Generator().manual_seed(sum(map(ord, f"{path}{dtype}{mode}")))
     grads = _grads(dtype, gen)
     before = [g.clone() for g in grads]
     state = _state(grads, gen)
     coef, scale = _transform(mode)
     want = _reference(*state, grads, 3.0, coef, scale)
-    for threads in (1, 2) if kernel != "torch" else (torch.get_num_threads(),):
+    for threads in (1, 2) if path != "torch" else (torch.get_num_threads(),):
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             steps = [torch.tensor(2.0)] * len(grads)  # one parameter's views: incremented once
-            got = _run(kernel, grads, *state, _hyper(coef, scale, torch.tensor(0.0)), steps)
+            got = _run(path, grads, *state, _hyper(coef, scale, torch.tensor(0.0)), steps)
         finally:
             torch.set_num_threads(previous)
         assert steps[0].item() == 3.0
-        _assert_same(got, want, f"{kernel} {dtype} {mode} threads={threads}")
+        _assert_same(got, want, f"{path} {dtype} {mode} threads={threads}")
     for g, b in zip(grads, before):  # the gradients are only read
         assert torch.equal(g.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_a_chunk_mixing_bf16_and_fp16_applies_each_rounding(native) -> None:
+def test_a_chunk_mixing_bf16_and_fp16_applies_each_rounding(kernel) -> None:
     gen = torch.Generator().manual_seed(5)
     grads = [_grads(torch.bfloat16, gen)[-2], _grads(torch.float16, gen)[-2]]
     state = _state(grads, gen)
@@ -193,19 +183,19 @@ def test_scale_equals_torch_adamw_under_gradscaler_semantics() -> None:
     assert steps[0].item() == 2.0  # the overflow step did not count
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native-f32", "native-mp"])
-def test_found_inf_skips_the_update_and_the_step(request, kernel) -> None:
-    if kernel != "torch":
-        request.getfixturevalue("native")
-    dtype = torch.bfloat16 if kernel == "native-mp" else torch.float32
+@pytest.mark.parametrize("path", ["torch", "native-f32", "native-mp"])
+def test_found_inf_skips_the_update_and_the_step(request, path) -> None:
+    if path != "torch":
+        request.getfixturevalue("kernel")
+    dtype = torch.bfloat16 if path == "native-mp" else torch.float32
     gen = torch.Generator().manual_seed(11)
     grads = _grads(dtype, gen)[:3]
     state = _state(grads, gen)
     steps = [torch.tensor(4.0)] * len(grads)
     coef, scale = _transform("both")
-    got = _run(kernel, grads, *state, _hyper(coef, scale, torch.tensor(1.0)), steps)
+    got = _run(path, grads, *state, _hyper(coef, scale, torch.tensor(1.0)), steps)
     assert steps[0].item() == 4.0
-    _assert_same(got, state, f"{kernel} with found_inf=1")
+    _assert_same(got, state, f"{path} with found_inf=1")
 
 
 @pytest.mark.parametrize(
@@ -218,16 +208,16 @@ def test_found_inf_skips_the_update_and_the_step(request, kernel) -> None:
         (_hyper(found_inf=torch.tensor(2.0)), "Hyper.found_inf is 2.0: expected 0.0 or 1.0"),
     ],
 )
-@pytest.mark.parametrize("kernel", ["torch", "native-f32"])
-def test_bad_transforms_raise_before_any_write(request, kernel, hyper, message) -> None:
-    if kernel != "torch":
-        request.getfixturevalue("native")
+@pytest.mark.parametrize("path", ["torch", "native-f32"])
+def test_bad_transforms_raise_before_any_write(request, path, hyper, message) -> None:
+    if path != "torch":
+        request.getfixturevalue("kernel")
     gen = torch.Generator().manual_seed(3)
     grads = _grads(torch.float32, gen)[:2]
     masters, exp_avgs, exp_avg_sqs = _state(grads, gen)
     before = [t.clone() for t in (*masters, *exp_avgs, *exp_avg_sqs)]
     step = torch.tensor(1.0)
-    fn = fused_adamw_ if kernel == "torch" else native_adamw_f32_
+    fn = fused_adamw_ if path == "torch" else native_adamw_f32_
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         fn(masters, grads, exp_avgs, exp_avg_sqs, [step, step], steps_to_increment=[step],
            hyper=hyper)
