@@ -258,6 +258,7 @@ def _fsdp_worker(rank: int, world_size: int) -> list[str]:
     return checked
 
 
+@pytest.mark.slow  # a real client: accelerate prepares an FSDP2 model
 def test_accelerate_fsdp2_swap_trains_bitwise_like_torch() -> None:
     """Built on the plain model, the model sharded, param_groups pointed at the DTensors (before
     any step, as accelerate does, and after two: the state sliced to each rank's shard)."""

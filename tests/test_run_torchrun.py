@@ -25,7 +25,8 @@ Path(sys.argv[1], f"pid.{os.environ['RANK']}").write_text(str(os.getpid()))
 time.sleep(600)
 """
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed")
+pytestmark = [pytest.mark.slow,  # every test launches torchrun and its workers (~6 s to start)
+              pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed")]
 
 
 def _command(tmp_path: Path) -> list[str]:
@@ -53,7 +54,6 @@ def _assert_all_gone(pids: list[int], within_s: float = 20.0) -> None:
     assert not [p for p in pids if _alive(p)], f"workers {pids}: still alive {within_s:g} s after run_torchrun"
 
 
-@pytest.mark.slow
 def test_a_timed_out_torchrun_leaves_no_worker_alive(tmp_path: Path) -> None:
     # 20 s: torchrun starts its workers in ~6 s on this 2-core machine; they must be up to be orphaned.
     with pytest.raises(subprocess.TimeoutExpired) as info:

@@ -140,6 +140,7 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # a real quick run of the benchmark suite (~9 s)
 def test_quick_suite_writes_results(tmp_path: Path, _restore_threads, capsys: pytest.CaptureFixture[str]) -> None:
     """Real trainer runs (rows 1 and 5, one rank, tiny model) and the roofline, into tmp_path."""
     rc = suite.main(["--quick", "--ranks", "1", "--dtypes", "fp32", "--rows", "1,5", "--only", "scenarios,roofline",
