@@ -46,18 +46,23 @@ Numerics. Only the number of threads changes, never the math, *if* torch's CPU k
 same bits for every thread count. On torch 2.13 (CPU build, this project's CI) they do for every
 optimizer listed in :data:`THREAD_INVARIANT_OPTIMIZERS`, including ``AdamW(fused=True)`` and
 ``AdamW(foreach=True)`` on FSDP2 ``CPUOffloadPolicy`` shards; ``tests/test_stock.py`` re-checks
-each of them at 1-4 threads on tensors whose sizes leave vector tails, so a torch build that
-breaks this fails there, naming the optimizer. What is *not* invariant on the same build: a full
-reduction such as ``tensor.sum()`` over 16M elements differs in its last bits between 1 and 2-4
-threads (``norm()`` does not; measured 2026-12-01 on the 2-core VM). None of the torch optimizers
-above sums over a whole tensor in its step (Adafactor takes norms); a custom optimizer that does
-may give different bits at different thread counts, wrapped or not: check it with the same test
-before relying on bitwise reproducibility.
+each of them at 1-4 threads on tensors whose sizes leave vector tails, and at 1 and 2 threads
+on language-model shapes (more than 65536 rows), so a torch build that breaks this fails there,
+naming the optimizer. What is *not* invariant on the same build: a reduction over many elements,
+such as ``tensor.sum()`` over 16M elements or a mean over a dimension of 32768 or more, differs in
+its last bits between 1 and 2-4 threads (measured 2026-12-01 on the 2-core VM). Every optimizer
+listed is elementwise. Adafactor is not: it averages its factored second moment over the rows, so
+torch's and transformers' Adafactor on a 50257-row embedding differ by up to 5e-7 between 1 and 2
+threads; the wrapper refuses the optimizers of :data:`REDUCING_OPTIMIZERS` (it found 333-row
+weights invariant and listed Adafactor until it met an embedding). A custom optimizer that reduces
+across elements may give different bits at different thread counts, wrapped or not: check it with
+the same tests before relying on bitwise reproducibility.
 
 What it refuses (:class:`StepThreadsError`, ``TypeError`` for a wrong type): parameters that are
 not on the CPU (their step runs on the accelerator, where CPU threads do not matter), parameters
 on mixed devices, an object that is not a ``torch.optim.Optimizer``, ``CPUOffloadAdamW`` (it tunes
-its own threads), a second wrapping, and ``LBFGS``, whose step evaluates its closure many times.
+its own threads), a second wrapping, ``LBFGS``, whose step evaluates its closure many times, and
+Adafactor (above).
 ``step(closure)`` (Lightning's automatic optimization always passes one) works where ``step`` is
 torch's own (AdamW, Adam, SGD, ...: they evaluate the closure once, first, under
 ``torch.enable_grad()``): the wrapper evaluates it the same way under the caller's thread count
@@ -86,6 +91,7 @@ from offload.threads._plan import ThreadPlan, thread_limit
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "REDUCING_OPTIMIZERS",
     "THREAD_INVARIANT_OPTIMIZERS",
     "StepThreadsError",
     "ThreadTunedOptimizer",
@@ -95,7 +101,8 @@ __all__ = [
 ]
 
 #: torch CPU optimizers (and implementation flags) whose results tests/test_stock.py checks to be
-#: bitwise identical at 1, 2, 3 and 4 intra-op threads (torch 2.13 CPU: all of them are).
+#: bitwise identical at 1, 2, 3 and 4 intra-op threads, and at 1 and 2 on 65536-row weights
+#: (torch 2.13 CPU: all of them are). All are elementwise.
 THREAD_INVARIANT_OPTIMIZERS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("AdamW", {"fused": True}),
     ("AdamW", {"foreach": True}),
@@ -113,8 +120,16 @@ THREAD_INVARIANT_OPTIMIZERS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("Adadelta", {"foreach": True}),
     ("ASGD", {"foreach": True}),
     ("Rprop", {"foreach": True}),
-    ("Adafactor", {}),
 )
+
+#: Class names (matched along the optimizer's MRO: torch.optim.Adafactor, transformers' and timm's
+#: Adafactor) of optimizers whose step reduces across elements, so its bits depend on the thread
+#: count; tune_step_threads refuses them, giving the reason.
+REDUCING_OPTIMIZERS: dict[str, str] = {
+    "Adafactor": "its step averages the factored second moment over the rows (and takes norms), a "
+                 "reduction whose last bits depend on the thread count (5e-7 apart at 1 vs 2 threads "
+                 "on a 50257-row embedding)",
+}
 
 _CLOSURE_HINT = (
     "a closure runs forward and backward inside step(), so its wall time is not the optimizer's and "
@@ -397,7 +412,8 @@ def tune_step_threads(
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or a bad ``autotune``.
         StepThreadsError: parameters not on the CPU or on mixed devices, an optimizer that tunes
-            its own threads or is already wrapped, or one whose step needs a closure.
+            its own threads or is already wrapped, one whose step needs a closure, or one whose step
+            reduces across elements (:data:`REDUCING_OPTIMIZERS`: Adafactor).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -418,6 +434,14 @@ def tune_step_threads(
         raise StepThreadsError(
             f"tune_step_threads: {type(optimizer).__name__}.step requires a closure, which cannot be "
             f"timed fairly: {_CLOSURE_HINT}"
+        )
+    reducing = next((c for c in type(optimizer).__mro__ if c.__name__ in REDUCING_OPTIMIZERS), None)
+    if reducing is not None:
+        raise StepThreadsError(
+            f"tune_step_threads: {type(optimizer).__module__}.{type(optimizer).__qualname__} is not thread-count "
+            f"invariant: {REDUCING_OPTIMIZERS[reducing.__name__]}, so a tuned step would not be bitwise the "
+            "untuned one; step it unwrapped (under a thread count you fix, torch.set_num_threads), or tune an "
+            "elementwise optimizer (AdamW, SGD, ...: offload._stock.THREAD_INVARIANT_OPTIMIZERS)"
         )
     if autotune is True:
         autotune = AutotuneConfig()

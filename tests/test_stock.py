@@ -145,6 +145,37 @@ def test_torch_cpu_optimizer_is_thread_count_invariant(name: str, options: dict[
         assert_bitwise(got, results[0], f"torch.optim.{name}({options}) at {threads} threads vs 1")
 
 
+@pytest.mark.parametrize("name,options", THREAD_INVARIANT_OPTIMIZERS,
+                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in THREAD_INVARIANT_OPTIMIZERS])
+def test_claimed_optimizer_is_invariant_at_language_model_shapes(name: str, options: dict[str, Any]) -> None:
+    """Tuned at 1 and at 2 threads, bitwise equal on embedding-like weights: rows past 65536, where
+    a reduction over the rows splits over threads (Adafactor's did, on a 50257-row embedding)."""
+    results = []
+    for threads in (1, 2):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn((1 << 16) + 17, 4)), nn.Parameter(torch.randn(50257, 3))]
+        opt = tune_step_threads(getattr(torch.optim, name)(params, lr=1e-2, **options), autotune=False,
+                                plan=plan(threads))
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+    assert_bitwise(results[1], results[0], f"tune_step_threads(torch.optim.{name}({options})) at 2 threads vs 1")
+
+
+def test_refuses_optimizers_whose_step_reduces_across_elements() -> None:
+    params = [nn.Parameter(torch.zeros(50257, 3))]
+    with pytest.raises(StepThreadsError, match=r"torch\.optim\.Adafactor is not thread-count invariant: "
+                                               r"its step averages .* tune an elementwise optimizer"):
+        tune_step_threads(torch.optim.Adafactor(params), autotune=False, plan=plan(2))
+    hf = pytest.importorskip("transformers.optimization")
+    with pytest.raises(StepThreadsError, match=r"transformers\.optimization\.Adafactor is not thread-count invariant"):
+        tune_step_threads(hf.Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False),
+                          autotune=False, plan=plan(2))
+
+
 # --------------------------------------------------------------------------- it is the optimizer
 
 
