@@ -35,7 +35,7 @@ from offload.pipeline._pipeline import Pipeline
 from offload.pipeline._step import collect_grads, ready_event, submit_step
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
-from offload.state._edits import edited, record, reseed
+from offload.state._edits import adopt_entries, edited, record, replaced_entries, reseed
 from offload.state._groups import check_options, check_param_group, hyper_of
 from offload.state._layout import NO_SEEDS, HostLayout, Relaid
 from offload.state._masters import cast_seeds, drop_equal_masters, give_masters, loaded_seeds
@@ -51,6 +51,13 @@ from offload.tuning._glue import OffloadTuning
 logger = logging.getLogger(__name__)
 
 __all__ = ["CPUOffloadAdamW"]
+
+
+NOT_COPYABLE = (
+    "CPUOffloadAdamW cannot be copied, pickled or saved whole (it owns host slabs, a worker thread and "
+    "backward hooks): checkpoint opt.state_dict() (torch.save it, deepcopy it) and load_state_dict() it "
+    "into a new CPUOffloadAdamW over the new parameters"
+)
 
 
 class CPUOffloadAdamW(Optimizer):
@@ -314,6 +321,15 @@ class CPUOffloadAdamW(Optimizer):
         if self._numa is not None:
             self._numa.restore()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.copy, copy.deepcopy, pickle and torch.save all come here; torch's Optimizer would
+        # carry only defaults, state and param_groups, leaving an object without its host slabs,
+        # worker thread or hooks, whose step() then fails far from the copy.
+        raise TypeError(NOT_COPYABLE)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(NOT_COPYABLE)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; between backward and ``step()`` it also undoes the chunks started early
         and drops a pending :meth:`clip_grad_norm_` coefficient (the step is skipped)."""
@@ -384,7 +400,7 @@ class CPUOffloadAdamW(Optimizer):
         the parameter (trained or edited since, e.g. by torch's AdamW after our checkpoint) is
         dropped and the parameter wins, with one warning naming how many.
         """
-        self._check_idle("load_state_dict()")
+        self._check_idle("load_state_dict()", adopt=False)
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -420,6 +436,7 @@ class CPUOffloadAdamW(Optimizer):
                 loss = closure()
         if self._in_step:
             raise RuntimeError("CPUOffloadAdamW.step() is already running")
+        self._adopt_replaced_state()
         self._follow_groups()
         self._in_step = True
         try:
@@ -522,11 +539,25 @@ class CPUOffloadAdamW(Optimizer):
             p = layout.records[slot].param
             self.state[p].update(layout.entry(slot, self.state[p]["step"]))
 
-    def _check_idle(self, what: str) -> None:
+    def _check_idle(self, what: str, *, adopt: bool = True) -> None:
+        """Between steps only; undo early chunks, take replaced state tensors in (``adopt``: not
+        for ``load_state_dict``, which replaces the whole state: DCP hands it entries that alias
+        the live ones), follow re-bound param groups."""
         if self._in_step:
             raise RuntimeError(f"CPUOffloadAdamW.{what} called while step() is running")
         self._abandon_early(what)
+        if adopt:
+            self._adopt_replaced_state()
         self._follow_groups()
+
+    def _adopt_replaced_state(self) -> None:
+        """State tensors replaced by assignment since they were made: their values go into the
+        slabs (``offload.state._edits.adopt_entries``), after the early chunks (which read the old
+        ones) are undone, before any relayout copies the slabs."""
+        replaced = replaced_entries(self._layout.records, self.state)
+        if replaced:
+            self._abandon_early("a replaced optimizer.state entry")
+            adopt_entries(self._layout, self.state, replaced)
 
     def _abandon_early(self, what: str) -> None:
         """Undo the chunks started during backward (a call between backward and step())."""

@@ -31,17 +31,23 @@ if it is no longer fp32, first gives it a master seeded from the fp32 storage it
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from offload.state._dtensor import local
 from offload.state._params import ParamRecord
+from offload.state._rebind import local_part
 from offload.state._slabs import HostSlabs
+
+if TYPE_CHECKING:
+    from offload.state._layout import HostLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["edited", "record", "reseed", "stamp"]
+__all__ = ["adopt_entries", "edited", "record", "replaced_entries", "reseed", "stamp"]
 
 
 def stamp(rec: ParamRecord) -> tuple[int, int, int]:
@@ -97,3 +103,57 @@ def reseed(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int
                      "its master follows the parameter", slot)
     record(records, found)
     return found
+
+
+# ---------------------------------------------------------------- state entries replaced
+#: The keys of a state entry whose tensors are slab views, in ``ParamRecord.views`` order.
+_VIEW_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def replaced_entries(records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]]) -> list[int]:
+    """The slots whose state entry no longer holds the slab views it was given: a moment (or a
+    master) replaced by assignment (``opt.state[p]["exp_avg"] = torch.zeros_like(p)``, or a new
+    ``opt.state[p] = {...}``, as recipes reset a re-initialised layer). torch's AdamW steps with
+    the new tensors; so must we. Three identity tests per parameter with state."""
+    out = []
+    get = state.get
+    for rec in records:
+        views = rec.views
+        if views is None or not (st := get(rec.param)):
+            continue  # no state (deleted: the next step starts it fresh, as torch's does)
+        get_key = st.get
+        if (get_key("exp_avg") is not views[0] or get_key("exp_avg_sq") is not views[1]
+                or (views[2] is not None and get_key("master_param") is not views[2])):
+            out.append(rec.slot)
+    return out
+
+
+def adopt_entries(layout: HostLayout, state: dict[Tensor, dict[str, Any]], slots: Iterable[int]) -> None:
+    """Copy the tensors put into the state entries of ``slots`` into the slabs, and give the
+    entries slab views again (holding those values). ``TypeError``/``ValueError`` naming the
+    parameter and the key for a tensor that cannot be a moment of it (not a floating-point tensor,
+    or not its shape: the whole tensor, or this rank's local part of a DTensor parameter)."""
+    for slot in slots:
+        rec = layout.records[slot]
+        st = state[rec.param]
+        assert rec.views is not None
+        for key, view in zip(_VIEW_KEYS, rec.views):
+            value = st.get(key)
+            if view is None or value is view or (value is None and key == "master_param"):
+                continue  # (a new entry without master_param, as torch's AdamW makes: ours stays)
+            what = f"optimizer.state[{rec.name}][{key!r}]"
+            if not isinstance(value, Tensor) or not value.is_floating_point():
+                raise TypeError(f"{what} is {type(value).__name__ if not isinstance(value, Tensor) else value.dtype}: "
+                                f"expected a floating-point tensor of the parameter's shape {tuple(rec.param.shape)}")
+            part = local_part(value.detach(), rec, what)
+            if part is None:
+                raise ValueError(f"{what} has shape {tuple(value.shape)}: expected the parameter's shape "
+                                 f"{tuple(rec.param.shape)} (or its local shard {tuple(rec.local().shape)})")
+            view.view(-1).copy_(part)
+        if "step" not in st:
+            raise ValueError(f"optimizer.state[{rec.name}] has no 'step': expected the step tensor with "
+                             "the moments (as torch's AdamW)")
+        # A new dict: a state_dict() returned earlier shares the old one (torch's packs entries by
+        # reference) and keeps what it showed.
+        state[rec.param] = {**st, **layout.entry(slot, st["step"])}  # type: ignore[index]
+    logger.debug("CPUOffloadAdamW: state entries replaced by assignment were taken into the slabs")

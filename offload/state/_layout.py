@@ -121,7 +121,10 @@ class HostLayout:
         rec = self.registry.records[slot]
         rec.step = step
         self.slabs.used[slot] = 1
-        return state_entry(self.slabs, rec, step)
+        entry = state_entry(self.slabs, rec, step)
+        own = self.slabs.slots[slot].own_master
+        rec.views = (entry["exp_avg"], entry["exp_avg_sq"], None if own else entry["master_param"])
+        return entry
 
     def first_entry(self, rec: ParamRecord) -> dict[str, Tensor]:
         """The first state of ``rec``: its master seeded from the parameter, zero moments, step 0."""

@@ -32,7 +32,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class ParamRecord:
     """What the optimizer knows about one parameter (mutable: updated as the run goes)."""
 
-    __slots__ = ("param", "layout", "slot", "name", "step", "real_master", "stamp", "hooks_fired",
+    __slots__ = ("param", "layout", "slot", "name", "step", "views", "real_master", "stamp", "hooks_fired",
                  "hooks_expected")
 
     def __init__(self, param: Tensor, layout: ShardLayout | None, slot: int) -> None:
@@ -47,6 +47,10 @@ class ParamRecord:
         self.step: Tensor | None = None
         """The step tensor of its state entry when its cached Items were made (offload.state._items);
         a user who replaces ``state[p]["step"]`` (as torch's AdamW allows) invalidates them."""
+        self.views: tuple[Tensor, Tensor, Tensor | None] | None = None
+        """The ``exp_avg``, ``exp_avg_sq`` and (where it has a master place) ``master_param`` slab
+        views its state entry was given: a user who puts other tensors there replaced them
+        (``offload.state._edits.replaced_entries``)."""
         self.real_master = False
         """It keeps a master slab place where it could be its own master (offload.state._masters)."""
         self.stamp: tuple[int, int, int] | None = None
