@@ -374,9 +374,11 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         return getattr(inner, name)
 
     def __getstate__(self) -> dict[str, Any]:
+        # copy.copy, copy.deepcopy, pickle and torch.save all come here (object.__reduce_ex__).
         raise TypeError(
-            "ThreadTunedOptimizer cannot be pickled or deep-copied (it holds a tuner and its process "
-            "group): save opt.state_dict(), or copy opt.wrapped"
+            "ThreadTunedOptimizer cannot be copied, pickled or saved whole (it holds a tuner and its "
+            "process group): checkpoint opt.state_dict() and load_state_dict() it into a new "
+            "tune_step_threads(...) of a new optimizer, or copy opt.wrapped"
         )
 
     def __repr__(self) -> str:

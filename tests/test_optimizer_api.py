@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
+import pickle
 import threading
 
 import pytest
@@ -166,6 +169,35 @@ def test_behaves_as_a_torch_optimizer() -> None:
     assert isinstance(loss, torch.Tensor)
     assert opt.state[p0]["step"].item() == 2.0
     opt.close()
+
+
+def _torch_save_and_load(obj: object) -> object:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, pickle.dumps, _torch_save_and_load,
+                                 lambda opt: copy.deepcopy({"optimizer": opt})],
+                         ids=["copy", "deepcopy", "pickle", "torch.save", "deepcopy-of-a-dict"])
+def test_copying_the_optimizer_raises_and_says_how_to_checkpoint(how) -> None:
+    """torch's Optimizer pickles defaults, state and param_groups only: a copy of ours had no slabs
+    or worker, and its step() raised AttributeError '_in_step' far from the copy."""
+    model = make_model()
+    opt = CPUOffloadAdamW(model.parameters(), overlap_backward=True)
+    model(batch(0)).backward()
+    with pytest.raises(TypeError, match=r"CPUOffloadAdamW cannot be copied, pickled or saved whole .*"
+                                         r"checkpoint opt\.state_dict\(\) .* load_state_dict\(\) it into a new"):
+        how(opt)
+    twin = copy.deepcopy(model)  # the backward hooks hold the optimizer weakly: models still copy
+    opt.step()  # the refused copy left the optimizer as it was
+    sd = _torch_save_and_load(opt.state_dict())  # what the message says to do
+    other = CPUOffloadAdamW(twin.parameters(), overlap_backward=True)
+    other.load_state_dict(sd)
+    assert other.state[twin.emb.weight]["step"].item() == 1.0
+    opt.close()
+    other.close()
 
 
 def test_load_state_dict_rejects_mismatches() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -198,8 +199,11 @@ def test_shares_data_with_the_wrapped_optimizer(tmp_path: Path) -> None:
     assert opt._zero_grad_profile_name == inner._zero_grad_profile_name
     opt.custom_flag = 1
     assert not hasattr(inner, "custom_flag")
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        copy.deepcopy(opt)
+    refused = r"cannot be copied, pickled or saved whole .* checkpoint opt\.state_dict\(\) and load_state_dict\(\)"
+    for how in (copy.copy, copy.deepcopy, pickle.dumps, lambda o: torch.save(o, io.BytesIO())):
+        with pytest.raises(TypeError, match=refused):
+            how(opt)
+    assert isinstance(copy.deepcopy(inner), torch.optim.AdamW)  # torch's own optimizer copies
 
 
 def test_state_dict_round_trip_continues_bitwise(tmp_path: Path) -> None:
