@@ -360,11 +360,20 @@ class CPUOffloadAdamW(Optimizer):
 
     def attach_ddp(self, model: Any) -> None:
         """With ``overlap_backward``: start chunks after DDP's all-reduce of their gradients (it
-        registers a comm hook, ``offload.overlap._launcher``; call before the first backward). Without it
-        DDP stays exact, but every chunk started during backward is redone in ``step()``."""
+        registers a comm hook that reduces as DDP itself does, over DDP's own process group,
+        ``offload.overlap._launcher``; call before the first backward). Without it DDP stays exact,
+        but every chunk started during backward is redone in ``step()``."""
         if self._overlap is None:
             raise ValueError("attach_ddp() needs CPUOffloadAdamW(overlap_backward=True)")
-        model.register_comm_hook(None, ddp_comm_hook(self._overlap))
+        group = getattr(model, "process_group", None)
+        size = torch.distributed.get_world_size(group)
+        if getattr(model, "gradient_as_bucket_view", False) and size & (size - 1):
+            raise ValueError(
+                f"attach_ddp() with DistributedDataParallel(gradient_as_bucket_view=True) on {size} ranks: "
+                "DDP then divides some gradients by the size and multiplies others by its reciprocal, which "
+                "differ in the last bit unless the size is a power of two; pass gradient_as_bucket_view=False "
+                "or do not attach (chunks started during backward are then redone in step(): still exact)")
+        model.register_comm_hook(group, ddp_comm_hook(self._overlap))
         self._overlap.set_external()
 
     def state_dict(self) -> dict[str, Any]:

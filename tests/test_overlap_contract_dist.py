@@ -37,11 +37,20 @@ DDP_SCENARIOS = [f"ddp clip={c}" for c in ("none", "torch", "ours")] + [
     f"ddp attached clip={c}" for c in ("none", "ours")]  # opt.attach_ddp: chunks start after the all-reduce
 
 
+#: 3 ranks, gradient_as_bucket_view=True: DDP divides some gradients and multiplies others by the
+#: reciprocal; they differ where the size is not a power of two, so attach_ddp refuses.
+REFUSED = "ddp gradient_as_bucket_view attach refused"
+#: 3 ranks: DDP's reduction multiplies by the reciprocal of 3 (not exact as a division), and DDP
+#: over a sub-group (ranks 0 and 1; rank 2 alone): attach_ddp must reduce as DDP does, over its group.
+DDP3_SCENARIOS = ["ddp attached clip=none", "ddp subgroup attached clip=none", REFUSED]
+
+
 def _scenarios(world_size: int) -> list[str]:
-    """2 ranks: all; 3 ranks (uneven shards, slower on 2 cores): FSDP2 with clipping."""
+    """2 ranks: all; 3 ranks (uneven shards, slower on 2 cores): FSDP2 with clipping, and DDP
+    attached (over the world and over a sub-group)."""
     if world_size == 2:
         return FSDP_SCENARIOS + DDP_SCENARIOS
-    return [s for s in FSDP_SCENARIOS if "clip=none" not in s]
+    return [s for s in FSDP_SCENARIOS if "clip=none" not in s] + DDP3_SCENARIOS
 
 
 def _train(kind: str, scenario: str, rank: int, shared: dict[int, torch.Tensor]) -> dict[str, Any]:
@@ -57,7 +66,13 @@ def _train(kind: str, scenario: str, rank: int, shared: dict[int, torch.Tensor])
     clip = scenario.split("clip=")[1].split()[0]
     every_micro = "sync=every-micro-batch" in scenario
     accum = ACCUM if fsdp else 1
-    model = sharded() if fsdp else DistributedDataParallel(Net())
+    if "subgroup" in scenario:  # every rank makes every group, in the same order
+        import torch.distributed as dist
+
+        pairs = [dist.new_group([0, 1]), dist.new_group([2])]
+        model = DistributedDataParallel(Net(), process_group=pairs[0] if rank < 2 else pairs[1])
+    else:
+        model = sharded() if fsdp else DistributedDataParallel(Net())
     if kind == "torch":
         opt: Any = torch.optim.AdamW(groups(model), lr=1e-3, fused=True)
     else:
@@ -151,6 +166,9 @@ def _contract_worker(rank: int, world_size: int) -> dict[str, str]:
     torch.set_num_threads(1)
     outcome: dict[str, str] = {}
     for scenario in _scenarios(world_size):
+        if scenario == REFUSED:
+            outcome[scenario] = _refused()
+            continue
         shared: dict[int, torch.Tensor] = {}
         try:
             runs = {kind: _train(kind, scenario, rank, shared) for kind in ("off", "on", "torch")}
@@ -167,6 +185,23 @@ def _contract_worker(rank: int, world_size: int) -> dict[str, str]:
             problems.append("the clip was never active (max_norm too large for this loop)")
         outcome[scenario] = problems[0] if problems else "ok"
     return outcome
+
+
+def _refused() -> str:
+    from _fsdp_models import Net, groups
+    from torch.nn.parallel import DistributedDataParallel
+
+    from offload import CPUOffloadAdamW
+
+    model = DistributedDataParallel(Net(), gradient_as_bucket_view=True)
+    opt = CPUOffloadAdamW(groups(model), overlap_backward=True)
+    try:
+        opt.attach_ddp(model)
+    except ValueError as exc:
+        return "ok" if "gradient_as_bucket_view=True) on 3 ranks" in str(exc) else f"wrong message: {exc}"
+    finally:
+        opt.close()
+    return "attach_ddp accepted gradient_as_bucket_view=True on 3 ranks"
 
 
 @functools.lru_cache(maxsize=None)

@@ -235,17 +235,28 @@ class Launcher:
 
 
 def ddp_comm_hook(launcher: Launcher) -> Callable[[Any, Any], Any]:
-    """A DDP communication hook for ``CPUOffloadAdamW.attach_ddp``: DDP's all-reduce (torch's
-    ``allreduce_hook``: divide by the world size, sum), then, as each bucket's reduced gradients
-    exist, hand them to the optimizer's overlap, so a chunk starts on the gradients ``step()``
-    will see (the autograd hooks fire before the all-reduce; a chunk started there is redone)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    """A DDP communication hook for ``CPUOffloadAdamW.attach_ddp``: DDP's own reduction (each
+    gradient multiplied by the reciprocal of the group's size, then summed over the group DDP was
+    given), then, as each bucket's reduced gradients exist, hand them to the optimizer's overlap,
+    so a chunk starts on the gradients ``step()`` will see (the autograd hooks fire before the
+    all-reduce; a chunk started there is redone).
+
+    torch's ``allreduce_hook`` divides instead, which differs from DDP without a hook in the last
+    bit where the size is not a power of two (3 ranks: 34 tensors off by 1.5e-8), and falls back
+    to the WORLD group when the hook state is None. DDP's reducer multiplies a gradient copied into
+    its bucket by the reciprocal (``mul_out``) and divides one already in it (``div_``, with
+    ``gradient_as_bucket_view=True`` after the first step); ``attach_ddp`` refuses that mode where
+    the two differ."""
+    import torch.distributed as dist
 
     ref = weakref.ref(launcher)
     cache: dict[int, dict[int, int]] = {}  # id(registry) -> id(param) -> slot
 
     def hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations
-        fut = allreduce_hook(process_group, bucket)
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / dist.get_world_size(group))
+        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         params, grads = bucket.parameters(), bucket.gradients()
 
         def reduced(f: Any) -> Any:
@@ -260,7 +271,7 @@ def ddp_comm_hook(launcher: Launcher) -> Callable[[Any, Any], Any]:
                     slot = slots.get(id(p))
                     if slot is not None:
                         hooks.on_grad(slot, g.view(p.shape), external=True)
-            return f.value()
+            return f.value()[0]
 
         return fut.then(reduced)
 
