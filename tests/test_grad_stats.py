@@ -197,3 +197,31 @@ def test_checksum_sees_a_balanced_tensor_negated_and_neighbours_swapped() -> Non
         for dtype in (torch.bfloat16, torch.float16):
             h = g.to(dtype)
             assert not torch.equal(fn([-h])[1], fn([h])[1])
+
+
+def test_the_reference_works_in_blocks_and_equals_the_native_pass(kernel) -> None:
+    """The torch-ops path (the one CUDA gradients take) holds O(block) temporaries: a tensor longer
+    than a block (and not a multiple of it or of the 32 lanes) has the native pass's checksum."""
+    from offload.kernels._grad_stats import TORCH_BLOCK
+
+    assert TORCH_BLOCK % 32 == 0 and TORCH_BLOCK % STATS_BLOCK == 0
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.randn(TORCH_BLOCK + 1000 + 7, generator=g).to(dtype)
+        assert torch.equal(grad_stats_reference([t])[1], grad_stats_([t])[1]), dtype
+
+
+def test_device_tensors_never_load_the_extension_and_reuse_the_lane_weights() -> None:
+    """No build inside a backward hook for device gradients (``meta`` stands in for a GPU here),
+    and the lane weights are made once per device (a ``torch.tensor(..., device=)`` per call is a
+    blocking copy: a sync per hook on CUDA)."""
+    from offload.kernels._grad_stats import _lane_weights
+
+    class Refuse:
+        def get(self):  # an ExtensionLoader that must not be asked
+            raise AssertionError("the extension was loaded for device tensors")
+
+    t = torch.empty(100, device="meta")
+    terms, sums = grad_stats_([t, t], loader=Refuse())
+    assert terms.device.type == sums.device.type == "meta" and tuple(sums.shape) == (2,)
+    assert _lane_weights(torch.device("meta")) is _lane_weights(torch.device("meta"))

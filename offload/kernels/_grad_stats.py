@@ -40,6 +40,7 @@ TypeError naming the index.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -125,17 +126,34 @@ LANE_WEIGHTS = tuple(_splitmix64(j) | 1 for j in range(32))
 _SIGNED_WEIGHTS = [w - (1 << 64) if w >= 1 << 63 else w for w in LANE_WEIGHTS]
 
 
+#: Elements per block of the torch-ops path: its temporaries (int64 words, float64 values: 8 B
+#: an element each) stay O(block), never O(tensor) (a 525M-element embedding gradient would need
+#: about 8 GB of device memory at once). A multiple of 32 (the lanes) and of STATS_BLOCK.
+TORCH_BLOCK = 1 << 22
+
+
+@functools.lru_cache(maxsize=None)
+def _lane_weights(device: torch.device) -> Tensor:
+    """The lane weights on ``device``, made once per device: a ``torch.tensor(..., device=cuda)``
+    per call is a blocking copy from pageable memory, a device sync in every backward hook."""
+    return torch.tensor(_SIGNED_WEIGHTS, dtype=torch.int64, device=device)
+
+
 def _checksum(flat: Tensor) -> Tensor:
-    if flat.dtype == torch.float32:
-        words = flat.view(torch.int32).to(torch.int64)
-    else:
-        words = flat.view(torch.int16).to(torch.int64) & 0xFFFF
-    pad = (-words.numel()) % 32
-    if pad:
-        words = torch.cat([words, words.new_zeros(pad)])
-    lanes = words.view(-1, 32).sum(0, dtype=torch.int64)  # exact: far from 2**63 per lane
+    weights = _lane_weights(flat.device)
+    lanes = torch.zeros(32, dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), TORCH_BLOCK):  # block starts are multiples of 32: lanes align
+        block = flat[start:start + TORCH_BLOCK]
+        if block.dtype == torch.float32:
+            words = block.view(torch.int32).to(torch.int64)
+        else:
+            words = block.view(torch.int16).to(torch.int64) & 0xFFFF
+        pad = (-words.numel()) % 32
+        if pad:
+            words = torch.nn.functional.pad(words, (0, pad))
+        lanes += words.view(-1, 32).sum(0, dtype=torch.int64)  # exact: far from 2**63 per lane
     # int64 products and sum wrap around as the kernel's uint64 ones do (on the device: no sync)
-    return (lanes * torch.tensor(_SIGNED_WEIGHTS, dtype=torch.int64, device=flat.device)).sum()
+    return (lanes * weights).sum()
 
 
 def _term(flat: Tensor, p: float) -> Tensor | float:
@@ -143,9 +161,12 @@ def _term(flat: Tensor, p: float) -> Tensor | float:
         return 0.0
     if p == math.inf:
         return flat.abs().max().double()
-    if flat.device.type != "cpu":  # simple and on the device: no host sync
-        x = flat.double().abs()
-        return (x.square() if p == 2.0 else x if p == 1.0 else x.pow(p)).sum()
+    if flat.device.type != "cpu":  # on the device, block by block (O(block) temporaries): no host sync
+        parts = []
+        for start in range(0, flat.numel(), TORCH_BLOCK):
+            x = flat[start:start + TORCH_BLOCK].double().abs()
+            parts.append((x.square() if p == 2.0 else x if p == 1.0 else x.pow(p)).sum())
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
     # CPU: the native kernel's blocks, each reduced by one thread (a row of a 2-D sum over dim 1
     # is never split between threads), then math.fsum (exactly rounded, order-independent).
     x = torch.nn.functional.pad(flat.double().abs(), (0, -flat.numel() % STATS_BLOCK))
@@ -189,18 +210,19 @@ def grad_stats_(tensors: Sequence[Tensor], *, norm_type: float = 2.0,
     """
     p = norm_type if norm_type in _NATIVE_KIND and type(norm_type) is float else _norm_type(norm_type)
     tensors = list(tensors)
-    kind = _NATIVE_KIND.get(p)
-    module = None
-    if kind is not None:
-        module, _ = (process_loader() if loader is None else loader).get()
-    if module is None:
-        return grad_stats_reference(tensors, norm_type=p)
     try:
-        all_cpu = all(t.is_cpu for t in tensors)  # the C++ side checks everything else
+        cpu = [t.is_cpu for t in tensors]  # the C++ side checks everything else
     except AttributeError:
         i, t = next((i, t) for i, t in enumerate(tensors) if not isinstance(t, Tensor))
         raise TypeError(
             f"grad_stats: tensors[{i}] is a {type(t).__name__}: expected a Tensor") from None
+    kind = _NATIVE_KIND.get(p)
+    module = None
+    if kind is not None and any(cpu):  # device tensors never wait for a build (it may take a minute)
+        module, _ = (process_loader() if loader is None else loader).get()
+    if module is None:
+        return grad_stats_reference(tensors, norm_type=p)
+    all_cpu = all(cpu)
     if all_cpu:
         return module.grad_stats_(tensors, norm=kind)
     on_cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
