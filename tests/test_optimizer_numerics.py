@@ -257,3 +257,54 @@ def test_tensor_lr_bitwise_equal_to_torch_fused_adamw() -> None:
         _train(model, o, _schedule(o), range(6))
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
     assert_bitwise(list(models[1].parameters()), list(models[0].parameters()), "params")
+
+
+def _strided_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Gradients torch's AdamW takes that are not contiguous: expanded from one value (stride 0,
+    ``p.grad = torch.ones(1).expand_as(p)``), an expanded row over a parameter that spans chunks
+    (strides (0, 1)), and a transposed one (dense, not contiguous)."""
+    g = torch.Generator().manual_seed(step)
+    return [torch.randn(1, generator=g).to(dtype).expand(37, 5),
+            torch.randn(1, 9, generator=g).to(dtype).expand(700, 9),
+            torch.randn(700, 9, generator=g).to(dtype).t()]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expanded_and_transposed_gradients_bitwise_equal_to_torch(dtype: torch.dtype, kernel: str,
+                                                                   overlap: bool) -> None:
+    """A stride-0 gradient failed in the native kernel ("grads[1] is not contiguous") and gave
+    NaN through torch's kernel; each kernel now reads a dense copy of its slice. The reference is
+    torch's fused AdamW on dense copies: on a non-contiguous gradient torch 2.13's fused CPU kernel
+    reads the memory as if contiguous (NaN where expanded, permuted where transposed), while its
+    foreach and for-loop AdamW read the values. With overlap, a hook registered before the
+    optimizer's sets the gradients during backward, so early chunks read them too (and commit)."""
+    torch.manual_seed(0)
+    shapes = [(37, 5), (700, 9), (9, 700)]
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    ref_params = [p.detach().float().clone().requires_grad_(True) for p in params]
+    step_now = [0]
+    for i, p in enumerate(params):  # runs before the optimizer's own hook (registered later)
+        p.register_post_accumulate_grad_hook(
+            lambda q, i=i: setattr(q, "grad", _strided_grads(step_now[0], dtype)[i]))
+    opt = CPUOffloadAdamW(params, lr=1e-2, weight_decay=0.1, overlap_backward=overlap,
+                          settings=OffloadSettings(chunk_numel=1024, kernel=kernel))  # type: ignore[arg-type]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(4):
+        step_now[0] = step
+        sum((p.float() * 1.5).sum() for p in params).backward()
+        assert params[0].grad.stride() == (0, 0) and not params[2].grad.is_contiguous()
+        opt.step()
+        opt.zero_grad()
+        for q, g in zip(ref_params, _strided_grads(step, dtype)):
+            q.grad = g.float().contiguous()  # bf16: the mixed-precision reference
+        ref.step()
+        if overlap and step > 0:
+            assert opt.last_stats.committed_chunks > 0, opt.last_stats
+        expected = [q.detach().to(dtype) for q in ref_params]
+        assert_bitwise(list(params), expected, f"{dtype} kernel={kernel} overlap={overlap} step {step}")
+    for p, q in zip(params, ref_params):
+        assert_bitwise([opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]],
+                       [ref.state[q]["exp_avg"], ref.state[q]["exp_avg_sq"]], "moments")
+    opt.close()

@@ -28,6 +28,7 @@ __all__ = [
     "call_steps",
     "flat",
     "grad_operand",
+    "grad_slice",
     "master_operand",
     "param_operand",
     "param_view",
@@ -40,6 +41,15 @@ def flat(t: Tensor) -> Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
+def grad_slice(g: Tensor, start: int, stop: int) -> Tensor:
+    """Elements ``start:stop`` of gradient ``g``, flat and dense (what the kernels read): a view
+    where ``g`` is contiguous, else a copy. ``reshape`` keeps an expanded gradient a view with
+    stride 0 (``p.grad = torch.ones(1).expand_as(p)``, which torch's AdamW takes), so the slice
+    is copied: only the slice there, all of ``g`` where it does not flatten to a view (transposed)."""
+    part = flat(g)[start:stop]
+    return part if part.is_contiguous() else part.contiguous()
+
+
 def param_view(it: Item) -> Tensor:
     """The item's elements of its parameter, flat (a view)."""
     return it.param.detach().view(-1)[it.view.start : it.view.stop]
@@ -48,13 +58,13 @@ def param_view(it: Item) -> Tensor:
 def grad_operand(it: Item) -> Tensor:
     """The item's gradient as the fused-mp kernel reads it: the gradient itself when the item
     covers all of it and it is contiguous (the kernel reads any shape, and a view made per
-    parameter per step costs Python time while the memory bus idles), else a flat slice (of a
-    contiguous copy, for a non-contiguous gradient: it is only read)."""
+    parameter per step costs Python time while the memory bus idles), else a flat slice (a
+    dense copy, for a non-contiguous gradient: :func:`grad_slice`)."""
     g = it.grad
     assert g is not None  # jobs with update=True only hold items with a gradient
     if it.view.whole and g.is_contiguous():
         return g
-    return flat(g)[it.view.start : it.view.stop]
+    return grad_slice(g, it.view.start, it.view.stop)
 
 
 def param_operand(it: Item) -> Tensor:
