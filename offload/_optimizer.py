@@ -35,7 +35,7 @@ from offload.pipeline._pipeline import Pipeline
 from offload.pipeline._step import collect_grads, ready_event, submit_step
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
-from offload.state._edits import adopt_entries, edited, record, replaced_entries, reseed
+from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
 from offload.state._groups import check_options, check_param_group, hyper_of
 from offload.state._layout import NO_SEEDS, HostLayout, Relaid
 from offload.state._masters import cast_seeds, drop_equal_masters, give_masters, loaded_seeds
@@ -538,6 +538,8 @@ class CPUOffloadAdamW(Optimizer):
         changed = edited(self._layout.records, slots)
         if not changed:
             return
+        for slot in changed:  # model.double(): refused before the casts and the relayout below
+            check_edited_dtype(self._layout.records[slot])
         cast = cast_seeds(self._layout.records, self._layout.slabs, self.state, changed)
         if cast:
             give_masters(self._layout.records, cast)

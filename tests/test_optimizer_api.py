@@ -102,6 +102,43 @@ def test_other_construction_errors() -> None:
     opt.close()
 
 
+FLOAT64_REASON = (r"has dtype torch\.float64: expected one of \(torch\.float32, torch\.bfloat16, torch\.float16\) "
+                  r"\(the masters and moments are float32, so a torch\.float64 parameter would be stepped in "
+                  r"float32, not as torch's AdamW steps it\): step it with torch\.optim\.AdamW")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float64_parameters_are_refused_with_the_reason(dtype: torch.dtype, overlap: bool) -> None:
+    """At construction, in add_param_group, and at the step after ``.data`` became float64
+    (``model.double()``; a bf16 parameter was stepped in float32 then), before anything is written."""
+    with pytest.raises(ValueError, match=r"parameter 1 \('1\.weight'\) " + FLOAT64_REASON):
+        CPUOffloadAdamW(nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False).double())
+                        .named_parameters())
+    model = nn.Linear(4, 3).to(dtype)
+    opt = CPUOffloadAdamW(model.parameters(), overlap_backward=overlap)
+    with pytest.raises(ValueError, match="parameter 2 in param group 1 " + FLOAT64_REASON):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    for _ in range(2):
+        model(torch.ones(2, 4, dtype=dtype)).sum().backward()
+        opt.step()
+    model.double()
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    refused = r"parameter \d \(its \.data was replaced since the last step\) " + FLOAT64_REASON
+    if overlap:  # the backward hook that would start the chunk early refuses it
+        with pytest.raises(ValueError, match=refused):
+            model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    else:
+        model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ValueError, match=refused):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments))
+    assert all(opt.state[p]["step"].item() == 2.0 for p in model.parameters())
+    opt.close()
+
+
 def test_sparse_gradient_raises_at_step() -> None:
     emb = nn.Embedding(10, 4, sparse=True)
     opt = CPUOffloadAdamW(emb.parameters())

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from offload.state._dtensor import local
-from offload.state._params import ParamRecord
+from offload.state._params import ParamRecord, check_dtype
 from offload.state._rebind import local_part
 from offload.state._slabs import HostSlabs
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["adopt_entries", "edited", "record", "replaced_entries", "reseed", "stamp"]
+__all__ = ["adopt_entries", "check_edited_dtype", "edited", "record", "replaced_entries", "reseed", "stamp"]
 
 
 def stamp(rec: ParamRecord) -> tuple[int, int, int]:
@@ -76,12 +76,20 @@ def edited(records: Sequence[ParamRecord], slots: Iterable[int]) -> list[int]:
     return out
 
 
+def check_edited_dtype(rec: ParamRecord) -> None:
+    """``ValueError`` where an edited parameter's ``.data`` now has a dtype the fp32 host state
+    cannot step as torch does (``model.double()``: a bf16 parameter was stepped in float32)."""
+    check_dtype(f"{rec.name} (its .data was replaced since the last step)", rec.local())
+
+
 def reseed(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> list[int]:
     """Re-seed the masters of the edited parameters among ``slots`` (see the module doc).
 
     Returns the slots re-seeded; they are recorded as agreeing with their masters.
     """
     found = edited(records, slots)
+    for slot in found:  # before any write (also from a backward hook: overlap_backward)
+        check_edited_dtype(records[slot])
     for slot in found:
         p = local(records[slot].param)
         if p.numel() != slabs.slots[slot].numel:

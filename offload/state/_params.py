@@ -23,8 +23,8 @@ from torch import Tensor
 
 from offload.state._dtensor import ShardLayout, check_grad_layout, layout_of, local
 
-__all__ = ["SUPPORTED_DTYPES", "ParamRecord", "ParamRegistry", "check_grad", "check_params", "param_names",
-           "raise_bad_grad"]
+__all__ = ["SUPPORTED_DTYPES", "ParamRecord", "ParamRegistry", "check_dtype", "check_grad", "check_params",
+           "param_names", "raise_bad_grad"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -80,6 +80,18 @@ def param_names(param_groups: Sequence[dict[str, Any]]) -> list[str]:
     return names
 
 
+def check_dtype(name: str, p: Tensor) -> None:
+    """``ValueError`` unless the fp32 host state steps ``p``'s dtype as torch's AdamW does."""
+    if not p.is_floating_point():
+        raise ValueError(f"{name} has dtype {p.dtype}: expected a floating point dtype")
+    if p.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{name} has dtype {p.dtype}: expected one of {SUPPORTED_DTYPES} (the masters and moments are "
+            f"float32, so a {p.dtype} parameter would be stepped in float32, not as torch's AdamW steps it): "
+            "step it with torch.optim.AdamW, or cast it to one of those"
+        )
+
+
 def check_params(params: list[Tensor], names: list[str]) -> tuple[torch.device, list[ShardLayout | None]]:
     """The device of the (local) parameters, and each one's shard layout (None: a plain tensor)."""
     if not params:
@@ -90,14 +102,7 @@ def check_params(params: list[Tensor], names: list[str]) -> tuple[torch.device, 
     for i, p in enumerate(params):
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"parameter {i} has layout {p.layout}: expected torch.strided")
-        if not p.is_floating_point():
-            raise ValueError(
-                f"parameter {i} has dtype {p.dtype}: expected a floating point dtype"
-            )
-        if p.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"parameter {i} has dtype {p.dtype}: expected one of {SUPPORTED_DTYPES}"
-            )
+        check_dtype(names[i], p)
         if p.device != device:
             raise ValueError(
                 f"parameter {i} is on {p.device} but parameter 0 is on {device}: expected "
