@@ -209,13 +209,24 @@ class Speculation:
                 now[s] = g
                 grads_now.append(g)
         if now:
+            dev_slots: list[int] = []
+            dev_now: list[Tensor] = []
+            dev_was: list[Tensor] = []
             for s, v in zip(now, self._checksums(grads_now)):
-                was = self._sums.get(s)
                 if s in self._device_sums:
                     was, done = self._device_sums[s]
-                    done.synchronize()  # the launch's checksum is on its stream, not ours
-                if was is None or not bool(torch.equal(v.cpu(), was.cpu())):
+                    # The launch's checksum is on its stream: ours waits for it on the device.
+                    torch.cuda.current_stream(v.device).wait_event(done)
+                    dev_slots.append(s)
+                    dev_now.append(v)
+                    dev_was.append(was)
+                    continue
+                was = self._sums.get(s)
+                if was is None or not bool(torch.equal(v.cpu(), was.cpu())):  # host values: no sync
                     changed.add(s)
+            if dev_slots:  # one host-device sync for all device checksums, not two per parameter
+                differs = (torch.stack(dev_now) != torch.stack(dev_was)).tolist()
+                changed.update(s for s, d in zip(dev_slots, differs) if d)
         stale = []
         for c, spec in sorted(launched.items()):
             if (not spec.job.kernel_ran or changed.intersection(spec.slots)
