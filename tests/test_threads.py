@@ -582,3 +582,26 @@ def test_environment_doc_lists_every_variable_knobs_reads() -> None:
     doc = (REPO / "docs" / "environment.md").read_text()
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert not missing, f"docs/environment.md does not document {missing}"
+
+
+def test_starved_masks_are_said_out_loud_once_per_node(caplog: pytest.LogCaptureFixture) -> None:
+    """8 local ranks whose masks hold 2 CPUs of a 128-CPU machine: a WARNING with the figures and
+    what to do, logged by local rank 0 only (every rank's plan carries the same words); a machine
+    whose ranks have their cores says nothing. Never a hang or an exception for it."""
+    from offload import CpuTopology, plan_cpu_threads
+    from offload.threads._plan import forget_logged_plans
+
+    forget_logged_plans()
+    topo = CpuTopology.from_cores([[i, i + 64] for i in range(64)])
+    with caplog.at_level(logging.WARNING, logger="offload.threads._plan"):
+        plans = [plan_cpu_threads(masks=[{0, 1}] * 8, local_rank=r, topology=topo, cpu_count=128) for r in range(8)]
+    warnings = [r.getMessage() for r in caplog.records if "CPU starvation" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert all(p.starved == warnings[0] for p in plans) and all(p.threads == 1 for p in plans)
+    for figure in ("8 local rank(s)", "2 CPU(s)", "2 physical core(s)", "64 physical cores, 128 CPUs",
+                   "0.25 of a physical core per rank", "srun --cpus-per-task", "numactl"):
+        assert figure in warnings[0], figure
+    small = plan_cpu_threads(masks=[{0, 1, 2, 3}], local_rank=0, topology=topo, cpu_count=128)
+    assert small.starved is not None and "4 of the machine's 128 CPUs" in small.starved
+    fine = plan_cpu_threads(masks=[set(range(32)), set(range(32, 64))], local_rank=0, topology=topo, cpu_count=128)
+    assert fine.starved is None

@@ -228,6 +228,7 @@ class OffloadTuning:
             raise ValueError(f"objective={objective!r}: expected 'step' or 'iteration'")
         self.objective = objective
         self._own_threads = plan.threads
+        self._starved = plan.starved  # said in the trace's summary too
         # Every local rank must build the same space: the ladder tops at the largest budget of any
         # local rank and each rank caps the knob at its own plan (see _apply), so the static plan
         # ("as many threads as my plan allows") is the same setting on every rank.
@@ -326,7 +327,10 @@ class OffloadTuning:
     def flush(self) -> None:
         """Write the trace summary (idempotent); called by ``close``."""
         if self._trace is not None:
-            self._trace.write_summary(self.tuner.summary())
+            summary = self.tuner.summary()
+            if self._starved is not None:
+                summary = {**summary, "cpu_starvation": self._starved}
+            self._trace.write_summary(summary)
 
     def close(self) -> None:
         self.flush()
