@@ -379,3 +379,19 @@ def test_worker_thread_stops_on_close_and_on_garbage_collection() -> None:
     del opt
     gc.collect()
     assert workers() == before
+
+
+def test_meta_parameters_are_refused_saying_to_build_after_to_empty() -> None:
+    """Deferred initialisation (parameters on ``meta``): a clear error at construction saying
+    when to build the optimizer, and the recipe it names works."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"meta device \(deferred initialisation\): build CPUOffloadAdamW after model.to_empty"):
+        CPUOffloadAdamW(model.parameters())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.reset_parameters()
+    opt = CPUOffloadAdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.close()

@@ -114,6 +114,10 @@ def check_params(params: list[Tensor], names: list[str]) -> tuple[torch.device, 
             raise ValueError(f"{names[i]} (shape {tuple(p.shape)}, strides {p.stride()}{where}) is not "
                              "contiguous: expected a contiguous tensor (the optimizer writes it through a flat view)")
     if device.type not in ("cpu", "cuda"):
+        if device.type == "meta":  # deferred init: no values yet, so no masters to seed
+            raise ValueError("parameters are on the meta device (deferred initialisation): build CPUOffloadAdamW "
+                             "after model.to_empty(device=...) and the parameters' initialisation (as FSDP2 and "
+                             "torchtitan do), so the host state is seeded from real values")
         raise ValueError(f"parameters are on {device}: expected cpu or cuda")
     return device, layouts
 
