@@ -24,8 +24,9 @@ def _replace_moment(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
 
 
 def _replace_entry(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
-    st = opt.state[p]
-    opt.state[p] = {"step": st["step"].clone(), "exp_avg": torch.full_like(p, 1e-3, dtype=torch.float32),
+    # The step as committed (EDIT_AT steps done), not read off opt.state: with overlap on, between
+    # backward and step() a chunk that already started shows its speculated count there.
+    opt.state[p] = {"step": torch.tensor(float(EDIT_AT)), "exp_avg": torch.full_like(p, 1e-3, dtype=torch.float32),
                     "exp_avg_sq": torch.ones_like(p)}
 
 
