@@ -146,7 +146,7 @@ def _show(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"bad files kept aside: {', '.join(p.name for p in bad)}\n")
     if not entries:
         return 0
-    rows = [["KEY", "CREATED", "WINNER", "BASELINE", "SPEEDUP", "PROBES", "MACHINE"]]
+    rows = [["KEY", "CREATED", "WINNER", "BASELINE", "SPEEDUP", "PROBES", "PROBE COST", "MACHINE"]]
     for key, entry in sorted(entries.items(), key=lambda kv: kv[1].created_unix):
         speedup = entry.speedup
         rows.append([
@@ -156,6 +156,7 @@ def _show(args: argparse.Namespace, out: TextIO) -> int:
             _knobs_text(entry.baseline),
             f"{speedup:.2f}x" if speedup is not None else "-",
             str(entry.probe_steps),
+            _cost(entry.probe_cost_s, entry.probe_cost_pct),
             _machine(entry),
         ])
     _table(rows, out)
@@ -163,9 +164,19 @@ def _show(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _seconds(value: Any) -> str:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return f"{value * 1e3:.2f} ms"
-    return "-"
+    return f"{value * 1e3:.2f} ms" if _finite(value) else "-"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _cost(cost_s: Any, pct: Any) -> str:
+    """``"250.00 ms (0.25%)"``: a cache entry's probing cost and its percentage of 1000 steps at
+    the winner's median; "-" when not recorded (entries of older versions)."""
+    if not _finite(cost_s):
+        return "-"
+    return _seconds(cost_s) + (f" ({pct:.2f}%)" if _finite(pct) else "")
 
 
 def _run_summary(run: Path, summary: Mapping[str, Any], out: TextIO) -> None:
@@ -180,6 +191,13 @@ def _run_summary(run: Path, summary: Mapping[str, Any], out: TextIO) -> None:
               f"({_seconds(summary.get('baseline_median_s'))})\n")
     out.write(f"winner: {_knobs_text(summary.get('winner'))} ({_seconds(summary.get('winner_median_s'))}, "
               f"{ratio} vs the static plan)\n")
+    if summary.get("cache_status") == "hit":
+        out.write("probing cost: none (cache hit: nothing probed)\n")
+    elif "probe_cost_s" in summary:  # summaries of older versions have no such key
+        cost, pct = summary.get("probe_cost_s"), summary.get("probe_cost_pct_of_1000_steps")
+        share = f" ({pct:.2f}% of 1000 steps at it)" if _finite(pct) else ""
+        text = f"{_seconds(cost)} beyond the winner's median{share}" if _finite(cost) else "-"
+        out.write(f"probing cost: {text}\n")
     if summary.get("reason"):
         out.write(f"reason: {summary['reason']}\n")
     out.write(f"(all fields: python -m autotune show --run {run} --json)\n")

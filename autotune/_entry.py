@@ -5,7 +5,10 @@ This module alone spells the entry's JSON form (:meth:`CacheEntry.to_json`,
 
     {"winner": {...}, "baseline": {...}, "winner_median_s": float, "baseline_median_s": float,
      "measurements": [{"candidate": {...}, "samples": [float, ...]}, ...],
-     "probe_steps": int, "created_unix": float, "fingerprint": {...}}
+     "probe_steps": int, "created_unix": float, "fingerprint": {...}, "probe_cost_s": float}
+
+``fingerprint`` and ``probe_cost_s`` are optional: entries of older versions lack them and still
+load (the field is then None), and an entry without them is written without the key.
 
 Values are checked for type only (knob dicts map str to a JSON scalar, ints fit in int64, floats
 are finite, counts are non-negative ints, not bools): a bad entry is a cache miss, never a crash
@@ -19,6 +22,8 @@ import copy
 import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
+
+from autotune._measurement import probe_cost_pct
 
 if TYPE_CHECKING:
     from autotune._space import SearchSpace
@@ -111,6 +116,8 @@ def _check_entry(entry: Any) -> None:
             _check_seconds(s, f"measurements[{i}].samples[{j}]")
     if "fingerprint" in entry and not isinstance(entry["fingerprint"], dict):
         raise CacheEntryError(f"fingerprint={entry['fingerprint']!r}: expected a dict")
+    if "probe_cost_s" in entry:
+        _check_seconds(entry["probe_cost_s"], "probe_cost_s")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,6 +142,10 @@ class CacheEntry:
     fingerprint: dict[str, Any] | None = None
     """What the key was made of (machine, software, workload), for ``python -m autotune show``;
     None when not recorded (entries of older versions): the JSON form then has no such key."""
+    probe_cost_s: float | None = None
+    """Seconds the session's probe steps took beyond as many steps at the winner's median
+    (:func:`autotune._measurement.probe_cost_s`); None when not recorded (older versions, or a
+    winner without a median): the JSON form then has no such key."""
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON form (plain, deep-copied values)."""
@@ -148,6 +159,7 @@ class CacheEntry:
             "probe_steps": self.probe_steps,
             "created_unix": self.created_unix,
             **({} if self.fingerprint is None else {"fingerprint": copy.deepcopy(dict(self.fingerprint))}),
+            **({} if self.probe_cost_s is None else {"probe_cost_s": self.probe_cost_s}),
         }
 
     @classmethod
@@ -168,6 +180,7 @@ class CacheEntry:
             probe_steps=value["probe_steps"],
             created_unix=value["created_unix"],
             fingerprint=copy.deepcopy(value.get("fingerprint")),
+            probe_cost_s=value.get("probe_cost_s"),
         )
 
     @property
@@ -178,10 +191,16 @@ class CacheEntry:
         value = self.baseline_median_s / self.winner_median_s
         return value if math.isfinite(value) else None
 
+    @property
+    def probe_cost_pct(self) -> float | None:
+        """:attr:`probe_cost_s` as a percentage of 1000 steps at the winner's median (None when
+        not recorded)."""
+        return probe_cost_pct(self.probe_cost_s, self.winner_median_s)
+
     def export_row(self) -> dict[str, Any]:
         """The entry as a row of ``python -m autotune export --format csv`` (flattened there):
         its JSON form with ``speedup`` after the medians and ``candidates_measured`` (a count)
-        in place of the measurements; ``fingerprint`` only when recorded."""
+        in place of the measurements; ``probe_cost_s`` and ``fingerprint`` only when recorded."""
         row = {
             "created_unix": self.created_unix,
             "winner": dict(self.winner),
@@ -192,6 +211,8 @@ class CacheEntry:
             "probe_steps": self.probe_steps,
             "candidates_measured": len(self.measurements),
         }
+        if self.probe_cost_s is not None:
+            row["probe_cost_s"] = self.probe_cost_s
         if self.fingerprint is not None:
             row["fingerprint"] = copy.deepcopy(self.fingerprint)
         return row
@@ -208,8 +229,10 @@ class CacheEntry:
         return None
 
 
-#: Keys every entry's JSON form has (``fingerprint`` may be absent in files of older versions).
-_REQUIRED_KEYS = tuple(f.name for f in fields(CacheEntry) if f.name != "fingerprint")
+#: Keys every entry's JSON form has (``fingerprint`` and ``probe_cost_s`` may be absent: files of
+#: older versions).
+_OPTIONAL_KEYS = ("fingerprint", "probe_cost_s")
+_REQUIRED_KEYS = tuple(f.name for f in fields(CacheEntry) if f.name not in _OPTIONAL_KEYS)
 
 
 def validate_entry(entry: Any) -> None:

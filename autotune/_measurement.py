@@ -18,8 +18,11 @@ __all__ = [
     "NOISE_FACTOR",
     "OUTLIER_FACTOR",
     "TIE_TOLERANCE",
+    "COST_REFERENCE_STEPS",
     "gain_threshold",
     "median_standard_error",
+    "probe_cost_pct",
+    "probe_cost_s",
     "significantly_faster",
 ]
 
@@ -41,6 +44,9 @@ MEDIAN_SE_PER_IQR = math.sqrt(math.pi / 2.0) / 1.349
 OUTLIER_FACTOR = 1.5
 #: Default relative distance between medians under which two candidates count as equally fast.
 TIE_TOLERANCE = 0.005
+#: The probing cost is also stated as a percentage of this many steps at the winner's median
+#: (the summary's ``probe_cost_pct_of_1000_steps``): what probing weighs against a short run.
+COST_REFERENCE_STEPS = 1000
 
 
 def _quantile(ordered: tuple[float, ...], q: float) -> float:
@@ -157,3 +163,36 @@ def significantly_faster(
     """True if ``candidate`` beats ``baseline`` by more than the noise and the minimum margin."""
     threshold = gain_threshold(baseline, candidate, min_gain=min_gain, noise_factor=noise_factor)
     return baseline.median - candidate.median > threshold
+
+
+def probe_cost_s(step_times: Iterable[float], winner_median_s: float | None) -> float | None:
+    """Seconds a session's probe steps took beyond the same number of steps at the winner's median.
+
+    ``max(0, sum(t - winner_median_s for t in step_times))`` over every probe step (warm-ups,
+    the slow first step after a switch and the finals included). Not clipped per step: a step
+    faster than the median (the winner's own noise) offsets a slower one, so a session whose
+    candidates are all as fast as the winner costs about nothing instead of its noise summed;
+    only the total is floored at 0. ``0.0`` for no steps (a cache hit, one candidate); None when
+    the winner has no median.
+
+    >>> probe_cost_s([0.3, 0.1, 0.2, 0.1, 0.05], 0.1)  # clipped per step it would be 0.3
+    0.25
+    """
+    times = [float(t) for t in step_times]
+    if not times:
+        return 0.0
+    if winner_median_s is None:
+        return None
+    return max(0.0, math.fsum(times) - len(times) * winner_median_s)
+
+
+def probe_cost_pct(cost_s: float | None, winner_median_s: float | None) -> float | None:
+    """``cost_s`` as a percentage of :data:`COST_REFERENCE_STEPS` steps at ``winner_median_s``
+    (None unless both are known and the median is > 0).
+
+    >>> probe_cost_pct(0.35, 0.1)
+    0.35
+    """
+    if cost_s is None or winner_median_s is None or not winner_median_s > 0:
+        return None
+    return 100.0 * cost_s / (COST_REFERENCE_STEPS * winner_median_s)

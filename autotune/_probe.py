@@ -321,6 +321,8 @@ class ProbeSession:
         self.owner = owner
         self.plan = plan_budget(len(space), config)
         self.steps = 0
+        self.step_times: list[float] = []
+        """The node time of every probe step so far, warm-ups included (the probing cost's input)."""
         self.samples: dict[Key, list[float]] = {}
         self.explored: dict[Key, float] = {}
         self.finalists: list[Key] = []
@@ -348,6 +350,7 @@ class ProbeSession:
         if slot is None:
             raise RuntimeError(f"{self.owner}: the probing session has already decided")
         self.steps += 1
+        self.step_times.append(node_time)
         if slot.phase in ("measure", "final"):
             self.samples[slot.key].append(node_time)
         if slot.phase == "measure" and self._clearly_slower(slot.key):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from autotune._measurement import Measurement
+from autotune._measurement import COST_REFERENCE_STEPS, Measurement, format_ms, probe_cost_pct, probe_cost_s
 from autotune._space import Scalar, SearchSpace
 
 __all__ = ["NO_DECISION", "Decision", "Directive", "TunerState", "lock_in_table"]
@@ -45,6 +45,10 @@ class Decision:
     """The settings re-measured interleaved in the finals (empty without finals)."""
     measurements: tuple[dict[str, Any], ...] = ()
     """Every measured candidate: ``{"candidate": setting, "samples", "median_s", "iqr_s", "n"}``."""
+    probe_cost_s: float | None = None
+    """Seconds the session's probe steps took beyond as many steps at the winner's median
+    (:func:`autotune._measurement.probe_cost_s`); 0 for a cache hit or one candidate (nothing
+    probed), None when the winner is unmeasured."""
 
     @classmethod
     def of(
@@ -60,6 +64,7 @@ class Decision:
         sampler: str,
         steps: int,
         reference_s: float | None,
+        probe_cost_s: float | None,
         finalists: Sequence[dict[str, Any]] = (),
     ) -> Decision:
         """A decision with its measurements turned into plain dicts (picklable, JSON-able)."""
@@ -74,6 +79,7 @@ class Decision:
             reference_s=reference_s,
             finalists=tuple(dict(f) for f in finalists),
             measurements=tuple({"candidate": space.setting(k), **m.to_dict()} for k, m in measurements),
+            probe_cost_s=probe_cost_s,
         )
 
     @classmethod
@@ -88,8 +94,10 @@ class Decision:
         sampler: str,
         steps: int,
         finalists: Sequence[dict[str, Any]] = (),
+        step_times: Sequence[float] = (),
     ) -> Decision:
-        """A decision of a probing session: the medians (and the drift reference) from its measurements."""
+        """A decision of a probing session: the medians (and the drift reference) from its
+        measurements, the probing cost from the node times of all its ``step_times``."""
         by_key = dict(measurements)
         win = by_key.get(winner)
         base = by_key.get(space.key(baseline))
@@ -105,6 +113,7 @@ class Decision:
             steps=steps,
             reference_s=win.median if win else None,
             finalists=finalists,
+            probe_cost_s=probe_cost_s(step_times, win.median if win else None),
         )
 
     @property
@@ -119,6 +128,13 @@ class Decision:
             return self.baseline_median_s / self.winner_median_s
         return None
 
+    @property
+    def probe_cost_pct(self) -> float | None:
+        """:attr:`probe_cost_s` as a percentage of 1000 steps at the winner's median."""
+        if self.probe_cost_s == 0.0:
+            return 0.0  # nothing probed: zero whether or not a median is known
+        return probe_cost_pct(self.probe_cost_s, self.winner_median_s)
+
     def summary_fields(self) -> dict[str, Any]:
         """The decision's keys of ``OnlineTuner.summary()`` (copies)."""
         return {
@@ -131,7 +147,23 @@ class Decision:
             "reason": self.reason,
             "measurements": [dict(m) for m in self.measurements],
             "finalists": [dict(f) for f in self.finalists],
+            "probe_cost_s": self.probe_cost_s,
+            "probe_cost_pct_of_1000_steps": self.probe_cost_pct,
         }
+
+    def cost_text(self) -> str:
+        """The probing cost in words, as the lock-in line states it."""
+        if self.sampler == "cache":
+            return "no probing cost (cache hit: nothing probed)"
+        if self.session_probe_steps == 0:
+            return "no probing cost (nothing probed)"
+        pct = self.probe_cost_pct
+        if self.probe_cost_s is None or pct is None:
+            return "probing cost unknown (the winner was not measured)"
+        return (
+            f"probing cost {format_ms(self.probe_cost_s)} beyond the winner's median"
+            f" = {pct:.2f}% of {COST_REFERENCE_STEPS} steps at it"
+        )
 
 
 #: ``OnlineTuner.summary()``'s decision keys before the first lock-in.
@@ -145,6 +177,8 @@ NO_DECISION: dict[str, Any] = {
     "reason": None,
     "measurements": [],
     "finalists": [],
+    "probe_cost_s": None,
+    "probe_cost_pct_of_1000_steps": None,
 }
 
 
@@ -174,7 +208,8 @@ def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, 
     """The lock-in line and its table, in ms, with one ratio: ``speedup`` (the medians' ratio,
     the figure summary.json, the cache and ``python -m autotune show`` report). The lock-in
     rule compares the medians without spikes: the reason states that gain and the table shows
-    that statistic ("w/o spikes", and how many samples it kept)."""
+    that statistic ("w/o spikes", and how many samples it kept). The line also states the
+    probing cost (:meth:`Decision.cost_text`)."""
     winner, baseline = decision.winner, decision.baseline
     trimmed = {
         space.key(m["candidate"]): Measurement(tuple(m["samples"])).without_outliers() for m in decision.measurements
@@ -189,7 +224,7 @@ def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, 
     head = (
         f"{owner}: locked in {space.describe(winner)}{ratio}"
         + f" after {decision.session_probe_steps} probe step(s) of {probe_budget}"
-        + f" ({decision.sampler}): "
+        + f" ({decision.sampler}), {decision.cost_text()}: "
         + decision.reason
     )
     if not decision.measurements:  # "only one candidate", a cache hit: no table, no empty header

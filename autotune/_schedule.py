@@ -182,6 +182,7 @@ class Schedule:
                 sampler=session.plan.sampler,
                 steps=session.steps,
                 finalists=[self.space.setting(k) for k in session.finalists],
+                step_times=session.step_times,
             )
             self._store(decision)
             return self.directive(step, "locked", "locked", decision.winner, decision=decision)
@@ -212,6 +213,7 @@ class Schedule:
             sampler="cache",
             steps=0,
             reference_s=verdict.reference_s,
+            probe_cost_s=0.0,  # a confirmed cached choice: its re-check steps ran it, nothing was probed
         )
         return self.directive(step, "locked", "locked", decision.winner, decision=decision)
 
@@ -227,6 +229,7 @@ class Schedule:
                 baseline_median_s=decision.baseline_median_s,  # type: ignore[arg-type]
                 measurements=tuple(decision.measurements),  # to_json keeps what an entry stores of each
                 probe_steps=decision.session_probe_steps,
+                probe_cost_s=decision.probe_cost_s,
                 created_unix=time.time(),
                 fingerprint=self.fingerprint_details,
             )

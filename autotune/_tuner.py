@@ -192,7 +192,11 @@ class OnlineTuner:
         slower than recorded on its re-check, so re-tuned). ``probe_steps`` counts every probing
         step of the run (each session spends at most ``config.probe_steps``); ``check_steps`` the
         steps that re-checked a cached choice. ``winner``/``reason``/``measurements`` describe the
-        latest decision (None before the first lock-in).
+        latest decision (None before the first lock-in). ``probe_cost_s``: the seconds the
+        deciding session's probe steps (warm-ups included) took beyond as many steps at the
+        winner's median, summed unclipped and floored at 0 (:func:`autotune._measurement.probe_cost_s`);
+        ``probe_cost_pct_of_1000_steps``: that as a percentage of 1000 steps at the winner's
+        median. Both are 0 on a cache hit (re-check steps are not probing) or with one candidate.
         """
         decision = self._decision.summary_fields() if self._decision is not None else NO_DECISION
         return {
@@ -215,6 +219,8 @@ class OnlineTuner:
             "reason": decision["reason"],
             "measurements": list(decision["measurements"]),
             "finalists": list(decision["finalists"]),
+            "probe_cost_s": decision["probe_cost_s"],
+            "probe_cost_pct_of_1000_steps": decision["probe_cost_pct_of_1000_steps"],
             "steps": self._steps,
             "drift_events": self._drift.events,
             "reprobes": self._drift.reprobes,

@@ -108,6 +108,21 @@ def test_cache_entry_json_form_round_trips_and_names_a_bad_field(tmp_path: Path)
     assert CacheEntry.from_json(old).fingerprint is None and CacheEntry.from_json(old).to_json() == old
 
 
+def test_the_probe_cost_is_an_optional_field_of_the_entry(tmp_path: Path) -> None:
+    """Entries of older versions have no ``probe_cost_s``: they still load (None), and are
+    written back without it; a new entry's cost round-trips and its share of 1000 steps at
+    the winner's median is derived, not stored."""
+    old = CacheEntry.from_json(make_entry())
+    assert old.probe_cost_s is None and old.probe_cost_pct is None and "probe_cost_s" not in old.to_json()
+    new = CacheEntry.from_json({**make_entry(median=0.5), "probe_cost_s": 2.5})
+    assert new.probe_cost_s == 2.5 and new.probe_cost_pct == pytest.approx(0.5)  # 2.5 s of 1000 x 0.5 s
+    assert new.to_json() == {**make_entry(median=0.5), "probe_cost_s": 2.5}
+    assert new.export_row()["probe_cost_s"] == 2.5 and "probe_cost_s" not in old.export_row()
+    cache = TuningCache(tmp_path / "cache.json")
+    assert cache.put("old", make_entry()) and cache.put("new", new)
+    assert cache.records() == {"old": old, "new": new}
+
+
 #: Functions outside _entry.py that read the tuner's summary (summary.json), whose keys share
 #: names with the entry's (``winner``, ``probe_steps``, ...): the same facts in another record.
 _SUMMARY_READERS = {("autotune/_cli.py", "_run_summary")}
@@ -146,7 +161,7 @@ def test_only_the_cache_module_spells_the_entry_json_keys() -> None:
 
     keys = set(CacheEntry(
         winner={"t": 1}, baseline={"t": 1}, winner_median_s=1.0, baseline_median_s=1.0, measurements=(),
-        probe_steps=0, created_unix=0.0, fingerprint={"f": 1},
+        probe_steps=0, created_unix=0.0, fingerprint={"f": 1}, probe_cost_s=0.0,
     ).to_json())
     summary = OnlineTuner(SearchSpace((Knob("t", (1, 2)),)), baseline={"t": 1}, apply=lambda s: None).summary()
     shared = keys & set(summary)
@@ -201,6 +216,8 @@ def test_delete_clear_entries(tmp_path: Path) -> None:
         lambda e: e["measurements"][0].update(samples=[1.0, "x"]),
         lambda e: e.pop("created_unix"),
         lambda e: e["fingerprint"].update(blob=object()),
+        lambda e: e.update(probe_cost_s=-0.5),
+        lambda e: e.update(probe_cost_s="1 s"),
     ],
 )
 def test_put_rejects_malformed_entries(tmp_path: Path, mutate) -> None:

@@ -334,3 +334,44 @@ def test_output_into_a_pipe_closed_early_is_quiet_exit_0(tmp_path: Path) -> None
         result = subprocess.run(["bash", "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                                 timeout=120)
         assert result.stdout.strip() == "python_rc=0" and result.stderr == "", (args, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# The probing cost
+
+
+def test_show_states_the_probing_cost_of_a_run_and_of_a_cache_hit(tmp_path: Path) -> None:
+    """A tuner with fixed step times writes summary.json through a real TraceWriter; ``show --run``
+    states its probing cost; a second run that hits the cache says it probed nothing."""
+    from test_tuner_logic import BASELINE, Client, make_space, make_tuner
+
+    from autotune import AutotuneConfig
+
+    space = make_space(threads=(4, 8), chunks=(BASELINE["chunk_numel"],))
+    cache = TuningCache(tmp_path / "cache.json")
+    for name in ("first", "second"):
+        client = Client(lambda s: 0.012 if s == BASELINE else 0.010, switch_penalty=0.004)
+        with TraceWriter(tmp_path / name, plot=False) as writer:
+            tuner = make_tuner(client, space=space, cache=cache, trace=writer, config=AutotuneConfig(probe_steps=40))
+            client.run(tuner, 40, until_locked=True)
+    summary = json.loads((tmp_path / "first" / "summary.json").read_text())
+    # 8 static-plan steps 2 ms slower than the winner's 10 ms, 6 switches of 4 ms: 40 ms = 0.40% of 10 s
+    assert summary["probe_cost_s"] == pytest.approx(0.040)
+    assert summary["probe_cost_pct_of_1000_steps"] == pytest.approx(0.40)
+    rc, out, _ = call("show", "--run", str(tmp_path / "first"))
+    assert rc == 0 and "probing cost: 40.00 ms beyond the winner's median (0.40% of 1000 steps at it)\n" in out, out
+    rc, out, _ = call("show", "--run", str(tmp_path / "second"))
+    assert rc == 0 and "cache: hit" in out and "probing cost: none (cache hit: nothing probed)\n" in out, out
+    assert json.loads((tmp_path / "second" / "summary.json").read_text())["probe_cost_s"] == 0.0
+    rc, out, _ = call("show", "--cache", str(cache.path))
+    assert rc == 0 and "PROBE COST" in out.splitlines()[1] and "40.00 ms (0.40%)" in out, out
+
+
+def test_show_of_entries_and_runs_without_a_probe_cost(cache_path: Path, run_dir: Path) -> None:
+    """Entries and summaries of older versions have no probe cost: "-", or no line at all."""
+    rc, out, _ = call("show", "--cache", str(cache_path))
+    header, *rows = out.splitlines()[1:]
+    column = header.index("PROBE COST")
+    assert rc == 0 and rows and all(r[column:].startswith("-") for r in rows), out
+    rc, out, _ = call("show", "--run", str(run_dir))
+    assert rc == 0 and "probing cost" not in out, out

@@ -1,10 +1,12 @@
 """What the tuner tells a user: one unit (ms), the deciding statistic in the table, one ratio,
-and a warning when a run ends before tuning finished."""
+a warning when a run ends before tuning finished, and what probing cost."""
 
 from __future__ import annotations
 
 import logging
 import re
+
+import pytest
 
 from test_tuner_logic import BASELINE, Client, FakeCache, make_space, make_tuner, table
 
@@ -112,3 +114,78 @@ def test_only_one_candidate_logs_no_empty_table_header(caplog) -> None:
     locked = [r.getMessage() for r in caplog.records if "locked in" in r.getMessage()]
     assert len(locked) == 1 and "only one candidate" in locked[0], locked
     assert "median ms" not in locked[0] and len(locked[0].splitlines()) == 1, locked[0]
+
+
+# --- the probing cost ----------------------------------------------------------------------------
+
+
+def test_probe_cost_is_the_unclipped_excess_over_the_winners_median_floored_at_zero() -> None:
+    from autotune._measurement import probe_cost_pct, probe_cost_s
+
+    times = [0.030, 0.010, 0.020, 0.010, 0.005]  # at a winner's median of 10 ms
+    assert probe_cost_s(times, 0.010) == pytest.approx(0.025)  # 20 + 0 + 10 + 0 - 5 ms: not clipped per step
+    assert probe_cost_s([0.009, 0.010], 0.010) == 0.0  # faster than the median overall: the total floors at 0
+    assert probe_cost_s([], None) == 0.0 and probe_cost_s([0.01], None) is None  # nothing probed / no median
+    assert probe_cost_pct(0.025, 0.010) == pytest.approx(0.25)  # 25 ms of 1000 x 10 ms
+    assert probe_cost_pct(None, 0.010) is None and probe_cost_pct(0.025, 0.0) is None
+
+
+def test_probe_cost_sums_every_probe_step_against_the_winner(caplog) -> None:
+    """Two candidates on a grid, fixed step times and a 4 ms penalty on the first step after each
+    switch: the warm-ups it lands on count towards the cost, the measured medians are exact."""
+    from test_tuner_logic import FakeTrace
+
+    base, fast, penalty = 0.012, 0.010, 0.004
+    space = make_space(threads=(4, 8), chunks=(BASELINE["chunk_numel"],))
+    client = Client(lambda s: base if s == BASELINE else fast, switch_penalty=penalty)
+    trace = FakeTrace()
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        tuner = make_tuner(client, space=space, trace=trace, config=AutotuneConfig(probe_steps=40))
+        client.run(tuner, 40, until_locked=True)
+    s = tuner.summary()
+    assert s["winner"] == {"threads": 4, "chunk_numel": BASELINE["chunk_numel"]} and s["winner_median_s"] == fast
+    # explore: 1 warm-up + 3 measured each; finals: 2 rounds of (warm-up + measured) per finalist.
+    # 8 steps of the static plan, each 2 ms slower; 6 switches (start, explore, 4 final visits).
+    assert s["probe_steps"] == 16
+    expected = 8 * (base - fast) + 6 * penalty
+    assert s["probe_cost_s"] == pytest.approx(expected)
+    assert s["probe_cost_pct_of_1000_steps"] == pytest.approx(100 * expected / (1000 * fast))
+    # the same as summing the trace's probe rows by hand
+    rows = [r["node_time_s"] for r in trace.rows if r["state"] == "probing"]
+    assert s["probe_cost_s"] == pytest.approx(sum(rows) - len(rows) * fast)
+    assert trace.summaries[-1]["probe_cost_s"] == s["probe_cost_s"]
+    locked = next(r.getMessage() for r in caplog.records if "locked in" in r.getMessage())
+    head = locked.splitlines()[0]
+    pct = s["probe_cost_pct_of_1000_steps"]
+    assert (f"probing cost {format_ms(expected)} beyond the winner's median = {pct:.2f}% of 1000 steps at it"
+            in head), head
+    assert not _OTHER_UNITS.search(locked) and len(re.findall(r"\d\.\d+x", locked)) == 1, locked
+
+
+def test_probe_cost_keys_before_lock_in_and_on_a_cache_hit(caplog) -> None:
+    from test_tuner_logic import cache_for, cached_entry, valley
+
+    client = Client(table({}, default=0.01))
+    fresh = make_tuner(client, config=AutotuneConfig(probe_steps=40))
+    assert fresh.summary()["probe_cost_s"] is None and fresh.summary()["probe_cost_pct_of_1000_steps"] is None
+    winner = {"threads": 4, "chunk_numel": 1 << 22}
+    client = Client(valley(winner))
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        tuner = make_tuner(client, cache=cache_for(cached_entry(winner, winner_median_s=1.0)))
+        client.run(tuner, 10)
+    s = tuner.summary()
+    assert s["cache_status"] == "hit" and s["probe_steps"] == 0
+    assert s["probe_cost_s"] == 0.0 and s["probe_cost_pct_of_1000_steps"] == 0.0  # re-check steps are not probing
+    locked = next(r.getMessage() for r in caplog.records if "locked in" in r.getMessage())
+    assert "no probing cost (cache hit: nothing probed)" in locked, locked
+
+
+def test_the_cache_entry_records_the_probe_cost() -> None:
+    from test_tuner_logic import FakeCache
+
+    client = Client(table({(4, 1 << 21): 0.0091}, default=0.0125))
+    cache = FakeCache()
+    tuner = make_tuner(client, cache=cache, config=AutotuneConfig(probe_steps=80))
+    client.run(tuner, 80, until_locked=True)
+    ((_, entry),) = cache.puts
+    assert entry["probe_cost_s"] == tuner.summary()["probe_cost_s"] > 0
