@@ -200,6 +200,8 @@ def _run_summary(run: Path, summary: Mapping[str, Any], out: TextIO) -> None:
         out.write(f"probing cost: {text}\n")
     if summary.get("reason"):
         out.write(f"reason: {summary['reason']}\n")
+    for warning in summary.get("warnings") or ():  # what the tuner's client said of the run
+        out.write(f"warning: {warning}\n")
     out.write(f"(all fields: python -m autotune show --run {run} --json)\n")
 
 

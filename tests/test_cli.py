@@ -314,6 +314,16 @@ def test_show_run_is_a_short_readable_summary(run_dir: Path) -> None:
     assert "--json" in lines[-1] and "{" not in out
 
 
+def test_show_run_prints_the_warnings_a_client_left_in_the_summary(tmp_path: Path) -> None:
+    """E.g. the thread plan's CPU starvation, which a tuned CPUOffloadAdamW puts in summary.json."""
+    run = tmp_path / "run"
+    with TraceWriter(run, plot=False) as writer:
+        writer.write_summary({"baseline": {"threads": 1}, "winner": {"threads": 1},
+                              "warnings": ["CPU starvation: 8 local rank(s) have 2 CPU(s) ..."]})
+    rc, out, _ = call("show", "--run", str(run))
+    assert rc == 0 and "warning: CPU starvation: 8 local rank(s) have 2 CPU(s) ..." in out.splitlines()
+
+
 def test_plot_without_matplotlib_suggests_pip_install_matplotlib(run_dir: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     rc, _, err = call("plot", str(run_dir))

@@ -605,3 +605,21 @@ def test_starved_masks_are_said_out_loud_once_per_node(caplog: pytest.LogCapture
     assert small.starved is not None and "4 of the machine's 128 CPUs" in small.starved
     fine = plan_cpu_threads(masks=[set(range(32)), set(range(32, 64))], local_rank=0, topology=topo, cpu_count=128)
     assert fine.starved is None
+
+
+def test_a_tuned_optimizer_puts_the_starvation_in_its_trace_summary(tmp_path) -> None:
+    import json
+
+    import torch
+
+    from autotune import AutotuneConfig
+    from offload import CPUOffloadAdamW, CpuTopology, plan_cpu_threads
+
+    topo = CpuTopology.from_cores([[i, i + 64] for i in range(64)])
+    plan = plan_cpu_threads(masks=[{0, 1, 2, 3}], local_rank=0, topology=topo, cpu_count=128)
+    assert plan.starved is not None
+    opt = CPUOffloadAdamW([torch.nn.Parameter(torch.zeros(8))], plan=plan,
+                          autotune=AutotuneConfig(use_cache=False, trace_dir=str(tmp_path)))
+    opt.close()
+    summaries = list(tmp_path.rglob("summary.json"))
+    assert len(summaries) == 1 and json.loads(summaries[0].read_text())["warnings"] == [plan.starved]

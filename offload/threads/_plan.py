@@ -85,7 +85,8 @@ class ThreadPlan:
     starved: str | None = None
     """Why the local ranks' masks starve the CPU step (less than one physical core per rank, or a
     small fraction of the machine), with the figures and what to do; None when they do not. Local
-    rank 0 logs it once as a WARNING."""
+    rank 0 logs it once as a WARNING; a tuned optimizer's trace summary lists it under ``warnings``
+    (``python -m autotune show --run`` prints it)."""
 
 
 #: Masks covering at most this fraction of a machine of at least STARVED_MIN_CPUS CPUs starve the

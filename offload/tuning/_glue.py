@@ -329,7 +329,7 @@ class OffloadTuning:
         if self._trace is not None:
             summary = self.tuner.summary()
             if self._starved is not None:
-                summary = {**summary, "cpu_starvation": self._starved}
+                summary = {**summary, "warnings": [self._starved]}
             self._trace.write_summary(summary)
 
     def close(self) -> None:
