@@ -102,8 +102,12 @@ class FakeOps:
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
         stream.q.put(event.synchronize)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
-        stream.q.put(lambda: dst.copy_(src))
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream, *,
+             span: tuple[int, int] | None = None) -> None:
+        def run() -> None:  # in stream order, as on a device: a span is taken after the stream's waits
+            dst.copy_(src if span is None else src.reshape(-1)[span[0]:span[1]])
+
+        stream.q.put(run)
 
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -167,7 +171,7 @@ def _run(kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
     # Hold the worker at its first copy until every job is queued (as step() queues them at once).
     queued = threading.Event()
     real_copy = ops.copy
-    ops.copy = lambda dst, src, stream: (queued.wait(30), real_copy(dst, src, stream))[1]  # type: ignore[method-assign]
+    ops.copy = lambda dst, src, stream, **kw: (queued.wait(30), real_copy(dst, src, stream, **kw))[1]  # type: ignore[method-assign]
     pipe = Pipeline(slabs, transport, name="schedule-test", kernels=kernels)
     try:
         hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
@@ -256,3 +260,52 @@ def test_every_transport_implements_the_whole_protocol() -> None:
     for transport in (HostTransport(), CudaTransport(torch.device("cpu"), ops=FakeOps(Log(1.0), 1))):
         missing = sorted(n for n in members if not hasattr(transport, n))
         assert not missing, f"{type(transport).__name__} lacks {missing}"
+
+
+def test_a_non_contiguous_gradient_is_read_after_the_launch_event_on_the_copy_stream() -> None:
+    """A transposed gradient cannot be sliced flat as a view: its dense copy must be made on the
+    copy stream, after the stream waited for the job's ready event (the gradient is final only
+    then), not on the worker's stream when the copy is issued. Here the gradient gets its final
+    values after the job is submitted and before the event fires: the step must use them."""
+    rows = cols = 20
+    gen = torch.Generator().manual_seed(5)
+    param = torch.randn(rows * cols, generator=gen)
+    base = torch.randn(cols, rows, generator=gen)
+    grad = base.t()  # (rows, cols), not contiguous: the parameter's 400 elements in another order
+    final = torch.randn(cols, rows, generator=gen)
+
+    reference = param.clone().requires_grad_(True)
+    reference.grad = final.t().contiguous().reshape(-1)
+    torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.1, fused=True).step()
+
+    slabs = HostSlabs([[param.shape]])
+    slabs.flat("master", 0).copy_(param)
+    (chunk,) = plan_chunks(list(slabs.slots), 1024)
+    ops = FakeOps(Log(10.0), 1, gate=False)
+    transport = CudaTransport(torch.device("cpu"), slots=2, ops=ops)
+    pipe = Pipeline(slabs, transport, name="ready-event-test", kernels=DEFAULT_KERNELS)
+    ready = FakeEvent(("ready", 0, "end"))
+    issued = threading.Event()  # the worker has issued the gradient's copy
+    real_copy = ops.copy
+
+    def copy(dst: torch.Tensor, src: torch.Tensor, stream: FakeStream, **kw: Any) -> None:
+        real_copy(dst, src, stream, **kw)
+        issued.set()
+
+    ops.copy = copy  # type: ignore[method-assign]
+    try:
+        hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+        (view,) = chunk.views
+        item = Item(view, param, grad, new_step_tensor(), KIND_TORCH)
+        pipe.submit(ChunkJob(chunk=0, items=[item], hyper=hyper, threads=1, update=True, materialize=True,
+                             ready_event=ready))
+        assert issued.wait(30)
+        base.copy_(final)  # backward finishes writing the gradient ...
+        ready.done.set()  # ... and then the event the copy stream waits on fires
+        result = pipe.drain()
+        assert result.error is None, result.error
+        result.last_h2d_event.synchronize()
+    finally:
+        pipe.close()
+        ops.close()
+    assert torch.equal(param, reference.detach()), "the step read the gradient before it was final"

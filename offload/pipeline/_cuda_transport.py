@@ -37,7 +37,7 @@ from offload.pipeline._buffers import STAGING_ALIGN, LowpBuffers, Scratch, SlabL
 from offload.pipeline._jobs import ChunkJob, StageRecord
 from offload.state._items import KIND_MP, Item
 from offload.kernels._adamw import KernelSet
-from offload.pipeline._operands import flat, torch_grads
+from offload.pipeline._operands import torch_grads
 from offload.state._slabs import HostSlabs
 
 __all__ = ["STAGING_SLOTS", "CudaTransport", "DeviceOps", "TorchCudaOps"]
@@ -59,7 +59,11 @@ class DeviceOps(Protocol):
 
     def wait(self, stream: Any, event: Any) -> None: ...
 
-    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None: ...
+    def copy(self, dst: Tensor, src: Tensor, stream: Any, *, span: tuple[int, int] | None = None) -> None:
+        """``dst.copy_(src)`` on ``stream``; ``span``: elements ``start:stop`` of ``src`` flattened,
+        taken on the stream (after its waits), so the dense copy a non-contiguous ``src`` needs
+        reads the gradient the stream waited for and lives until the copy ran."""
+        ...
 
     def pinned(self, numel: int, dtype: torch.dtype) -> Tensor: ...
 
@@ -84,8 +88,10 @@ class TorchCudaOps:
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+    def copy(self, dst: Tensor, src: Tensor, stream: Any, *, span: tuple[int, int] | None = None) -> None:
         with torch.cuda.stream(stream):
+            if span is not None:  # made on this stream: ordered after its waits, kept until the copy ran
+                src = src.detach().reshape(-1)[span[0]:span[1]]
             dst.copy_(src, non_blocking=True)
 
     def pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -198,7 +204,7 @@ class CudaTransport:
             staged = []
             for it, off, dtype in zip(job.items, offsets, dtypes):
                 dst = _staged(buf, off, it.view.numel, dtype)
-                ops.copy(dst, flat(it.grad)[it.view.start : it.view.stop], stream)  # type: ignore[arg-type]
+                ops.copy(dst, it.grad, stream, span=(it.view.start, it.view.stop))  # type: ignore[arg-type]
                 staged.append(dst)
             ops.record(end, stream)
             self._d2h.used_by(slot, end)
