@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune import knobs
+
 __all__ = ["CPUINFO", "NUMA_ROOT", "Fingerprint", "fingerprint", "hardware_details", "software_details", "canonical_json"]
 
 logger = logging.getLogger(__name__)
@@ -178,17 +180,23 @@ def _version(distribution: str) -> str | None:
 
 
 def software_details() -> dict[str, Any]:
-    """Versions that can move the optimum (read from package metadata; nothing is imported)."""
+    """Versions that can move the optimum (read from package metadata; nothing is imported), and
+    the environment variables that change the step (only where some is set: keys made without any
+    stay what they were)."""
     package = _version(PACKAGE_NAME)
     if package is None:  # running from a source checkout that was never installed
         package = "source"
-    return {
+    details: dict[str, Any] = {
         "python": ".".join(str(v) for v in sys.version_info[:3]),
         "torch": _version("torch"),
         "optuna": _version("optuna"),
         "numpy": _version("numpy"),
         "package": package,
     }
+    env = knobs.step_environment()
+    if env:
+        details["environment"] = env
+    return details
 
 
 # --------------------------------------------------------------------------------------------

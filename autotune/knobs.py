@@ -151,3 +151,14 @@ def node_local_rank() -> int:
 def omp_num_threads() -> int | None:
     """``OMP_NUM_THREADS`` (torchrun sets 1); only reported, never obeyed over an explicit plan."""
     return _positive_int("OMP_NUM_THREADS")
+
+
+#: Prefixes of environment variables that change how a step runs (OpenMP's threads, spinning and
+#: binding; Intel's and GNU's OpenMP runtimes; glibc's allocator): a setting tuned under one value
+#: is not the optimum under another, so they are part of the tuning cache key.
+STEP_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MALLOC_")
+
+
+def step_environment() -> dict[str, str]:
+    """The set variables of :data:`STEP_ENV_PREFIXES`, by name (read as they are, never parsed)."""
+    return {k: os.environ[k] for k in sorted(os.environ) if k.startswith(STEP_ENV_PREFIXES)}

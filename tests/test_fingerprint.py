@@ -171,3 +171,37 @@ def test_key_is_identical_in_another_process_with_another_hash_seed() -> None:
     )
     child = json.loads(out.stdout.strip().splitlines()[-1])
     assert child["key"] == fp().key
+
+
+def test_step_environment_variables_split_the_key_and_none_keep_the_old_one(monkeypatch) -> None:
+    """OMP_*, KMP_*, GOMP_*, MALLOC_* change how a step runs: a setting tuned under one value is
+    not reused under another. With none set, the software facts are those of earlier versions."""
+    from autotune import fingerprint, knobs
+    from autotune._fingerprint import software_details
+
+    for name in [k for k in os.environ if k.startswith(knobs.STEP_ENV_PREFIXES)]:
+        monkeypatch.delenv(name)
+    plain = software_details()
+    assert "environment" not in plain
+    args = {"workload": {"params": 10}, "space": {"threads": [1, 2]}, "local_world_size": 1, "hardware": {"cpu": "x"}}
+    key0 = fingerprint(**args).key
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    details = software_details()
+    assert details["environment"] == {"MALLOC_ARENA_MAX": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    key1 = fingerprint(**args).key
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert len({key0, key1, fingerprint(**args).key}) == 3
+
+
+def test_the_masks_layout_and_the_kernel_source_are_in_the_offload_workload() -> None:
+    from offload import CpuTopology, plan_cpu_threads
+    from offload.tuning._glue import cache_facts
+
+    topo = CpuTopology.from_cores([[i] for i in range(8)])
+    shared = plan_cpu_threads(masks=[set(range(8))] * 2, local_rank=0, topology=topo, cpu_count=8)
+    disjoint = plan_cpu_threads(masks=[set(range(4)), set(range(4, 8))], local_rank=0, topology=topo, cpu_count=8)
+    assert cache_facts(shared, native=False) == {"masks": {"shared": True, "sizes": [8, 8]}}
+    assert cache_facts(disjoint, native=False) == {"masks": {"shared": False, "sizes": [4, 4]}}
+    digest = cache_facts(disjoint, native=True)["kernel_source"]
+    assert isinstance(digest, str) and len(digest) == 16

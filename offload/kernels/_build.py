@@ -111,6 +111,12 @@ def _compiler_identity(compiler: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else compiler
 
 
+def source_digest(source: Path = SOURCE) -> str:
+    """A short hash of the native kernel's source (part of a tuned setting's cache key: a kernel
+    changed in a source checkout, whose package version stays "source", may move the optimum)."""
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+
+
 def build_spec(source: Path = SOURCE, cache_root: Path | None = None) -> BuildSpec:
     """The build this process would use: flags for torch's CPU capability, a keyed directory."""
     from torch.utils import cpp_extension

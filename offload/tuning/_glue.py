@@ -66,7 +66,8 @@ from offload.threads._plan import ThreadPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "global_rank", "offload_search_space", "offload_workload"]
+__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "cache_facts", "global_rank", "offload_search_space",
+           "offload_workload"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -189,6 +190,24 @@ def offload_workload(records: Sequence[ParamRecord], slots: Sequence[ParamSlot],
     return workload, max(group_max, default=0)
 
 
+def cache_facts(plan: ThreadPlan, *, native: bool) -> dict[str, Any]:
+    """What else can move the optimum and goes into the cache key: the layout of the local ranks'
+    affinity masks (shared or disjoint, and their sizes: not only this rank's size, which the
+    hardware facts hold), and, where the native kernel may run, its source's hash."""
+    masks = plan.local_masks or (plan.cpus,)
+    seen: set[int] = set()
+    shared = False
+    for m in masks:
+        shared = shared or bool(seen & m)
+        seen |= m
+    facts: dict[str, Any] = {"masks": {"shared": shared, "sizes": [len(m) for m in masks]}}
+    if native:
+        from offload.kernels._build import source_digest
+
+        facts["kernel_source"] = source_digest()
+    return facts
+
+
 class Tunable(Protocol):
     """What the glue needs of the optimizer it tunes."""
 
@@ -262,6 +281,7 @@ class OffloadTuning:
         self._trace: TraceWriter | None = None
         if config.trace_dir and (knobs.local_rank() or 0) == 0:
             self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
+        workload = {**workload, **cache_facts(plan, native=bool(kernels) or optimizer.settings.kernel == "fused-mp")}
         self.tuner = OnlineTuner(
             space,
             baseline=baseline,
