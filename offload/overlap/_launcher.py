@@ -250,7 +250,9 @@ def ddp_comm_hook(launcher: Launcher) -> Callable[[Any, Any], Any]:
     import torch.distributed as dist
 
     ref = weakref.ref(launcher)
-    cache: dict[int, dict[int, int]] = {}  # id(registry) -> id(param) -> slot
+    # id(param) -> slot of the registry it was made for (held, so a later registry at the same
+    # address is never taken for it)
+    cache: list[Any] = [None, {}]
 
     def hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations
         group = process_group if process_group is not None else dist.group.WORLD
@@ -263,10 +265,9 @@ def ddp_comm_hook(launcher: Launcher) -> Callable[[Any, Any], Any]:
             early = ref()
             if early is not None and early.layout is not None and early.hooks is not None:
                 registry, hooks = early.layout.registry, early.hooks
-                slots = cache.get(id(registry))
-                if slots is None:
-                    cache.clear()
-                    slots = cache[id(registry)] = {id(r.param): r.slot for r in registry.records}
+                if cache[0] is not registry:
+                    cache[:] = [registry, {id(r.param): r.slot for r in registry.records}]
+                slots = cache[1]
                 for p, g in zip(params, grads):
                     slot = slots.get(id(p))
                     if slot is not None:

@@ -91,9 +91,12 @@ class HostLayout:
 
         ``seeds``: the fp32 values of slots that were their own master and now get a master place;
         ``registry``: the records, when the caller needed them before the slabs (the first layout,
-        bound to a NUMA node first); ``allocate``: makes the slabs. ``previous`` is left as it
-        was: the caller switches to the new layout and puts its entries in ``optimizer.state``.
+        bound to a NUMA node first); ``allocate``: makes the slabs. ``previous``'s slabs and
+        ``state`` are not written (the records it shares with the new layout move to their new
+        slots): the caller switches to the new layout and puts its entries in ``optimizer.state``.
         """
+        # The old slots first: the new registry moves the records it keeps to their new slots.
+        old_slot = {id(r.param): r.slot for r in previous.records} if previous is not None else {}
         if registry is None:
             registry = ParamRegistry(param_groups, previous.registry if previous else None, by_identity=True)
         records = registry.records
@@ -106,7 +109,7 @@ class HostLayout:
         if previous is not None:
             rechecked = {id(previous.registry[s]) for s in previous.recheck_masters}  # by identity
             recheck = {rec.slot for rec in records if id(rec) in rechecked}
-            sources = plan_sources(previous.bound, param_groups, previous.records, records, state)
+            sources = plan_sources(previous.bound, param_groups, old_slot, records, state)
             steps = copy_sources(previous.slabs, slabs, records, sources, state, seeds)
         layout = cls(registry=registry, slabs=slabs, chunks=plan_chunks(list(slabs.slots), chunk_numel),
                      bound=BoundParams(param_groups), overlap_backward=overlap_backward, recheck_masters=recheck)

@@ -107,10 +107,11 @@ def check_rebound(bound: BoundParams, param_groups: Sequence[dict[str, Any]], de
 
 
 def plan_sources(bound: BoundParams, param_groups: Sequence[dict[str, Any]],
-                 old_records: Sequence[ParamRecord], new_records: Sequence[ParamRecord],
+                 old_slot: Mapping[int, int], new_records: Sequence[ParamRecord],
                  state: Mapping[Tensor, dict[str, Any]]) -> dict[int, Source]:
-    """Per new slot with state to carry over, its :class:`Source` (the module doc's rules)."""
-    old_slot = {id(r.param): r.slot for r in old_records}
+    """Per new slot with state to carry over, its :class:`Source` (the module doc's rules).
+    ``old_slot``: ``id(parameter) -> slot`` in the old layout, taken before the new registry
+    (which moves the records it keeps to their new slots) was made."""
     still = {id(r.param) for r in new_records}
     sources: dict[int, Source] = {}
     slot = 0
@@ -165,8 +166,14 @@ def copy_sources(old: HostSlabs, new: HostSlabs, records: Sequence[ParamRecord],
             if not new.slots[slot].own_master:
                 if not old.slots[src.old_slot].own_master:
                     master = old.flat("master", src.old_slot)
-                else:
-                    master = seeds[slot] if slot in seeds else rec.local()
+                elif slot in seeds:
+                    master = seeds[slot]
+                else:  # its own master until now: its fp32 value is what its entry's master_param
+                    # holds (the storage it had: after model.to(torch.bfloat16) the parameter is
+                    # bf16 and has lost those bits)
+                    held = state[rec.param].get("master_param")
+                    fp32 = isinstance(held, Tensor) and held.dtype == torch.float32
+                    master = held if fp32 and held.numel() == rec.local().numel() else rec.local()
                 new.flat("master", slot).copy_(master.detach().reshape(-1))
             steps[slot] = state[rec.param]["step"]
             continue
