@@ -1,8 +1,9 @@
 """The gradients and jobs of one ``step()``: one job per chunk, in chunk order.
 
 A chunk whose early job was committed (``committed``: the jobs an overlap with backward ran and
-found valid) only writes its weights (its kernel ran during backward); every other chunk with a gradient runs d2h, kernel and materialize
-with this step's hyper-parameters (clip coefficient and grad scale included).
+found valid) only writes its weights (its kernel ran during backward); every other chunk with a
+gradient runs d2h, kernel and materialize with this step's hyper-parameters (clip coefficient and
+grad scale included).
 """
 
 from __future__ import annotations

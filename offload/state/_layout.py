@@ -98,7 +98,7 @@ class HostLayout:
         # The old slots first: the new registry moves the records it keeps to their new slots.
         old_slot = {id(r.param): r.slot for r in previous.records} if previous is not None else {}
         if registry is None:
-            registry = ParamRegistry(param_groups, previous.registry if previous else None, by_identity=True)
+            registry = ParamRegistry(param_groups, previous.registry if previous else None)
         records = registry.records
         own = own_master_flags(param_groups, records, device_type=registry.device.type,
                                overlap_backward=overlap_backward)

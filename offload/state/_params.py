@@ -155,29 +155,20 @@ class ParamRegistry:
 
     __slots__ = ("records", "device", "sharded", "_by_id")
 
-    def __init__(self, param_groups: Sequence[dict[str, Any]],
-                 previous: ParamRegistry | None = None, *, by_identity: bool = False) -> None:
-        """Check the groups' parameters and record them; the slots of ``previous`` keep their
-        records (a relayout appends a group; it never reorders). ``by_identity`` (parameters
-        re-bound in ``param_groups``, ``offload.state._rebind``): a parameter of ``previous`` keeps
-        its record, at its new slot; every other parameter gets a new record."""
+    def __init__(self, param_groups: Sequence[dict[str, Any]], previous: ParamRegistry | None = None) -> None:
+        """Check the groups' parameters and record them. A parameter of ``previous`` (a relayout:
+        a group added, a master place changed, parameters re-bound) keeps its record, moved to its
+        new slot; every other parameter gets a new record."""
         params: list[Tensor] = [p for g in param_groups for p in g["params"]]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in the optimizer's param_groups")
         names = param_names(param_groups)
         self.device, layouts = check_params(params, names)
-        old = previous.records if previous is not None else []
-        known = previous._by_id if previous is not None and by_identity else {}
+        known = previous._by_id if previous is not None else {}
         records = []
         for slot, (p, layout) in enumerate(zip(params, layouts)):
-            if by_identity:
-                rec = known.get(id(p)) or ParamRecord(p, layout, slot)
-                rec.slot, rec.layout = slot, layout
-            elif slot < len(old):
-                rec = old[slot]
-                rec.param, rec.layout = p, layout
-            else:
-                rec = ParamRecord(p, layout, slot)
+            rec = known.get(id(p)) or ParamRecord(p, layout, slot)
+            rec.slot, rec.layout = slot, layout
             rec.name = names[slot]
             records.append(rec)
         self.records: list[ParamRecord] = records
