@@ -162,7 +162,7 @@ class CPUOffloadAdamW(Optimizer):
         self._clip: ClipRequest | None = None  # set by clip_grad_norm_, taken by the next step()
         self._overlap: Launcher | None = None
         if overlap_backward:
-            self._overlap = Launcher(self, checksums=checksums_of(self._kernels.grad_stats), limit_numel=limit,
+            self._overlap = Launcher(self, checksums=checksums_of(self._kernels), limit_numel=limit,
                                      settings=self._settings)
             self._overlap.bind(self._layout, self._pipeline)
 

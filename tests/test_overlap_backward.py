@@ -99,36 +99,43 @@ def _same(pair) -> None:
         assert_bitwise(_state(m1, o1, key), _state(m0, o0, key), key)
 
 
-class _LaunchChecksums:
-    """A ``KernelSet.grad_stats`` that counts the checksums the worker takes for early chunks,
-    right before their kernels (step()'s re-reads run on the calling thread)."""
+class _LaunchKernels:
+    """Kernels (``KernelSet`` fields) that count the calls the worker makes: with nothing to redo,
+    ``step()`` calls none, so those of a window are the early kernels (which also take the
+    speculation's checksums and backups in their pass)."""
 
     def __init__(self) -> None:
-        self._real = KernelSet().grad_stats
         self.taken = 0
         self._cond = threading.Condition()
 
-    def __call__(self, tensors, **kwargs):
-        out = self._real(tensors, **kwargs)
-        if threading.current_thread() is not threading.main_thread():
-            with self._cond:
-                self.taken += 1
-                self._cond.notify_all()
-        return out
+    def kernels(self) -> KernelSet:
+        real = KernelSet()
+        names = ("fused_adamw", "mixed_precision_adamw", "native_adamw_f32")
+        return KernelSet(**{name: self._counting(getattr(real, name)) for name in names})
+
+    def _counting(self, fn):
+        def kernel(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if threading.current_thread() is not threading.main_thread():
+                with self._cond:
+                    self.taken += 1
+                    self._cond.notify_all()
+            return out
+        return kernel
 
     def reset(self) -> None:
         with self._cond:
             self.taken = 0
 
     def wait_for(self, count: int) -> None:
-        """Until ``count`` checksums were taken since :meth:`reset`: the early kernels ran."""
+        """Until ``count`` kernel calls since :meth:`reset`: the early kernels ran."""
         with self._cond:
             assert self._cond.wait_for(lambda: self.taken >= count, timeout=300), (self.taken, count)
 
 
 def test_gradient_clipped_after_backward_is_redone_exactly() -> None:
-    launches = _LaunchChecksums()
-    pair = _pair(kernels=KernelSet(grad_stats=launches))
+    launches = _LaunchKernels()
+    pair = _pair(kernels=launches.kernels())
     per_window = None
     for step in (4, 5, 6):
         for model, opt in pair:
@@ -146,7 +153,7 @@ def test_gradient_clipped_after_backward_is_redone_exactly() -> None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             opt.step()
             if opt._overlap is not None and per_window is None:
-                per_window = launches.taken  # an unclipped step: the checksums of one window
+                per_window = launches.taken  # an unclipped step: the early kernels of one window
                 assert per_window > 0 and opt.last_stats.committed_chunks == opt.last_stats.num_chunks
     stats = pair[1][1].last_stats
     assert stats.speculated_chunks == stats.num_chunks and stats.committed_chunks == 0
@@ -246,35 +253,37 @@ def test_failure_of_an_early_chunk_reaches_step_and_leaves_the_state_untouched()
 def test_a_gradient_written_before_the_launch_checksum_is_what_the_kernel_reads() -> None:
     """The speculation's checksum must precede every read of the gradient by the early chunk
     (the torch kernel's bf16 upcast included): a write landing just before the checksum (here: a
-    grad_stats spy halving the gradients on the worker, as a concurrent ``scaler.unscale_`` or clip
+    checksums spy halving the gradients on the worker, as a concurrent ``scaler.unscale_`` or clip
     would) is then both consumed and checksummed, so the commit is right. With the checksum after
     the upcast, the kernel consumed the old values and the step committed them (a race the
     GradScaler contract test hit about one run in two)."""
     import threading
 
-    from offload.kernels._grad_stats import grad_stats_
+    from offload.kernels._grad_stats import checksums_
 
-    halved: list[int] = []  # ids of the gradients the spy wrote, first worker call of each step
+    halved: list[int] = []  # storages of the gradients the spy wrote, first worker call of each step
 
     def spy(tensors, **kw):
         if threading.current_thread() is not threading.main_thread() and not halved:
-            for t in tensors:
-                t.mul_(0.5)
-                halved.append(id(t))
-        return grad_stats_(tensors, **kw)
+            # the views one chunk reads: halve the whole gradients they are of, once each
+            bases = {b.untyped_storage().data_ptr(): b for b in (t if t._base is None else t._base for t in tensors)}
+            for ptr, base in bases.items():
+                base.mul_(0.5)
+                halved.append(ptr)
+        return checksums_(tensors, **kw)
 
     settings = OffloadSettings(threads=1, chunk_numel=1024, kernel="torch")
     models = [make_model(torch.bfloat16), make_model(torch.bfloat16)]
     plain = CPUOffloadAdamW(param_groups(models[0]), settings=settings)
     over = CPUOffloadAdamW(param_groups(models[1]), settings=settings, overlap_backward=True,
-                           kernels=KernelSet(grad_stats=spy))
+                           kernels=KernelSet(checksums=spy))
     for step in range(4):
         halved.clear()
         for model, opt in ((models[1], over), (models[0], plain)):
             opt.zero_grad()
             model(batch(step)).backward()
             if opt is plain:  # the same write, on the same parameters, before step()
-                idx = {i for i, p in enumerate(models[1].parameters()) if id(p.grad) in halved}
+                idx = {i for i, p in enumerate(models[1].parameters()) if p.grad is not None and p.grad.untyped_storage().data_ptr() in halved}
                 with torch.no_grad():
                     for i, p in enumerate(model.parameters()):
                         if i in idx:

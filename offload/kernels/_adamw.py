@@ -62,7 +62,7 @@ from offload.kernels._fused_mp import (
     fused_mp_available,
 )
 from offload.kernels._build import ExtensionLoader
-from offload.kernels._grad_stats import grad_stats_
+from offload.kernels._grad_stats import checksums_, checksums_reference, grad_stats_
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,14 @@ __all__ = [
     "DEFAULT_KERNELS",
     "Hyper",
     "KernelSet",
+    "ChecksumKernel",
     "StatsKernel",
     "check_grad_transform",
     "fused_adamw_",
     "mixed_precision_adamw_",
     "native_adamw_f32_",
     "native_scalars",
+    "speculation_outputs",
     "new_step_tensor",
     "torch_mp_adamw_",
 ]
@@ -283,22 +285,43 @@ def native_adamw_f32_(
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
     outs: Sequence[Tensor] = (),
+    saves: Sequence[Tensor] = (),
+    checksums: Tensor | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_adamw_`'s update of fp32 tensors by the native kernel, in one call per chunk.
 
     ``params[i]`` is updated in place (it is its own master: a parameter of a CPU model, or a
-    master slab view); ``outs``, if given, receive a copy of each updated parameter. ``loader``:
-    whose extension runs (None: the process's). Raises ``FusedMPUnavailable`` when the kernel could
-    not be built.
+    master slab view); ``outs``, if given, receive a copy of each updated parameter. ``saves`` and
+    ``checksums``: see :func:`speculation_outputs`. ``loader``: whose extension runs (None: the
+    process's). Raises ``FusedMPUnavailable`` when the kernel could not be built.
     """
     scalars = native_scalars(hyper, steps_to_increment)
     if scalars is None:
+        speculation_outputs(grads, params, exp_avgs, exp_avg_sqs, saves, checksums)
         return
     call_f32_unchecked(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
-        outs=list(outs), steps_to_increment=list(steps_to_increment), scalars=scalars, loader=loader,
+        outs=list(outs), steps_to_increment=list(steps_to_increment), scalars=scalars,
+        saves=list(saves), checksums=checksums, loader=loader,
     )
+
+
+def speculation_outputs(grads: Sequence[Tensor], masters: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                        exp_avg_sqs: Sequence[Tensor], saves: Sequence[Tensor],
+                        checksums: Tensor | None) -> None:
+    """What a native kernel given ``saves`` and ``checksums`` leaves there, made with torch ops
+    (for a call that updates nothing: ``found_inf``). ``saves``: empty, or per tensor ``i`` three
+    fp32 tensors (``saves[3i:3i+3]``) that receive its master, ``exp_avg`` and ``exp_avg_sq`` as
+    they were before the update; ``checksums``: None, or an int64 tensor that receives each
+    gradient's content checksum (:func:`offload.kernels._grad_stats.checksums_`). The kernels make
+    both in their own pass: the gradient is read once, the backups only written (speculation,
+    ``offload.overlap._speculation``)."""
+    if saves:
+        srcs = [t for trio in zip(masters, exp_avgs, exp_avg_sqs) for t in trio]
+        torch._foreach_copy_(list(saves), srcs)
+    if checksums is not None:
+        checksums.copy_(checksums_reference(list(grads)))
 
 
 def mixed_precision_adamw_(
@@ -311,6 +334,8 @@ def mixed_precision_adamw_(
     *,
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
+    saves: Sequence[Tensor] = (),
+    checksums: Tensor | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """The fused-mp step of :func:`offload.kernels._fused_mp.fused_mp_adamw_steps_` with
@@ -319,17 +344,20 @@ def mixed_precision_adamw_(
 
     ``params_lowp[i]`` receives the updated master rounded to the low-precision dtype;
     ``grads_lowp[i]`` is read as is (no fp32 copy). ``loader``: whose extension runs (None: the
-    process's). Raises ``FusedMPUnavailable`` when the kernel could not be built (the optimizer
-    checks first and keeps the torch path then).
+    process's). ``saves`` and ``checksums``: see :func:`speculation_outputs`. Raises
+    ``FusedMPUnavailable`` when the kernel could not be built (the optimizer checks first and keeps
+    the torch path then).
     """
     scalars = native_scalars(hyper, steps_to_increment)
     if scalars is None:
+        speculation_outputs(grads_lowp, masters, exp_avgs, exp_avg_sqs, saves, checksums)
         return
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
     if len(dtypes) <= 1:  # the usual case: one call
         call_steps_unchecked(
             list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
-            list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars, loader=loader,
+            list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars,
+            saves=list(saves), checksums=checksums, loader=loader,
         )
         return
     # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
@@ -337,11 +365,16 @@ def mixed_precision_adamw_(
         torch._foreach_add_(list(steps_to_increment), 1)
     for pair in sorted(dtypes, key=str):
         idx = [i for i, (p, g) in enumerate(zip(params_lowp, grads_lowp)) if (p.dtype, g.dtype) == pair]
+        sums = None if checksums is None else torch.zeros(len(idx), dtype=torch.int64)
         call_steps_unchecked(
             *([lst[i] for i in idx] for lst in (params_lowp, grads_lowp, masters, exp_avgs,
                                                 exp_avg_sqs, state_steps)),
-            steps_to_increment=[], scalars=scalars, loader=loader,
+            steps_to_increment=[], scalars=scalars,
+            saves=[saves[3 * i + k] for i in idx for k in range(3)] if saves else [],
+            checksums=sums, loader=loader,
         )
+        if checksums is not None:
+            checksums[idx] = sums
 
 
 
@@ -400,6 +433,7 @@ Kernel = Callable[..., None]
 and ``hyper`` (and ``outs`` for the fp32 native kernel) by keyword."""
 
 StatsKernel = Callable[..., tuple[Tensor, Tensor]]
+ChecksumKernel = Callable[..., Tensor]
 """``offload.kernels._grad_stats.grad_stats_``'s signature: ``(tensors, *, norm_type=2.0)`` ->
 ``(terms float64, checksums int64)``."""
 
@@ -422,8 +456,11 @@ class KernelSet:
     native_adamw_f32: Kernel = native_adamw_f32_
     """Items of kind F32: fused-mp's fp32 entry point (also takes ``outs=``)."""
     grad_stats: StatsKernel = grad_stats_
-    """Per-tensor norm terms and content checksums of gradients (clipping, speculation checks):
-    the native pass where the extension is built, else the torch reference."""
+    """Per-tensor norm terms and content checksums of gradients (clipping): the native pass
+    where the extension is built, else the torch reference."""
+    checksums: ChecksumKernel = checksums_
+    """Per-tensor content checksums alone (speculation checks: no norm work), the checksums of
+    ``grad_stats``."""
     loader: ExtensionLoader | None = None
     """Builds and loads the native extension: :meth:`available` asks it, and the two native kernels
     and ``grad_stats`` left at their defaults run on what it loads. None: the process's loader
@@ -434,7 +471,8 @@ class KernelSet:
             return
         defaults: tuple[tuple[str, Callable[..., object]], ...] = (
             ("mixed_precision_adamw", mixed_precision_adamw_),
-            ("native_adamw_f32", native_adamw_f32_), ("grad_stats", grad_stats_))
+            ("native_adamw_f32", native_adamw_f32_), ("grad_stats", grad_stats_),
+            ("checksums", checksums_))
         for name, default in defaults:
             if getattr(self, name) is default:  # the default kernel, on this set's extension
                 object.__setattr__(self, name, functools.partial(default, loader=self.loader))

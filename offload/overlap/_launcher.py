@@ -154,14 +154,17 @@ class Launcher:
                 logger.info("overlap_backward: speculation resumes (this step's hyper-parameters, clip "
                             "coefficient and grad scale are those an early chunk would have used)")
             return {}, 0
-        pipeline.on_worker(lambda: None, threads=1)  # the early kernels (and checksums) ran
         if self._step_counts_change(layout, opt.state, launched):
             self.abandon("step() (a gradient dropped or a step tensor replaced after backward)",
                          threads=threads)
             return {}, len(launched)
+        # The gradients' checksums now, while the worker still runs the last early kernels (both
+        # only read gradients); compared with what those kernels read once they are done.
+        reading = self.speculation.read_now(launched, layout.records)
+        pipeline.on_worker(lambda: None, threads=1)  # the early kernels (and checksums) ran
         groups = {c.index: c.group for c in layout.chunks}
         stale = self.speculation.stale_chunks(launched, layout.records, hyper_now,
-                                              groups.__getitem__, late)
+                                              groups.__getitem__, late, reading)
         if stale:
             pipeline.on_worker(lambda: self.speculation.restore(stale), threads=threads)
             logger.debug("overlap_backward: %d of %d early chunks redone in step()", len(stale), len(launched))

@@ -6,10 +6,14 @@ what the step should consume: clip or unscale the gradients (torch's ``clip_grad
 ``GradScaler``), all-reduce them (DDP), run another backward, set the learning rate, skip the
 step. So an early chunk is a *speculation*, and this module makes it one that is never wrong:
 
-* before its kernel runs, the worker copies the chunk's master and moments into a backup buffer
-  of the chunk (kept from step to step: the memory cost of speculation, 12 bytes per speculated
-  element) and, for gradients on the host, records a checksum of every gradient it reads (on CUDA
-  the checksum is taken on the device at launch, where it is cheap);
+* the chunk's master and moments are saved into a backup buffer of the chunk before its kernel
+  overwrites them (kept from step to step: the memory cost of speculation, 12 bytes per
+  speculated element), and a checksum of every gradient view it reads is recorded. On the host
+  the native kernels do both in their own pass (``saves``/``checksums``,
+  ``offload.kernels._adamw.speculation_outputs``): the gradient is read from memory once and the
+  backups are only written, 40 bytes per element moved instead of 28 + 24 + 12 (read for
+  ownership) + 4 with a copy and a checksum pass first, which is what items of torch's kernel
+  still take. On CUDA the checksum is taken on the device at launch, where it is cheap;
 * at ``step()`` :meth:`Speculation.stale_chunks` compares what each early chunk consumed with
   what the step would consume: the gradients' *content* (a checksum of every word, read again
   now: version counters miss in-place ops through a DTensor and GradScaler's CPU unscale, and
@@ -23,9 +27,11 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
 The checksum is a lane-weighted 64-bit sum of the gradient's words (``offload.kernels._grad_stats``,
 one native pass on the CPU, torch ops on a device): any change of one element changes it, and so
 do sign flips and swapped neighbours; changes that cancel within every lane and across the
-weighted lanes (elements 32 apart swapped) are not seen. The checksum of a parameter is
-taken once per window, at the first early chunk holding it, over its whole gradient (final then:
-a chunk starts only when all its parameters' hooks fired).
+weighted lanes (elements 32 apart swapped) are not seen. On the host it is taken per view (the
+elements of one parameter a chunk reads, ``grad_slice``), on CUDA per parameter, once per window
+at the first early chunk holding it (final then: a chunk starts only when all its parameters'
+hooks fired). At ``step()`` the gradients' checksums are read again while the worker still runs
+the last early kernels, and compared once they are done.
 """
 
 from __future__ import annotations
@@ -40,17 +46,24 @@ from torch import Tensor
 
 from offload.state._dtensor import local as _local
 from offload.state._edits import stamp
+from offload.state._items import KIND_TORCH, ItemKind
 from offload.pipeline._jobs import ChunkJob
+from offload.pipeline._operands import grad_slice
 from offload.kernels._adamw import Hyper
 from offload.state._params import ParamRecord
 from offload.state._slabs import SLAB_KINDS, Chunk, HostSlabs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Speculation", "SpeculativeChunk", "checksums_of", "same_hyper"]
+__all__ = ["GradReading", "Speculation", "SpeculativeChunk", "checksums_of", "same_hyper"]
 
 Checksums = Callable[[list[Tensor]], Tensor]
 """``checksums(tensors)``: a 1-D int64 tensor, one content checksum per tensor."""
+ViewKey = tuple[int, int, int]
+"""(slot, start, stop): the elements of one parameter's gradient an early item read."""
+#: Elements: each view's place in a chunk's backup starts on a multiple of this (256 bytes), so
+#: the kernels' non-temporal stores into it are aligned.
+_BACKUP_ALIGN = 64
 
 
 def same_hyper(a: Hyper, b: Hyper) -> bool:
@@ -94,7 +107,21 @@ class SpeculativeChunk:
     stamps: dict[int, tuple[int, int, int]]
     """Per slot: the parameter's edit stamp at the launch (an edit after it makes the chunk late)."""
     saved: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    """(slab view, backup view) pairs filled by the worker before the kernel."""
+    """(slab view, backup view) pairs filled by the worker (before or in the kernel)."""
+    views: list[ViewKey] = field(default_factory=list)
+    """The host gradient views its items read (their checksums are recorded per view)."""
+
+
+@dataclass(slots=True)
+class GradReading:
+    """The gradients an early chunk's parameters have at ``step()`` (:meth:`Speculation.read_now`)."""
+
+    changed: set[int] = field(default_factory=set)
+    """Slots whose gradient is gone or another tensor shape, dtype or device than the one read."""
+    grads: dict[int, Tensor] = field(default_factory=dict)
+    """The others' gradients (local tensors)."""
+    host: dict[ViewKey, int] = field(default_factory=dict)
+    """The checksum of each host view an early item read, of the gradient now."""
 
 
 class Speculation:
@@ -102,17 +129,17 @@ class Speculation:
 
     def __init__(self, checksums: Checksums) -> None:
         self._checksums = checksums
-        self._backup: dict[int, Tensor] = {}  # chunk index -> its backup buffer (3 x numel fp32)
+        self._backup: dict[int, list[Tensor]] = {}  # chunk index -> its backup (master, exp_avg, exp_avg_sq)
         self._offsets: dict[int, dict[tuple[int, int], int]] = {}  # chunk -> view -> offset
         self._launched: dict[int, SpeculativeChunk] = {}
         self._steps0: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (step tensor, its value)
-        self._sums: dict[int, Tensor] = {}  # slot -> checksum of the gradient read
+        self._sums: dict[ViewKey, tuple[Tensor, int]] = {}  # host view -> (checksums, index) of what was read
         self._device_sums: dict[int, tuple[Tensor, Any]] = {}  # CUDA: (checksum at launch, its event)
 
     @property
     def backup_bytes(self) -> int:
         """Host bytes held by the backup buffers (12 per element of every chunk ever speculated)."""
-        return sum(b.numel() * b.element_size() for b in self._backup.values())
+        return sum(t.numel() * t.element_size() for b in self._backup.values() for t in b)
 
     def forget_layout(self) -> None:
         """A new chunk layout or new slabs: the backup buffers describe the old one."""
@@ -137,42 +164,70 @@ class Speculation:
             done.record()  # on this thread's stream (a DDP comm hook may run on another one)
             for s, v in zip(cuda, sums):
                 self._device_sums[s] = (v, done)
-        host = [s for s in first if grads[s].device.type != "cuda"]
         spec = SpeculativeChunk(job, tuple(grads), dict(grads),
                                 {s: state[records[s].param]["step"] for s in grads},
                                 {s: stamp(records[s]) for s in grads})
+        spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in job.items
+                      if grads[it.view.slot].device.type != "cuda"]
         self._launched[chunk.index] = spec
-        job.before_kernel = lambda job, spec=spec, host=host, chunk=chunk: self._before_kernel(
-            job, spec, host, chunk)
+        job.before_kernel = lambda job, spec=spec, chunk=chunk: self._before_kernel(job, spec, chunk)
 
     def bind(self, slabs: HostSlabs) -> None:
         """The slabs the backups copy (set again after every relayout)."""
         self._slabs = slabs
 
-    def _before_kernel(self, job: ChunkJob, spec: SpeculativeChunk, host: list[int], chunk: Chunk) -> None:
-        """On the worker, right before the early kernel: checksums of the host gradients first
-        (what the kernel is about to read), then the backup of the state it will write."""
-        if host:
-            sums = self._checksums([spec.grads[s] for s in host])
-            for s, v in zip(host, sums):
-                self._sums[s] = v
+    def _buffer(self, chunk: Chunk) -> tuple[list[Tensor], dict[tuple[int, int], int]]:
+        """The chunk's backup (made at its first speculation) and each view's offset in it."""
         buf = self._backup.get(chunk.index)
         if buf is None:
-            buf = self._backup[chunk.index] = torch.empty(3 * chunk.numel, dtype=torch.float32)
             offsets, pos = {}, 0
             for v in chunk.views:
                 offsets[(v.slot, v.start)] = pos
-                pos += v.numel
+                pos += -(-v.numel // _BACKUP_ALIGN) * _BACKUP_ALIGN
+            buf = self._backup[chunk.index] = [torch.empty(pos, dtype=torch.float32) for _ in SLAB_KINDS]
             self._offsets[chunk.index] = offsets
-        offsets = self._offsets[chunk.index]
+        return buf, self._offsets[chunk.index]
+
+    def _before_kernel(self, job: ChunkJob, spec: SpeculativeChunk, chunk: Chunk) -> None:
+        """On the worker, right before the early kernel (and before the host transport reads or
+        upcasts any gradient): the backup of the state the kernel will write and the checksums
+        of the host gradient views it will read. Items of a native kernel with a host gradient
+        get both from their kernel call (``job.speculate``); the others here, first."""
+        buf, offsets = self._buffer(chunk)
         slabs, pairs = self._slabs, []
+        copy_to: list[Tensor] = []
+        copy_from: list[Tensor] = []
+        summed: list[tuple[ViewKey, Tensor]] = []
+        fused: dict[ItemKind, tuple[list[Tensor], list[ViewKey]]] = {}
         for it in job.items:
             v = it.view
             at = offsets[(v.slot, v.start)]
-            for k, kind in enumerate(SLAB_KINDS):
-                src = slabs.view(kind, v)
-                pairs.append((src, buf[k * chunk.numel + at : k * chunk.numel + at + v.numel]))
-        torch._foreach_copy_([b for _, b in pairs], [s for s, _ in pairs])
+            saves = [b[at : at + v.numel] for b in buf]
+            state = [slabs.view(kind, v) for kind in SLAB_KINDS]
+            pairs.extend(zip(state, saves))
+            host = it.grad is not None and it.grad.device.type != "cuda"
+            key = (v.slot, v.start, v.stop)
+            if host and it.kind != KIND_TORCH:
+                entry = fused.setdefault(it.kind, ([], []))
+                entry[0].extend(saves)
+                entry[1].append(key)
+                continue
+            copy_to.extend(saves)
+            copy_from.extend(state)
+            if host:
+                summed.append((key, grad_slice(it.grad, v.start, v.stop)))
+        if summed:
+            sums = self._checksums([g for _, g in summed])
+            for i, (key, _) in enumerate(summed):
+                self._sums[key] = (sums, i)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
+        job.speculate = {}
+        for kind, (saves, keys) in fused.items():
+            sums = torch.zeros(len(keys), dtype=torch.int64)
+            job.speculate[kind] = (saves, sums)
+            for i, key in enumerate(keys):
+                self._sums[key] = (sums, i)
         spec.saved = pairs
 
     # -------------------------------------------------------------- step()
@@ -189,44 +244,61 @@ class Speculation:
         return sorted({s for spec in self._launched.values() for s, st in spec.stamps.items()
                        if st != stamp(records[s])})
 
-    def stale_chunks(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord],
-                     hyper_now: Callable[[int], Hyper], chunk_group: Callable[[int], int],
-                     late_slots: Iterable[int]) -> list[int]:
-        """The early chunks whose work differs from what this step consumes (after a drain or
-        not: reads only what the launch and the worker recorded before each kernel; the caller
-        drains before reading a host checksum of a chunk whose kernel may not have run yet)."""
-        slots = sorted({s for spec in launched.values() for s in spec.slots})
-        changed = set(late_slots)
-        now: dict[int, Tensor] = {}
-        grads_now: list[Tensor] = []
-        for s in slots:
+    def read_now(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord]) -> GradReading:
+        """What ``step()`` would consume of the early chunks' gradients, read now: may run while the
+        worker still runs early kernels (it only reads gradients, as they do)."""
+        reading = GradReading()
+        for s in sorted({s for spec in launched.values() for s in spec.slots}):
             p = records[s].param
             g = None if p.grad is None else _local(p.grad)
             spec_g = next(spec.grads[s] for spec in launched.values() if s in spec.grads)
             if g is None or g.shape != spec_g.shape or g.dtype != spec_g.dtype or g.device != spec_g.device:
-                changed.add(s)
+                reading.changed.add(s)
             else:
-                now[s] = g
-                grads_now.append(g)
-        if now:
-            dev_slots: list[int] = []
-            dev_now: list[Tensor] = []
-            dev_was: list[Tensor] = []
-            for s, v in zip(now, self._checksums(grads_now)):
-                if s in self._device_sums:
-                    was, done = self._device_sums[s]
-                    # The launch's checksum is on its stream: ours waits for it on the device.
-                    torch.cuda.current_stream(v.device).wait_event(done)
-                    dev_slots.append(s)
-                    dev_now.append(v)
-                    dev_was.append(was)
-                    continue
-                was = self._sums.get(s)
-                if was is None or not bool(torch.equal(v.cpu(), was.cpu())):  # host values: no sync
-                    changed.add(s)
-            if dev_slots:  # one host-device sync for all device checksums, not two per parameter
-                differs = (torch.stack(dev_now) != torch.stack(dev_was)).tolist()
-                changed.update(s for s, d in zip(dev_slots, differs) if d)
+                reading.grads[s] = g
+        keys = [k for spec in launched.values() for k in spec.views if k[0] in reading.grads]
+        if keys:
+            sums = self._checksums([grad_slice(reading.grads[s], a, b) for s, a, b in keys]).tolist()
+            reading.host = dict(zip(keys, sums))
+        return reading
+
+    def stale_chunks(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord],
+                     hyper_now: Callable[[int], Hyper], chunk_group: Callable[[int], int],
+                     late_slots: Iterable[int], reading: GradReading | None = None) -> list[int]:
+        """The early chunks whose work differs from what this step consumes; only once their
+        kernels ran (the worker drained up to them: the host checksums of what they read are
+        made there). ``reading``: :meth:`read_now`'s, when it was taken earlier in this
+        ``step()``."""
+        if reading is None:
+            reading = self.read_now(launched, records)
+        changed = set(late_slots) | reading.changed
+        recorded: dict[int, list[int]] = {}  # id(checksums tensor) -> its values (one read each)
+        for key, now in reading.host.items():
+            was = self._sums.get(key)
+            if was is None:
+                changed.add(key[0])
+                continue
+            sums, i = was
+            values = recorded.get(id(sums))
+            if values is None:
+                values = recorded[id(sums)] = sums.tolist()
+            if values[i] != now:
+                changed.add(key[0])
+        dev_slots: list[int] = []
+        dev_now: list[Tensor] = []
+        dev_was: list[Tensor] = []
+        device = [s for s in reading.grads if s in self._device_sums]
+        if device:
+            for s, v in zip(device, self._checksums([reading.grads[s] for s in device])):
+                was, done = self._device_sums[s]
+                # The launch's checksum is on its stream: ours waits for it on the device.
+                torch.cuda.current_stream(v.device).wait_event(done)
+                dev_slots.append(s)
+                dev_now.append(v)
+                dev_was.append(was)
+            # one host-device sync for all device checksums, not two per parameter
+            differs = (torch.stack(dev_now) != torch.stack(dev_was)).tolist()
+            changed.update(s for s, d in zip(dev_slots, differs) if d)
         stale = []
         for c, spec in sorted(launched.items()):
             if (not spec.job.kernel_ran or changed.intersection(spec.slots)
@@ -256,12 +328,13 @@ class Speculation:
         self._device_sums.clear()
 
 
-def checksums_of(grad_stats: Any) -> Checksums:
-    """The checksum half of ``KernelSet.grad_stats`` (``offload.kernels._grad_stats``); a gradient that
-    is not one dense block of memory (rare) is checksummed from a contiguous copy."""
+def checksums_of(kernels: Any) -> Checksums:
+    """The checksums of ``KernelSet.checksums`` (``offload.kernels._grad_stats.checksums_``); a
+    gradient that is not one dense block of memory (rare) is checksummed from a contiguous copy."""
+    checksums_fn = kernels.checksums
 
     def checksums(tensors: list[Tensor]) -> Tensor:
         dense = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        return grad_stats(dense)[1]
+        return checksums_fn(dense)
 
     return checksums

@@ -173,15 +173,20 @@ class Worker:
             steps_of = call_steps(job.items, calls)
         # Each parameter's step goes up once per optimizer step, in the first chunk holding it
         # that runs (set.add returns None: the test adds the slot as it goes).
-        hyper = job.hyper
+        hyper, speculate = job.hyper, job.speculate
         for (kind, fn, args), (slots, steps) in zip(calls, steps_of):
             new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
             if job.coef_in_grads and kind == KIND_TORCH:  # the operands are the products already
                 hyper = replace(job.hyper, grad_coef=None)
-            fn(*args, steps_to_increment=new, hyper=hyper)
+            if speculate is not None and kind in speculate:  # backups and checksums in the kernel's pass
+                saves, sums = speculate[kind]
+                fn(*args, steps_to_increment=new, hyper=hyper, saves=saves, checksums=sums)
+            else:
+                fn(*args, steps_to_increment=new, hyper=hyper)
             hyper = job.hyper
         job.calls = job.call_steps = None
         job.grads = None
+        job.speculate = None
         self._record_kernel(job, t0)
 
     def _record_kernel(self, job: ChunkJob, t0: float) -> None:

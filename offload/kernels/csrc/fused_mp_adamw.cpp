@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -381,6 +382,280 @@ void for_each_span(const std::vector<int64_t>& numel, const SpanFn& span) {
   });
 }
 
+// ---- grad_stats: per-tensor norm terms and content checksums (offload/kernels/_grad_stats.py) ------
+//
+// One read of every element: per tensor, its norm term in double (sum of g^2, sum of |g|, or
+// max |g|) and the wrapping 64-bit sum of its words (fp32: the 32-bit word as a signed int, as
+// `g.view(torch.int32).sum(dtype=torch.int64)`; bf16/fp16: the 16-bit word zero-extended).
+// Determinism: a tensor is cut into blocks of kStatsBlock elements counted from its first element
+// (in memory order); a block is reduced into kStatsLanes lanes (element e of the block goes to lane
+// e % kStatsLanes, in element order), the lanes are added in lane order, and a tensor's blocks in
+// block order after the parallel pass. Nothing depends on the thread count, on which thread took a
+// block, or on the other tensors of the call. g^2 of an fp32/bf16/fp16 value is exact in double.
+
+// Elements per block (64 KB of fp32): the unit of work and of the fixed summation order.
+constexpr int64_t kStatsBlock = int64_t(1) << 14;
+// Independent accumulators per block (eight 256-bit double vectors: hides the FMA latency).
+constexpr int kStatsLanes = 32;
+static_assert(kStatsLanes % fVec::size() == 0, "lanes must hold whole float vectors");
+// 16-bit words (and the low halves of 32-bit ones) are summed in 32-bit lanes: at most
+// kStatsBlock / kStatsLanes (+1 from the tail) of 0xFFFF each; high halves likewise, signed.
+static_assert((kStatsBlock / kStatsLanes) * 0xFFFFull < (1ull << 32), "32-bit lane overflow");
+// How far ahead of the loads the vector loop prefetches (one read stream per thread leaves the
+// hardware prefetcher short of requests in flight on the VM this was measured on).
+constexpr int64_t kStatsPrefetchBytes = 2048;
+// Blocks a thread takes from the shared counter at a time (256 KB of fp32).
+constexpr int64_t kStatsTake = 4;
+// Elements per worker below which more threads cost more than they bring (a parallel region
+// costs microseconds to start, and a thread of a loaded machine may be scheduled late).
+constexpr int64_t kStatsGrain = int64_t(1) << 17;
+
+// kNormNone: the checksum alone (speculation checks need no norm: no float-to-double work).
+enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2, kNormNone = 3 };
+
+// The checksum weighs lane j (element i of a tensor lies in lane i % 32) by an odd 64-bit
+// constant, so that flipping signs (a sign bit moves a word by 2^31) or swapping neighbours does
+// not cancel out as it does in a plain sum of words (offload/kernels/_grad_stats.py: LANE_WEIGHTS).
+constexpr uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+constexpr uint64_t lane_weight(int j) { return splitmix64(static_cast<uint64_t>(j)) | 1ull; }
+
+struct BlockStats {
+  double term = 0.0;
+  uint64_t sum = 0;
+};
+
+template <typename T>
+inline uint64_t word_of(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    int32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return static_cast<uint64_t>(static_cast<int64_t>(w));  // sign-extended, as view(int32)
+  } else {
+    uint16_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return w;  // zero-extended
+  }
+}
+
+template <typename T, int64_t K>
+inline void lane_update(double& acc, float& mx, uint32_t& bad, float f) {
+  if constexpr (K == kNormNone) {
+    return;
+  } else if constexpr (K == kNormL2) {
+    const double v = static_cast<double>(f);
+    acc = acc + v * v;
+  } else if constexpr (K == kNormL1) {
+    acc = acc + std::abs(static_cast<double>(f));
+  } else {
+    const float a = std::abs(f);
+    mx = mx < a ? a : mx;
+    bad |= static_cast<uint32_t>(f != f);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// 32 elements into the 32 lanes: acc[k] holds lanes 4k..4k+3 (element e of the group is lane e),
+// exactly the scalar lane_update's operations (fma(v, v, acc) == acc + v * v: the square of a
+// float is exact in double). Words: a 16-bit word into its 32-bit lane of s32; a 32-bit word w as
+// w & 0xFFFF into s32 and w >> 16 (arithmetic) into hi32, so that the sum of the words is
+// sum(s32) + 65536 * sum(hi32) (no lane can overflow within one block), with no cross-lane
+// widening. 256-bit vectors on AVX-512 builds too: on the 2-core VM (Xeon, AVX-512) the 512-bit
+// float-to-double conversions ran this loop at 5-16 GB/s from L1/L2, the 256-bit ones at 40-58
+// GB/s (a standalone loop over 64 KB, best of 5), since 512-bit work has two ports, 256-bit three.
+template <typename T, int64_t K>
+inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s32)[4], __m256i (&hi32)[4]) {
+  const __m256d sign = _mm256_set1_pd(-0.0);
+  for (int h = 0; h < 4; ++h) {
+    [[maybe_unused]] __m256 f;
+    if constexpr (std::is_same_v<T, float>) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * h));
+      s32[h] = _mm256_add_epi32(s32[h], _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
+      hi32[h] = _mm256_add_epi32(hi32[h], _mm256_srai_epi32(w, 16));
+    } else {
+      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * h));
+      const __m256i w32 = _mm256_cvtepu16_epi32(w);
+      s32[h] = _mm256_add_epi32(s32[h], w32);
+      if constexpr (K == kNormNone) {
+        continue;
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        f = _mm256_castsi256_ps(_mm256_slli_epi32(w32, 16));
+      } else {
+        #if defined(CPU_CAPABILITY_AVX512)  // no -mf16c there: the AVX-512 conversion, low half
+        f = _mm512_castps512_ps256(_mm512_cvtph_ps(_mm256_castsi128_si256(w)));
+#else
+        f = _mm256_cvtph_ps(w);
+#endif
+      }
+    }
+    if constexpr (K == kNormNone) continue;
+    for (int q = 0; q < 2; ++q) {
+      __m256d v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm256_cvtps_pd(_mm_loadu_ps(x + 8 * h + 4 * q));
+      } else {
+        v = _mm256_cvtps_pd(q == 0 ? _mm256_castps256_ps128(f) : _mm256_extractf128_ps(f, 1));
+      }
+      __m256d& a = acc[2 * h + q];
+      if constexpr (K == kNormL2) {
+        a = _mm256_fmadd_pd(v, v, a);
+      } else {
+        a = _mm256_add_pd(a, _mm256_andnot_pd(sign, v));
+      }
+    }
+  }
+}
+#endif
+
+template <typename T, int64_t K>
+BlockStats block_stats(const T* x, int64_t n) {
+  alignas(64) double acc[kStatsLanes] = {};
+  float mx[kStatsLanes] = {};
+  uint32_t bad[kStatsLanes] = {};
+  alignas(64) uint64_t s64[kStatsLanes] = {};
+  alignas(64) uint32_t s32[kStatsLanes] = {};
+  alignas(64) int32_t hi32[kStatsLanes] = {};
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (K != kNormInf) {
+    __m256d va[8];
+    __m256i v32[4], vhi[4];
+    for (auto& a : va) a = _mm256_setzero_pd();
+    for (auto& a : v32) a = _mm256_setzero_si256();
+    for (auto& a : vhi) a = _mm256_setzero_si256();
+    for (; i + kStatsLanes <= n; i += kStatsLanes) {
+      const char* ahead = reinterpret_cast<const char*>(x + i) + kStatsPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if constexpr (sizeof(T) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      stats_vec32<T, K>(x + i, va, v32, vhi);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_store_pd(acc + 4 * k, va[k]);
+    for (int k = 0; k < 4; ++k) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s32 + 8 * k), v32[k]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hi32 + 8 * k), vhi[k]);
+    }
+  }
+#endif
+  for (; i + kStatsLanes <= n; i += kStatsLanes) {  // inf norms, and builds without AVX2
+    for (int j = 0; j < kStatsLanes; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        s64[j] += word_of(x + i + j);
+      } else {
+        s32[j] += static_cast<uint32_t>(word_of(x + i + j));
+      }
+      lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i + j]));
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {  // the tail: lane j, the same operations one at a time
+    if constexpr (std::is_same_v<T, float>) {
+      s64[j] += word_of(x + i);
+    } else {
+      s32[j] += static_cast<uint32_t>(word_of(x + i));
+    }
+    lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i]));
+  }
+  BlockStats out;
+  float m = 0.0f;
+  uint32_t any_bad = 0;
+  for (int j = 0; j < kStatsLanes; ++j) {
+    out.term += acc[j];
+    out.sum += (s64[j] + s32[j] + (static_cast<uint64_t>(static_cast<int64_t>(hi32[j])) << 16)) *
+               lane_weight(j);
+    m = m < mx[j] ? mx[j] : m;
+    any_bad |= bad[j];
+  }
+  if constexpr (K == kNormInf) {
+    out.term = any_bad ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(m);
+  }
+  return out;
+}
+
+template <int64_t K>
+BlockStats block_stats_of(at::ScalarType dtype, const void* base, int64_t lo, int64_t hi) {
+  switch (dtype) {
+    case at::kFloat: return block_stats<float, K>(static_cast<const float*>(base) + lo, hi - lo);
+    case at::kBFloat16:
+      return block_stats<c10::BFloat16, K>(static_cast<const c10::BFloat16*>(base) + lo, hi - lo);
+    default: return block_stats<c10::Half, K>(static_cast<const c10::Half*>(base) + lo, hi - lo);
+  }
+}
+
+// ---- speculation (offload/overlap/_speculation.py) ------------------------------------------
+//
+// A chunk updated during backward is a guess that step() commits or undoes. Called with `saves`
+// and `checksums`, the kernels do the guess's bookkeeping in their own pass: before each piece of
+// at most kStatsBlock elements is updated, the words of its gradient are added into the tensor's
+// checksum (grad_stats' checksum: a piece starts on a multiple of kUnit, a lane boundary, so the
+// pieces' sums add up, modulo 2^64, to the checksum of the whole tensor) and the master and both
+// moments it is about to overwrite are streamed into the tensor's three backups. The update then
+// finds all four in cache: the gradient is read from memory once, and the backups cost their 12
+// bytes of writes (non-temporal where aligned: no read for ownership) instead of a copy pass of
+// 24 bytes (+12 of read for ownership) and a checksum pass of 2-4.
+struct Speculate {
+  std::vector<float*> saves;  // 3 per tensor (master, exp_avg, exp_avg_sq), or empty
+  std::unique_ptr<std::atomic<uint64_t>[]> sums;  // per tensor, or null
+
+  bool any() const { return !saves.empty() || sums != nullptr; }
+};
+
+inline void save_span(const float* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    for (; d + 16 <= n; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+    for (; d + 8 <= n; d += 8) _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
+  }
+#endif
+  if (d < n) std::memcpy(dst + d, src + d, static_cast<size_t>(n - d) * sizeof(float));
+}
+
+// The bookkeeping of elements [lo, hi) of tensor i (hi - lo <= kStatsBlock: the 32-bit lanes of
+// block_stats cannot overflow).
+template <typename grad_t>
+inline void speculate_piece(const Speculate& s, size_t i, const grad_t* grad, const float* master,
+                            const float* exp_avg, const float* exp_avg_sq, int64_t lo,
+                            int64_t hi) {
+  if (s.sums != nullptr) {
+    s.sums[i].fetch_add(block_stats<grad_t, kNormNone>(grad + lo, hi - lo).sum,
+                        std::memory_order_relaxed);
+  }
+  if (!s.saves.empty()) {
+    save_span(master + lo, s.saves[3 * i] + lo, hi - lo);
+    save_span(exp_avg + lo, s.saves[3 * i + 1] + lo, hi - lo);
+    save_span(exp_avg_sq + lo, s.saves[3 * i + 2] + lo, hi - lo);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    _mm_sfence();  // the streamed backups are visible before anything reads them
+#endif
+  }
+}
+
+static_assert(kStatsBlock % kUnit == 0, "a speculation piece must end on a unit boundary");
+
+// Runs `update(lo, hi)` over [lo, hi) of tensor i, with the speculation's bookkeeping first, piece
+// by piece. Pieces split at multiples of kUnit from `lo`: the vector body / scalar tail split of
+// every element stays as it is (the same rule that makes the thread count irrelevant).
+template <typename grad_t, typename UpdateFn>
+inline void speculated(const Speculate* s, size_t i, const grad_t* grad, const float* master,
+                       const float* exp_avg, const float* exp_avg_sq, int64_t lo, int64_t hi,
+                       const UpdateFn& update) {
+  if (s == nullptr || !s->any()) {
+    update(lo, hi);
+    return;
+  }
+  for (int64_t a = lo; a < hi; a += kStatsBlock) {
+    const int64_t b = std::min(hi, a + kStatsBlock);
+    speculate_piece<grad_t>(*s, i, grad, master, exp_avg, exp_avg_sq, a, b);
+    update(a, b);
+  }
+}
+
 // ---- validation (all of it runs before the first write) -------------------------------------
 
 std::string dtype_name(at::ScalarType t) {
@@ -469,7 +744,7 @@ template <typename param_t, typename grad_t>
 void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
          const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<Coeffs>& coeffs,
-         const GradXform& x) {
+         const GradXform& x, const Speculate* spec) {
   const size_t n = masters.size();
   std::vector<param_t*> p_lp(n);
   std::vector<const grad_t*> g_lp(n);
@@ -487,8 +762,10 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   }
   const bool stream = total >= kStreamMinElements;
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-    adamw_span<param_t, grad_t>(p_lp[i] + lo, g_lp[i] + lo, m32[i] + lo, ea[i] + lo, eas[i] + lo,
-                                hi - lo, coeffs[i], stream, x);
+    speculated<grad_t>(spec, i, g_lp[i], m32[i], ea[i], eas[i], lo, hi, [&](int64_t a, int64_t b) {
+      adamw_span<param_t, grad_t>(p_lp[i] + a, g_lp[i] + a, m32[i] + a, ea[i] + a, eas[i] + a,
+                                  b - a, coeffs[i], stream, x);
+    });
   });
 }
 
@@ -555,25 +832,85 @@ void bump_versions(const std::vector<at::Tensor>& params_lowp,
   for (const at::Tensor& t : steps) t.unsafeGetTensorImpl()->bump_version();
 }
 
+// The speculation arguments of one call (see Speculate), checked before anything is written:
+// `saves` empty or three fp32 tensors per tensor (its master, exp_avg and exp_avg_sq backups, at
+// 3i, 3i+1, 3i+2: contiguous CPU tensors of its size, apart from its operands); `checksums` none
+// or a contiguous int64 CPU tensor of one element per tensor (written after the update).
+Speculate make_speculate(const char* fn, const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& masters,
+                         const std::vector<at::Tensor>& exp_avgs,
+                         const std::vector<at::Tensor>& exp_avg_sqs,
+                         const std::vector<at::Tensor>& saves,
+                         const std::optional<at::Tensor>& checksums) {
+  const size_t n = masters.size();
+  Speculate spec;
+  if (!saves.empty()) {
+    if (saves.size() != 3 * n) {
+      std::ostringstream msg;
+      msg << fn << ": saves has " << saves.size() << " tensors: expected 0 or " << 3 * n
+          << " (master, exp_avg and exp_avg_sq backups of each of the " << n << " tensors)";
+      fail_value(msg.str());
+    }
+    spec.saves.resize(3 * n);
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t numel = masters[i].numel();
+      for (size_t k = 0; k < 3; ++k) {
+        const at::Tensor& t = saves[3 * i + k];
+        check_tensor(fn, t, "saves", 3 * i + k, numel, at::kFloat);
+        check_no_overlap(fn, {span_of(t, "saves"), span_of(grads[i], "grads"),
+                              span_of(masters[i], "masters"), span_of(exp_avgs[i], "exp_avgs"),
+                              span_of(exp_avg_sqs[i], "exp_avg_sqs")},
+                         i);
+        spec.saves[3 * i + k] = t.mutable_data_ptr<float>();
+      }
+    }
+  }
+  if (checksums.has_value()) {
+    const at::Tensor& c = *checksums;
+    if (!c.defined() || c.device().type() != c10::DeviceType::CPU ||
+        c.scalar_type() != at::kLong || !c.is_contiguous() || c.numel() != static_cast<int64_t>(n)) {
+      std::ostringstream msg;
+      msg << fn << ": checksums must be a contiguous torch.int64 CPU tensor of " << n
+          << " elements (one per tensor)";
+      fail_value(msg.str());
+    }
+    spec.sums.reset(new std::atomic<uint64_t>[n]);
+    for (size_t i = 0; i < n; ++i) spec.sums[i].store(0, std::memory_order_relaxed);
+  }
+  return spec;
+}
+
+// After the update: the checksums into their tensor, the backups' version counters bumped.
+void finish_speculate(Speculate& spec, const std::vector<at::Tensor>& saves,
+                      const std::optional<at::Tensor>& checksums, size_t n) {
+  if (spec.sums != nullptr) {
+    int64_t* out = checksums->mutable_data_ptr<int64_t>();
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(spec.sums[i].load());
+    checksums->unsafeGetTensorImpl()->bump_version();
+  }
+  for (const at::Tensor& t : saves) t.unsafeGetTensorImpl()->bump_version();
+}
+
 // The update itself, with the GIL released.
 void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
             const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
             const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
             at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs,
-            const GradXform& x = GradXform{}) {
+            const GradXform& x = GradXform{}, const Speculate* spec = nullptr) {
   if (masters.empty()) return;
   pybind11::gil_scoped_release no_gil;
   if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
     run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs,
-                                      coeffs, x);
+                                      coeffs, x, spec);
   } else if (p_dtype == at::kBFloat16) {
     run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
-                                  x);
+                                  x, spec);
   } else if (g_dtype == at::kBFloat16) {
     run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
-                                  x);
+                                  x, spec);
   } else {
-    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs, x);
+    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs, x,
+                              spec);
   }
 }
 
@@ -682,10 +1019,13 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                            const std::vector<at::Tensor>& state_steps,
                            const std::vector<at::Tensor>& steps_to_increment, double lr,
                            double beta1, double beta2, double eps, double weight_decay,
-                           std::optional<double> grad_scale, std::optional<double> grad_coef) {
+                           std::optional<double> grad_scale, std::optional<double> grad_coef,
+                           const std::vector<at::Tensor>& saves,
+                           const std::optional<at::Tensor>& checksums) {
   const char* fn = "fused_mp_adamw_steps_";
   const auto [p_dtype, g_dtype] =
       check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  Speculate spec = make_speculate(fn, grads_lowp, masters, exp_avgs, exp_avg_sqs, saves, checksums);
   std::unordered_map<float*, float> incremented;
   const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
                                                  steps_to_increment, lr, beta1, beta2, eps,
@@ -693,7 +1033,8 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
   bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment);
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
-         make_xform(grad_scale, grad_coef));
+         make_xform(grad_scale, grad_coef), &spec);
+  finish_speculate(spec, saves, checksums, masters.size());
 }
 
 // fp32 parameters (each its own master) with fp32 gradients, torch's step bookkeeping as in
@@ -706,7 +1047,9 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& outs,
                       const std::vector<at::Tensor>& steps_to_increment, double lr, double beta1,
                       double beta2, double eps, double weight_decay,
-                      std::optional<double> grad_scale, std::optional<double> grad_coef) {
+                      std::optional<double> grad_scale, std::optional<double> grad_coef,
+                      const std::vector<at::Tensor>& saves,
+                      const std::optional<at::Tensor>& checksums) {
   const char* fn = "adamw_f32_steps_";
   const size_t n = params.size();
   const bool with_out = !outs.empty();
@@ -735,6 +1078,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
                           with_out ? span_of(outs[i], "outs") : Span{0, 0, "outs"}},
                      i);
   }
+  Speculate spec = make_speculate(fn, grads, params, exp_avgs, exp_avg_sqs, saves, checksums);
   std::unordered_map<float*, float> incremented;
   const std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
                                                  beta1, beta2, eps, weight_decay, incremented);
@@ -742,7 +1086,10 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
     for (const at::Tensor& t : *list) t.unsafeGetTensorImpl()->bump_version();
   }
   for (const auto& [p, v] : incremented) *p = v;  // the first write
-  if (n == 0) return;
+  if (n == 0) {
+    finish_speculate(spec, saves, checksums, n);
+    return;
+  }
   std::vector<float*> pp(n), ea(n), eas(n), op(n);
   std::vector<const float*> gp(n);
   std::vector<int64_t> numel(n);
@@ -755,216 +1102,25 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
     numel[i] = params[i].numel();
   }
   const GradXform x = make_xform(grad_scale, grad_coef);
-  pybind11::gil_scoped_release no_gil;
-  for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-    adamw_span_f32(pp[i] + lo, gp[i] + lo, ea[i] + lo, eas[i] + lo,
-                   op[i] == nullptr ? nullptr : op[i] + lo, hi - lo, coeffs[i], x);
-  });
-}
-
-// ---- grad_stats: per-tensor norm terms and content checksums (offload/kernels/_grad_stats.py) ------
-//
-// One read of every element: per tensor, its norm term in double (sum of g^2, sum of |g|, or
-// max |g|) and the wrapping 64-bit sum of its words (fp32: the 32-bit word as a signed int, as
-// `g.view(torch.int32).sum(dtype=torch.int64)`; bf16/fp16: the 16-bit word zero-extended).
-// Determinism: a tensor is cut into blocks of kStatsBlock elements counted from its first element
-// (in memory order); a block is reduced into kStatsLanes lanes (element e of the block goes to lane
-// e % kStatsLanes, in element order), the lanes are added in lane order, and a tensor's blocks in
-// block order after the parallel pass. Nothing depends on the thread count, on which thread took a
-// block, or on the other tensors of the call. g^2 of an fp32/bf16/fp16 value is exact in double.
-
-// Elements per block (64 KB of fp32): the unit of work and of the fixed summation order.
-constexpr int64_t kStatsBlock = int64_t(1) << 14;
-// Independent accumulators per block (eight 256-bit double vectors: hides the FMA latency).
-constexpr int kStatsLanes = 32;
-static_assert(kStatsLanes % fVec::size() == 0, "lanes must hold whole float vectors");
-// 16-bit words (and the low halves of 32-bit ones) are summed in 32-bit lanes: at most
-// kStatsBlock / kStatsLanes (+1 from the tail) of 0xFFFF each; high halves likewise, signed.
-static_assert((kStatsBlock / kStatsLanes) * 0xFFFFull < (1ull << 32), "32-bit lane overflow");
-// How far ahead of the loads the vector loop prefetches (one read stream per thread leaves the
-// hardware prefetcher short of requests in flight on the VM this was measured on).
-constexpr int64_t kStatsPrefetchBytes = 2048;
-// Blocks a thread takes from the shared counter at a time (256 KB of fp32).
-constexpr int64_t kStatsTake = 4;
-// Elements per worker below which more threads cost more than they bring (a parallel region
-// costs microseconds to start, and a thread of a loaded machine may be scheduled late).
-constexpr int64_t kStatsGrain = int64_t(1) << 17;
-
-enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2 };
-
-// The checksum weighs lane j (element i of a tensor lies in lane i % 32) by an odd 64-bit
-// constant, so that flipping signs (a sign bit moves a word by 2^31) or swapping neighbours does
-// not cancel out as it does in a plain sum of words (offload/kernels/_grad_stats.py: LANE_WEIGHTS).
-constexpr uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-constexpr uint64_t lane_weight(int j) { return splitmix64(static_cast<uint64_t>(j)) | 1ull; }
-
-struct BlockStats {
-  double term = 0.0;
-  uint64_t sum = 0;
-};
-
-template <typename T>
-inline uint64_t word_of(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    int32_t w;
-    std::memcpy(&w, p, sizeof(w));
-    return static_cast<uint64_t>(static_cast<int64_t>(w));  // sign-extended, as view(int32)
-  } else {
-    uint16_t w;
-    std::memcpy(&w, p, sizeof(w));
-    return w;  // zero-extended
+  {
+    pybind11::gil_scoped_release no_gil;
+    for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
+      speculated<float>(&spec, i, gp[i], pp[i], ea[i], eas[i], lo, hi, [&](int64_t a, int64_t b) {
+        adamw_span_f32(pp[i] + a, gp[i] + a, ea[i] + a, eas[i] + a,
+                       op[i] == nullptr ? nullptr : op[i] + a, b - a, coeffs[i], x);
+      });
+    });
   }
-}
-
-template <typename T, int64_t K>
-inline void lane_update(double& acc, float& mx, uint32_t& bad, float f) {
-  if constexpr (K == kNormL2) {
-    const double v = static_cast<double>(f);
-    acc = acc + v * v;
-  } else if constexpr (K == kNormL1) {
-    acc = acc + std::abs(static_cast<double>(f));
-  } else {
-    const float a = std::abs(f);
-    mx = mx < a ? a : mx;
-    bad |= static_cast<uint32_t>(f != f);
-  }
-}
-
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// 32 elements into the 32 lanes: acc[k] holds lanes 4k..4k+3 (element e of the group is lane e),
-// exactly the scalar lane_update's operations (fma(v, v, acc) == acc + v * v: the square of a
-// float is exact in double). Words: a 16-bit word into its 32-bit lane of s32; a 32-bit word w as
-// w & 0xFFFF into s32 and w >> 16 (arithmetic) into hi32, so that the sum of the words is
-// sum(s32) + 65536 * sum(hi32) (no lane can overflow within one block), with no cross-lane
-// widening. 256-bit vectors on AVX-512 builds too: on the 2-core VM (Xeon, AVX-512) the 512-bit
-// float-to-double conversions ran this loop at 5-16 GB/s from L1/L2, the 256-bit ones at 40-58
-// GB/s (a standalone loop over 64 KB, best of 5), since 512-bit work has two ports, 256-bit three.
-template <typename T, int64_t K>
-inline void stats_vec32(const T* x, __m256d (&acc)[8], __m256i (&s32)[4], __m256i (&hi32)[4]) {
-  const __m256d sign = _mm256_set1_pd(-0.0);
-  for (int h = 0; h < 4; ++h) {
-    [[maybe_unused]] __m256 f;
-    if constexpr (std::is_same_v<T, float>) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * h));
-      s32[h] = _mm256_add_epi32(s32[h], _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
-      hi32[h] = _mm256_add_epi32(hi32[h], _mm256_srai_epi32(w, 16));
-    } else {
-      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * h));
-      const __m256i w32 = _mm256_cvtepu16_epi32(w);
-      s32[h] = _mm256_add_epi32(s32[h], w32);
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        f = _mm256_castsi256_ps(_mm256_slli_epi32(w32, 16));
-      } else {
-        #if defined(CPU_CAPABILITY_AVX512)  // no -mf16c there: the AVX-512 conversion, low half
-        f = _mm512_castps512_ps256(_mm512_cvtph_ps(_mm256_castsi128_si256(w)));
-#else
-        f = _mm256_cvtph_ps(w);
-#endif
-      }
-    }
-    for (int q = 0; q < 2; ++q) {
-      __m256d v;
-      if constexpr (std::is_same_v<T, float>) {
-        v = _mm256_cvtps_pd(_mm_loadu_ps(x + 8 * h + 4 * q));
-      } else {
-        v = _mm256_cvtps_pd(q == 0 ? _mm256_castps256_ps128(f) : _mm256_extractf128_ps(f, 1));
-      }
-      __m256d& a = acc[2 * h + q];
-      if constexpr (K == kNormL2) {
-        a = _mm256_fmadd_pd(v, v, a);
-      } else {
-        a = _mm256_add_pd(a, _mm256_andnot_pd(sign, v));
-      }
-    }
-  }
-}
-#endif
-
-template <typename T, int64_t K>
-BlockStats block_stats(const T* x, int64_t n) {
-  alignas(64) double acc[kStatsLanes] = {};
-  float mx[kStatsLanes] = {};
-  uint32_t bad[kStatsLanes] = {};
-  alignas(64) uint64_t s64[kStatsLanes] = {};
-  alignas(64) uint32_t s32[kStatsLanes] = {};
-  alignas(64) int32_t hi32[kStatsLanes] = {};
-  int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  if constexpr (K != kNormInf) {
-    __m256d va[8];
-    __m256i v32[4], vhi[4];
-    for (auto& a : va) a = _mm256_setzero_pd();
-    for (auto& a : v32) a = _mm256_setzero_si256();
-    for (auto& a : vhi) a = _mm256_setzero_si256();
-    for (; i + kStatsLanes <= n; i += kStatsLanes) {
-      const char* ahead = reinterpret_cast<const char*>(x + i) + kStatsPrefetchBytes;
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      if constexpr (sizeof(T) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      stats_vec32<T, K>(x + i, va, v32, vhi);
-    }
-    for (int k = 0; k < 8; ++k) _mm256_store_pd(acc + 4 * k, va[k]);
-    for (int k = 0; k < 4; ++k) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(s32 + 8 * k), v32[k]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(hi32 + 8 * k), vhi[k]);
-    }
-  }
-#endif
-  for (; i + kStatsLanes <= n; i += kStatsLanes) {  // inf norms, and builds without AVX2
-    for (int j = 0; j < kStatsLanes; ++j) {
-      if constexpr (std::is_same_v<T, float>) {
-        s64[j] += word_of(x + i + j);
-      } else {
-        s32[j] += static_cast<uint32_t>(word_of(x + i + j));
-      }
-      lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i + j]));
-    }
-  }
-  for (int j = 0; i < n; ++i, ++j) {  // the tail: lane j, the same operations one at a time
-    if constexpr (std::is_same_v<T, float>) {
-      s64[j] += word_of(x + i);
-    } else {
-      s32[j] += static_cast<uint32_t>(word_of(x + i));
-    }
-    lane_update<T, K>(acc[j], mx[j], bad[j], static_cast<float>(x[i]));
-  }
-  BlockStats out;
-  float m = 0.0f;
-  uint32_t any_bad = 0;
-  for (int j = 0; j < kStatsLanes; ++j) {
-    out.term += acc[j];
-    out.sum += (s64[j] + s32[j] + (static_cast<uint64_t>(static_cast<int64_t>(hi32[j])) << 16)) *
-               lane_weight(j);
-    m = m < mx[j] ? mx[j] : m;
-    any_bad |= bad[j];
-  }
-  if constexpr (K == kNormInf) {
-    out.term = any_bad ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(m);
-  }
-  return out;
-}
-
-template <int64_t K>
-BlockStats block_stats_of(at::ScalarType dtype, const void* base, int64_t lo, int64_t hi) {
-  switch (dtype) {
-    case at::kFloat: return block_stats<float, K>(static_cast<const float*>(base) + lo, hi - lo);
-    case at::kBFloat16:
-      return block_stats<c10::BFloat16, K>(static_cast<const c10::BFloat16*>(base) + lo, hi - lo);
-    default: return block_stats<c10::Half, K>(static_cast<const c10::Half*>(base) + lo, hi - lo);
-  }
+  finish_speculate(spec, saves, checksums, n);
 }
 
 // Returns (terms float64[n], checksums int64[n]). `norm`: kNormL2, kNormL1 or kNormInf.
 std::tuple<at::Tensor, at::Tensor> grad_stats_(const std::vector<at::Tensor>& tensors,
                                                int64_t norm) {
   const char* fn = "grad_stats";
-  if (norm != kNormL2 && norm != kNormL1 && norm != kNormInf) {
+  if (norm != kNormL2 && norm != kNormL1 && norm != kNormInf && norm != kNormNone) {
     fail_value(std::string(fn) + ": norm kind " + std::to_string(norm) +
-               ": expected 0 (L2), 1 (L1) or 2 (inf)");
+               ": expected 0 (L2), 1 (L1), 2 (inf) or 3 (none: checksums only)");
   }
   const size_t n = tensors.size();
   std::vector<const void*> base(n);
@@ -1020,9 +1176,10 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_(const std::vector<at::Tensor>& te
         const int64_t lo = (b - block_start[i]) * kStatsBlock;
         const int64_t hi = std::min(numel[i], lo + kStatsBlock);
         blocks[static_cast<size_t>(b)] =
-            norm == kNormL2   ? block_stats_of<kNormL2>(dtype[i], base[i], lo, hi)
-            : norm == kNormL1 ? block_stats_of<kNormL1>(dtype[i], base[i], lo, hi)
-                              : block_stats_of<kNormInf>(dtype[i], base[i], lo, hi);
+            norm == kNormL2    ? block_stats_of<kNormL2>(dtype[i], base[i], lo, hi)
+            : norm == kNormL1  ? block_stats_of<kNormL1>(dtype[i], base[i], lo, hi)
+            : norm == kNormInf ? block_stats_of<kNormInf>(dtype[i], base[i], lo, hi)
+                               : block_stats_of<kNormNone>(dtype[i], base[i], lo, hi);
       }
     };
     int64_t elements = 0;
@@ -1100,13 +1257,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("steps_to_increment"), pybind11::arg("lr"), pybind11::arg("beta1"),
         pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
         pybind11::arg("grad_scale") = pybind11::none(),
-        pybind11::arg("grad_coef") = pybind11::none());
+        pybind11::arg("grad_coef") = pybind11::none(),
+        pybind11::arg("saves") = std::vector<at::Tensor>{},
+        pybind11::arg("checksums") = pybind11::none());
   m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
         pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
         pybind11::kw_only(), pybind11::arg("outs"), pybind11::arg("steps_to_increment"),
         pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
         pybind11::arg("weight_decay"), pybind11::arg("grad_scale") = pybind11::none(),
-        pybind11::arg("grad_coef") = pybind11::none());
+        pybind11::arg("grad_coef") = pybind11::none(),
+        pybind11::arg("saves") = std::vector<at::Tensor>{},
+        pybind11::arg("checksums") = pybind11::none());
   m.def("grad_stats_", &grad_stats_, pybind11::arg("tensors"), pybind11::kw_only(),
         pybind11::arg("norm"),
         "Per-tensor norm terms (float64) and word checksums (int64); see offload/kernels/_grad_stats.py.");
