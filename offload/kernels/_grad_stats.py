@@ -25,8 +25,10 @@ Speed: :data:`MEASURED` (``python -m bench.grad_stats``: 50M fp32 = 200 MB, 2 th
 pass, ``torch.linalg.vector_norm`` and a copy interleaved round by round). The pass is one read
 with a few vector instructions per 16 elements (the fp32 words are summed as 16-bit halves in
 32-bit lanes, so no cross-lane widening competes with the float-to-double conversions for the
-shuffle port); threads take 4-block pieces from a shared counter, and only where each gets at least
-128 Ki elements (a parallel region costs microseconds; 10,000 tiny tensors take one thread).
+shuffle port); threads take 4-block pieces from a shared counter, read the four blocks side by
+side (more misses in flight), and only where each gets at least 128 Ki elements (a parallel region
+costs microseconds; 10,000 tiny tensors take one thread). :func:`checksums_` is the same pass
+without the norm work.
 
 Where the native extension cannot be built, and for tensors not on the CPU (CUDA gradients),
 :func:`grad_stats_reference` gives the same checksums (bitwise) and terms within 1e-12 (relative)
@@ -57,21 +59,22 @@ __all__ = ["LANE_WEIGHTS", "MEASURED", "STATS_BLOCK", "checksums_", "checksums_r
 #: Elements per block of the fixed summation order (the native kernel's kStatsBlock).
 STATS_BLOCK = 1 << 14
 #: GB/s (bytes read; read + written for copy, clone and the step) on the 2-core VM, 50M fp32,
-#: 2 threads, ``python -m bench.grad_stats --rounds 21`` (21 interleaved rounds, best round; the
-#: medians were 30-50% of these: the VM was shared, load average 2.6). Per-round medians of the
-#: ratios: vector_norm / grad_stats 1.53, step_coef / step 1.03 (the coefficient inside the kernel
-#: costs nothing measurable), (grad_stats + step_coef) / step 1.36 (target 1.15: not met here).
-#: From cache the pass runs at 40-58 GB/s per thread, so it is not compute-bound; from DRAM one
-#: read stream per thread is slow on this VM: a software prefetch 2 KB ahead took the best round
-#: from 8.0 to 14.6 GB/s (4 KB: no better), still 0.45x the bytes per second of the step kernel's
-#: seven streams.
+#: 2 threads, ``python -m bench.grad_stats --rounds 21 --out-dir bench/results`` (21 interleaved
+#: rounds, best round; the medians were within 4% of these, load average 1.1;
+#: ``bench/results/grad_stats.md``). Per-round medians of the ratios: vector_norm / grad_stats
+#: 2.41, step_coef / step 1.00 (the coefficient inside the kernel costs nothing measurable),
+#: (grad_stats + step_coef) / step 1.24 (target 1.15: not met here). From cache the pass runs at
+#: 40-58 GB/s per thread, so it is not compute-bound; from DRAM one read stream per thread is slow
+#: on this VM: each thread reads the four blocks of its piece side by side (128 elements of each
+#: in turn), 0.62x the bytes per second of the step kernel's seven streams (one stream with a
+#: software prefetch 2 KB ahead: 0.45-0.48x).
 MEASURED: dict[str, float] = {
-    "grad_stats_fp32": 14.6,
-    "grad_stats_bf16": 11.3,
-    "torch.linalg.vector_norm_fp32": 7.5,
-    "copy_fp32_read_write": 13.7,
-    "clone_fp32_read_write": 4.1,
-    "adamw_f32_step_28B": 33.5,
+    "grad_stats_fp32": 28.5,
+    "grad_stats_bf16": 20.5,
+    "torch.linalg.vector_norm_fp32": 12.0,
+    "copy_fp32_read_write": 31.0,
+    "clone_fp32_read_write": 9.4,
+    "adamw_f32_step_28B": 46.0,
 }
 
 _NATIVE_KIND = {2.0: 0, 1.0: 1, math.inf: 2}
