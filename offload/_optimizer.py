@@ -498,10 +498,11 @@ class CPUOffloadAdamW(Optimizer):
         if early is not None:  # a failure before any in-place update undoes the early chunks too
             early.end_step(grad_scale=scale, failed=result.error is not None and
                            not any(j.kernel_ran for j in sub.updates))
+        if result.last_h2d_event is not None:  # first: the weight copies that did land stay
+            # ordered before whatever the caller runs next, also when the step raises
+            torch.cuda.current_stream(layout.registry.device).wait_event(result.last_h2d_event)
         if result.error is not None:
             raise result.error
-        if result.last_h2d_event is not None:
-            torch.cuda.current_stream(layout.registry.device).wait_event(result.last_h2d_event)
         record(layout.records, grads)  # our writes bumped the versions
         t1 = time.perf_counter()
         self._stats = StatsBuilder(

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -72,6 +72,15 @@ def same_hyper(a: Hyper, b: Hyper) -> bool:
         return False
     return (_same_value(a.lr, b.lr) and _same_scale(a.grad_coef, b.grad_coef)
             and _same_scale(a.grad_scale, b.grad_scale))
+
+
+def on_host(hyper: Hyper) -> Hyper:
+    """``hyper`` with its tensors (a device lr, GradScaler's scale, a clip coefficient) copied to
+    the host once, so that comparing it with many chunks' hyper-parameters syncs at most once."""
+    def host(v: Any) -> Any:
+        return v.detach().to("cpu") if isinstance(v, Tensor) and v.device.type != "cpu" else v
+
+    return replace(hyper, lr=host(hyper.lr), grad_scale=host(hyper.grad_scale), grad_coef=host(hyper.grad_coef))
 
 
 def _same_value(a: float | Tensor, b: float | Tensor) -> bool:
@@ -300,9 +309,13 @@ class Speculation:
             differs = (torch.stack(dev_now) != torch.stack(dev_was)).tolist()
             changed.update(s for s, d in zip(dev_slots, differs) if d)
         stale = []
+        now_of: dict[int, Hyper] = {}  # per group, on the host: no device sync per chunk
         for c, spec in sorted(launched.items()):
+            group = chunk_group(c)
+            if group not in now_of:
+                now_of[group] = on_host(hyper_now(group))
             if (not spec.job.kernel_ran or changed.intersection(spec.slots)
-                    or not same_hyper(spec.job.hyper, hyper_now(chunk_group(c)))):
+                    or not same_hyper(spec.job.hyper, now_of[group])):
                 stale.append(c)
         return stale
 
