@@ -183,7 +183,7 @@ class CPUOffloadAdamW(Optimizer):
     def _new_pipeline(self) -> Pipeline:
         transport: Transport
         device = self._layout.registry.device
-        transport = CudaTransport(device) if device.type == "cuda" else HostTransport()
+        transport = CudaTransport(device) if device.type == "cuda" else HostTransport(copy=self._kernels.copy)
         return Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)
 
     # ---------------------------------------------------------------- param groups

@@ -6,7 +6,9 @@ checksum the gradient it reads (``checksums``) in the same pass (``offload.kerne
 before the call, the checksums are ``checksums_``' (itself ``grad_stats_``' second result and the
 torch reference's), for both entry points, 1 and 2 threads, sizes around the pieces the kernel
 works in, a chunk mixing bf16 and fp16, and a call that updates nothing (``found_inf``). Bad
-outputs are refused before anything is written.
+outputs are refused before anything is written. And ``native_copy_``, which writes the weights of
+committed speculations into the parameters: the bits of ``copy_``, aligned or not, small or large
+enough for its non-temporal stores.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.kernels._adamw import Hyper, mixed_precision_adamw_, native_adamw_f32_
+from offload.kernels._adamw import Hyper, mixed_precision_adamw_, native_adamw_f32_, native_copy_
 from offload.kernels._grad_stats import STATS_BLOCK, checksums_, checksums_reference, grad_stats_
 
 SIZES = (1, 63, 64, 1000, STATS_BLOCK - 64, STATS_BLOCK + 1, 5 * STATS_BLOCK + 77)
@@ -119,3 +121,56 @@ def test_checksums_alone_equal_grad_stats_and_skip_the_norm(kernel) -> None:
     assert torch.equal(checksums_(tensors), grad_stats_(tensors)[1])
     assert torch.equal(checksums_(tensors), checksums_reference(tensors))
     assert checksums_([]).shape == (0,)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_copy_is_copy(kernel, dtype, threads) -> None:
+    gen = torch.Generator().manual_seed(4)
+    sizes = (1, 77, 4096, 3 << 20)  # the last call is large enough for non-temporal stores
+    srcs = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    base = torch.zeros(sum(sizes) + 1, dtype=dtype)
+    dsts, at = [], 1  # offset by one element: destinations off the vector alignment too
+    for n in sizes:
+        dsts.append(base[at:at + n])
+        at += n
+    aligned = [torch.zeros(n, dtype=dtype) for n in sizes]
+    versions = [t._version for t in aligned]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native_copy_(dsts, srcs)
+        native_copy_(aligned, srcs)
+    finally:
+        torch.set_num_threads(before)
+    for i, src in enumerate(srcs):
+        assert torch.equal(dsts[i].view(torch.int16 if src.element_size() == 2 else torch.int32),
+                           src.view(torch.int16 if src.element_size() == 2 else torch.int32)), i
+        assert torch.equal(aligned[i], src), i
+    assert base[0].item() == 0  # nothing written outside the destinations
+    assert all(t._version > v for t, v in zip(aligned, versions))
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ("dtype", TypeError, "srcs[0] has dtype torch.bfloat16: expected torch.float32"),
+    ("size", ValueError, "srcs[0] has 3 elements"),
+    ("count", ValueError, "srcs has 0 tensors: expected 1 like dsts"),
+    ("alias", ValueError, "dsts[0] and srcs[0] share memory"),
+    ("widths", TypeError, "mixes element sizes"),
+])
+def test_native_copy_refuses_bad_pairs(kernel, bad, error, message) -> None:
+    dst, src = torch.zeros(4), torch.ones(4)
+    dsts, srcs = [dst], [src]
+    if bad == "dtype":
+        srcs = [src.bfloat16()]
+    elif bad == "size":
+        srcs = [torch.ones(3)]
+    elif bad == "count":
+        srcs = []
+    elif bad == "alias":
+        srcs = [dst]
+    else:
+        dsts, srcs = [dst, torch.zeros(4, dtype=torch.bfloat16)], [src, torch.ones(4, dtype=torch.bfloat16)]
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
+        native_copy_(dsts, srcs)
+    assert torch.equal(dst, torch.zeros(4))

@@ -61,6 +61,7 @@ from offload.kernels._fused_mp import (
     bitwise_matches_torch,
     fused_mp_available,
 )
+from offload.kernels._fused_mp import _module as _native_module
 from offload.kernels._build import ExtensionLoader
 from offload.kernels._grad_stats import checksums_, checksums_reference, grad_stats_
 
@@ -76,6 +77,7 @@ __all__ = [
     "fused_adamw_",
     "mixed_precision_adamw_",
     "native_adamw_f32_",
+    "native_copy_",
     "native_scalars",
     "speculation_outputs",
     "new_step_tensor",
@@ -307,6 +309,17 @@ def native_adamw_f32_(
     )
 
 
+def native_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *,
+                 loader: ExtensionLoader | None = None) -> None:
+    """``dsts[i] = srcs[i]`` (each pair one dtype and size, contiguous, one element size per
+    call) by the native extension: one parallel pass, the GIL released, non-temporal stores into
+    the destinations of a large call (no read for ownership: 16-20% faster than
+    ``torch._foreach_copy_`` on the 2-core VM, 20M fp32 or bf16 elements, 1 or 2 threads). For
+    the weight copies of committed speculations (``offload.pipeline._host_transport``), which run
+    only where a native kernel ran: the extension is loaded by then."""
+    _native_module(loader).copy_(list(dsts), list(srcs))
+
+
 def speculation_outputs(grads: Sequence[Tensor], masters: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                         exp_avg_sqs: Sequence[Tensor], saves: Sequence[Tensor],
                         checksums: Tensor | None) -> None:
@@ -461,6 +474,8 @@ class KernelSet:
     checksums: ChecksumKernel = checksums_
     """Per-tensor content checksums alone (speculation checks: no norm work), the checksums of
     ``grad_stats``."""
+    copy: Kernel = native_copy_
+    """The native kernels' weight copies (``dsts``, ``srcs``; see :func:`native_copy_`)."""
     loader: ExtensionLoader | None = None
     """Builds and loads the native extension: :meth:`available` asks it, and the two native kernels
     and ``grad_stats`` left at their defaults run on what it loads. None: the process's loader
@@ -472,7 +487,7 @@ class KernelSet:
         defaults: tuple[tuple[str, Callable[..., object]], ...] = (
             ("mixed_precision_adamw", mixed_precision_adamw_),
             ("native_adamw_f32", native_adamw_f32_), ("grad_stats", grad_stats_),
-            ("checksums", checksums_))
+            ("checksums", checksums_), ("copy", native_copy_))
         for name, default in defaults:
             if getattr(self, name) is default:  # the default kernel, on this set's extension
                 object.__setattr__(self, name, functools.partial(default, loader=self.loader))

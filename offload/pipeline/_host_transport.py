@@ -63,7 +63,10 @@ class HostTransport:
     lookahead: int = 0
     """Nothing to issue ahead: d2h is synchronous (an upcast, or nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, copy: Any = None) -> None:
+        """``copy(dsts, srcs)``: the weight copies of native items (``KernelSet.copy``; None:
+        ``torch._foreach_copy_``)."""
+        self._copy = copy if copy is not None else torch._foreach_copy_
         self._lowp = LowpBuffers(pin=False)
         self._scratch = Scratch()
         self._prepared: dict[int, _Prepared] = {}
@@ -171,16 +174,26 @@ class HostTransport:
             return  # the kernels of this job wrote every parameter themselves
         t0 = time.perf_counter()
         copied = False
+        native: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}  # one call per dtype
         for it in job.items:
             if it.kind == KIND_MP:
-                if not job.update:  # the kernel ran during backward, into the buffer
-                    param_view(it).copy_(self._lowp.view(it, for_write=False))
-                    copied = True
-                # else: the kernel of this job wrote the parameter itself
+                if job.update:
+                    continue  # the kernel of this job wrote the parameter itself
+                src = self._lowp.view(it, for_write=False)  # the kernel ran during backward, into the buffer
             elif slabs.slots[it.view.slot].master_offset >= 0:
-                param_view(it).copy_(slabs.view("master", it.view))
-                copied = True
-            # else: the parameter is its own master, updated in place
+                src = slabs.view("master", it.view)
+            else:
+                continue  # the parameter is its own master, updated in place
+            dst = param_view(it)
+            copied = True
+            if it.kind and dst.dtype == src.dtype:  # a native kernel's item: the extension is loaded
+                pair = native.setdefault(dst.dtype, ([], []))
+                pair[0].append(dst)
+                pair[1].append(src)
+            else:
+                dst.copy_(src)  # a conversion (torch's kernel on a bf16 model)
+        for dsts, srcs in native.values():
+            self._copy(dsts, srcs)
         t1 = time.perf_counter()
         if copied:
             records.append(StageRecord(job.chunk, "materialize", t0, t1, t1 - t0))
