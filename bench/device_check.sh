@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in under 8 minutes on one GPU machine:
-#   1. the CUDA tests (-k cuda over tests/test_cuda_*.py and the files with a cuda marker or test),
+#   1. the CUDA tests (-k cuda over tests/test_cuda_*.py and the files with a cuda marker or test;
+#      -rs: a skipped native kernel shows),
 #   2. python -m bench.bandwidth --device cuda (50M parameters, fp32 and bf16, 2 thread counts),
-#   3. the trainer on the GPU with the offloaded optimizer: --overlap-backward --clip-grad-norm 1.0,
-#      the same without overlap, and with --amp fp16 (125m GPT, 12 steps each).
+#   3. python -m bench.device_checks (python -m bench.device_checks --list says what each asserts):
+#      races (in-place gradient changes queued behind a GPU sleep, step() without a sync, A -> B
+#      -> A), commits asserted, host-device syncs counted in an overlapped backward and a clip,
+#      GradScaler fp16 with overflow steps, peak GPU memory of a 256M-element parameter's
+#      backward + clip + step, a ~1B bf16 model's backward and step with and without overlap;
+#      then FSDP2 with overlap and DDP with attach_ddp under NCCL (torchrun, 1 process),
+#   4. the trainer on the GPU with the offloaded optimizer: --overlap-backward --clip-grad-norm 1.0,
+#      and with --amp fp16 (125m GPT, 12 steps each).
 # What it measured goes to bench/results/device/ (or $DEVICE_CHECK_OUT): the console log, pytest's
-# report, the bandwidth .json/.md, the trainer summaries, and status.txt (each step's exit status).
+# report, the bandwidth .json/.md, the checks' JSON lines, the trainer summaries, and status.txt
+# (each step's exit status).
 #
 #   bash bench/device_check.sh                  # PYTHON=python3 by default; installs nothing
 #   PYTHON=.venv/bin/python bash bench/device_check.sh
-#   DEVICE_CHECK_PLAN=1 bash bench/device_check.sh   # print the commands, run nothing (any machine)
+#   DEVICE_CHECK_PLAN=1 bash bench/device_check.sh   # print the steps and their limits, run nothing (any machine)
 #
 # Without a CUDA device it prints one line saying so and exits 0. Each step has its own timeout
 # (their sum is under 8 minutes); the exit status is 1 if any step failed or timed out.
@@ -26,11 +34,12 @@ TRAIN="-m bench.train --device cuda --model-size 125m --batch-size 8 --seq-len 5
 
 # name|timeout seconds|command (run with $PYTHON; word-split on purpose)
 STEPS=(
-  "pytest|210|-m pytest -q -p no:cacheprovider -k cuda $CUDA_TESTS --junitxml $OUT/pytest.xml"
-  "bandwidth|120|-m bench.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 2 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
+  "pytest|130|-m pytest -q -rs -p no:cacheprovider -k cuda $CUDA_TESTS --junitxml $OUT/pytest.xml"
+  "bandwidth|45|-m bench.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 1 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
+  "checks|150|-m bench.device_checks --device cuda races commits syncs scaler memory timing"
+  "checks-dist|50|-m torch.distributed.run --nproc-per-node 1 -m bench.device_checks --device cuda dist"
   "train-overlap-clip|45|$TRAIN --overlap-backward --clip-grad-norm 1.0 --summary-json $OUT/train-overlap-clip.json"
-  "train-clip|40|$TRAIN --clip-grad-norm 1.0 --summary-json $OUT/train-clip.json"
-  "train-overlap-clip-amp|45|$TRAIN --overlap-backward --clip-grad-norm 1.0 --amp fp16 --summary-json $OUT/train-overlap-clip-amp.json"
+  "train-overlap-clip-amp|40|$TRAIN --overlap-backward --clip-grad-norm 1.0 --amp fp16 --summary-json $OUT/train-overlap-clip-amp.json"
 )
 
 if [ -n "${DEVICE_CHECK_PLAN:-}" ]; then

@@ -1,6 +1,6 @@
 """``bench/device_check.sh``: without a GPU it says so in one line and exits 0, writing nothing;
-its plan (``DEVICE_CHECK_PLAN=1``) names test files that exist, flags the benchmarks accept, and
-timeouts that fit the 8-minute budget."""
+its plan (``DEVICE_CHECK_PLAN=1``) names test files that exist, flags the benchmarks accept, every
+check of ``bench.device_checks``, and timeouts that fit the 8-minute budget."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bandwidth, train
+from bench import bandwidth, device_checks, train
 
 REPO = Path(__file__).absolute().parents[1]
 SCRIPT = REPO / "bench" / "device_check.sh"
@@ -49,16 +49,25 @@ def test_the_plan_fits_8_minutes_and_every_command_parses(tmp_path: Path) -> Non
     steps = [line.split("|", 2) for line in proc.stdout.splitlines()]
     names = [name for name, _, _ in steps]
     assert names[:2] == ["pytest", "bandwidth"] and "train-overlap-clip" in names
+    checked: list[str] = []
     assert sum(int(limit) for _, limit, _ in steps) <= 8 * 60 - 20  # 20 s for the environment lines
     out = str(tmp_path / "out")
     for name, _, command in steps:
         words = shlex.split(command)
         assert words[:2] == [sys.executable, "-m"], command
         module, rest = words[2], words[3:]
+        if module == "torch.distributed.run":  # torchrun around the checks that need a process group
+            at = rest.index("-m")
+            assert rest[:at] == ["--nproc-per-node", "1"], command
+            module, rest = rest[at + 1], rest[at + 2:]
         if module == "pytest":
             files = [w for w in rest if w.startswith("tests/")]
             assert {"tests/test_cuda_path.py", "tests/test_cuda_schedule.py"} <= set(files)
-            assert all((REPO / f).is_file() for f in files) and "cuda" in rest
+            assert all((REPO / f).is_file() for f in files) and "cuda" in rest and "-rs" in rest
+        elif module == "bench.device_checks":
+            assert rest[:2] == ["--device", "cuda"], command
+            assert set(rest[2:]) <= set(device_checks.CHECKS), command
+            checked += rest[2:]
         elif module == "bench.bandwidth":
             args = bandwidth.build_parser().parse_args(rest)
             assert args.device == "cuda" and str(args.out_dir) == out
@@ -67,5 +76,6 @@ def test_the_plan_fits_8_minutes_and_every_command_parses(tmp_path: Path) -> Non
             args = train.build_parser().parse_args(rest)
             assert args.device == "cuda" and args.optim_cpu_offload and args.clip_grad_norm == 1.0
             assert str(args.summary_json).startswith(out)
+    assert sorted(checked) == sorted(device_checks.CHECKS)  # every check runs, once
     overlap = train.build_parser().parse_args(shlex.split(dict((n, c) for n, _, c in steps)["train-overlap-clip"])[3:])
     assert overlap.overlap_backward
