@@ -174,3 +174,16 @@ def test_native_copy_refuses_bad_pairs(kernel, bad, error, message) -> None:
     with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
         native_copy_(dsts, srcs)
     assert torch.equal(dst, torch.zeros(4))
+
+
+def test_checksums_of_device_tensors_never_load_the_extension() -> None:
+    """A device gradient (here on ``meta``) is checksummed with torch ops where it is: asking the
+    loader (a build of up to a minute) from a backward hook or ``step()`` would stall them."""
+
+    class Refusing:
+        def get(self):  # pragma: no cover - the test fails if it is called
+            raise AssertionError("the extension was asked for")
+
+    sums = checksums_([torch.empty(100, device="meta"), torch.empty(7, dtype=torch.bfloat16, device="meta")],
+                      loader=Refusing())
+    assert sums.device.type == "meta" and sums.shape == (2,) and sums.dtype == torch.int64

@@ -8,12 +8,14 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
 
 * the chunk's master and moments are saved into a backup buffer of the chunk before its kernel
   overwrites them (kept from step to step: the memory cost of speculation, 12 bytes per
-  speculated element), and a checksum of every gradient view it reads is recorded. On the host
-  the native kernels do both in their own pass (``saves``/``checksums``,
+  speculated element), and a checksum of every gradient view it reads is recorded. The native
+  kernels do both in their own pass (``saves``/``checksums``,
   ``offload.kernels._adamw.speculation_outputs``): the gradient is read from memory once and the
   backups are only written, 40 bytes per element moved instead of 28 + 24 + 12 (read for
   ownership) + 4 with a copy and a checksum pass first, which is what items of torch's kernel
-  still take. On CUDA the checksum is taken on the device at launch, where it is cheap;
+  still take. For a CUDA gradient the native kernel checksums the staged copy it consumed (so a
+  gradient changed while the copy ran, A -> B -> A, is not taken for A: no device work in the
+  hook either); for torch's kernel the checksum is taken on the device at launch;
 * at ``step()`` :meth:`Speculation.stale_chunks` compares what each early chunk consumed with
   what the step would consume: the gradients' *content* (a checksum of every word, read again
   now: version counters miss in-place ops through a DTensor and GradScaler's CPU unscale, and
@@ -27,11 +29,16 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
 The checksum is a lane-weighted 64-bit sum of the gradient's words (``offload.kernels._grad_stats``,
 one native pass on the CPU, torch ops on a device): any change of one element changes it, and so
 do sign flips and swapped neighbours; changes that cancel within every lane and across the
-weighted lanes (elements 32 apart swapped) are not seen. On the host it is taken per view (the
-elements of one parameter a chunk reads, ``grad_slice``), on CUDA per parameter, once per window
-at the first early chunk holding it (final then: a chunk starts only when all its parameters'
-hooks fired). At ``step()`` the gradients' checksums are read again while the worker still runs
-the last early kernels, and compared once they are done.
+weighted lanes (elements 32 apart swapped) are not seen. Where a kernel takes it, it is per view
+(the elements of one parameter a chunk reads, ``grad_slice``); a device checksum at launch is
+per parameter, once per window at the first early chunk holding it (final then: a chunk starts
+only when all its parameters' hooks fired). At ``step()`` the gradients' checksums are read again
+(on their device, one sync for all) while the worker still runs the last early kernels, and
+compared once they are done.
+
+On the host the kernel takes a piece's checksum right before updating that piece (at most 16 Ki
+elements, microseconds apart): a concurrent in-place write that lands between the two and is
+undone before ``step()`` (A -> B -> A within that window) is the one change not seen.
 """
 
 from __future__ import annotations
@@ -118,7 +125,8 @@ class SpeculativeChunk:
     saved: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     """(slab view, backup view) pairs filled by the worker (before or in the kernel)."""
     views: list[ViewKey] = field(default_factory=list)
-    """The host gradient views its items read (their checksums are recorded per view)."""
+    """The gradient views whose checksums are recorded per view (host gradients; CUDA ones of a
+    native kernel, checksummed from their staged copy)."""
 
 
 @dataclass(slots=True)
@@ -129,8 +137,9 @@ class GradReading:
     """Slots whose gradient is gone or another tensor shape, dtype or device than the one read."""
     grads: dict[int, Tensor] = field(default_factory=dict)
     """The others' gradients (local tensors)."""
-    host: dict[ViewKey, int] = field(default_factory=dict)
-    """The checksum of each host view an early item read, of the gradient now."""
+    views: dict[ViewKey, int] = field(default_factory=dict)
+    """Per view an early item read with its checksum recorded (host gradients; CUDA ones read by a
+    native kernel from their staged copy): the checksum of the gradient now."""
 
 
 class Speculation:
@@ -142,7 +151,7 @@ class Speculation:
         self._offsets: dict[int, dict[tuple[int, int], int]] = {}  # chunk -> view -> offset
         self._launched: dict[int, SpeculativeChunk] = {}
         self._steps0: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (step tensor, its value)
-        self._sums: dict[ViewKey, tuple[Tensor, int]] = {}  # host view -> (checksums, index) of what was read
+        self._sums: dict[ViewKey, tuple[Tensor, int]] = {}  # view -> (checksums, index) of what its kernel read
         self._device_sums: dict[int, tuple[Tensor, Any]] = {}  # CUDA: (checksum at launch, its event)
 
     @property
@@ -166,7 +175,10 @@ class Speculation:
         for s in first:
             step = state[records[s].param]["step"]
             self._steps0[s] = (step, step.clone())
-        cuda = [s for s in first if grads[s].device.type == "cuda"]
+        # CUDA gradients of torch's kernel: checksummed on the device at launch. Those of a native
+        # kernel are checksummed as the kernel reads their staged copy (what it consumed).
+        torch_kind = {it.view.slot for it in job.items if it.kind == KIND_TORCH}
+        cuda = [s for s in first if grads[s].device.type == "cuda" and s in torch_kind]
         if cuda:  # enqueued on the stream that produced the gradients: asynchronous, cheap
             sums = self._checksums([grads[s] for s in cuda])
             done = torch.cuda.Event()
@@ -177,7 +189,7 @@ class Speculation:
                                 {s: state[records[s].param]["step"] for s in grads},
                                 {s: stamp(records[s]) for s in grads})
         spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in job.items
-                      if grads[it.view.slot].device.type != "cuda"]
+                      if grads[it.view.slot].device.type != "cuda" or it.kind != KIND_TORCH]
         self._launched[chunk.index] = spec
         job.before_kernel = lambda job, spec=spec, chunk=chunk: self._before_kernel(job, spec, chunk)
 
@@ -216,7 +228,7 @@ class Speculation:
             pairs.extend(zip(state, saves))
             host = it.grad is not None and it.grad.device.type != "cuda"
             key = (v.slot, v.start, v.stop)
-            if host and it.kind != KIND_TORCH:
+            if it.grad is not None and it.kind != KIND_TORCH:  # the kernel reads it (CUDA: staged)
                 entry = fused.setdefault(it.kind, ([], []))
                 entry[0].extend(saves)
                 entry[1].append(key)
@@ -266,9 +278,11 @@ class Speculation:
             else:
                 reading.grads[s] = g
         keys = [k for spec in launched.values() for k in spec.views if k[0] in reading.grads]
-        if keys:
-            sums = self._checksums([grad_slice(reading.grads[s], a, b) for s, a, b in keys]).tolist()
-            reading.host = dict(zip(keys, sums))
+        for on_device in (False, True):  # host views, then device ones: one sync for all of those
+            part = [k for k in keys if (reading.grads[k[0]].device.type == "cuda") == on_device]
+            if part:
+                sums = self._checksums([grad_slice(reading.grads[s], a, b) for s, a, b in part]).tolist()
+                reading.views.update(zip(part, sums))
         return reading
 
     def stale_chunks(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord],
@@ -282,7 +296,7 @@ class Speculation:
             reading = self.read_now(launched, records)
         changed = set(late_slots) | reading.changed
         recorded: dict[int, list[int]] = {}  # id(checksums tensor) -> its values (one read each)
-        for key, now in reading.host.items():
+        for key, now in reading.views.items():
             was = self._sums.get(key)
             if was is None:
                 changed.add(key[0])
