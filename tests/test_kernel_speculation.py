@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.kernels._adamw import Hyper, mixed_precision_adamw_, native_adamw_f32_, native_copy_
+from offload.kernels._adamw import Hyper, mixed_precision_adamw_, native_adamw_f32_
+from offload.kernels._outputs import native_copy_
 from offload.kernels._grad_stats import STATS_BLOCK, checksums_, checksums_reference, grad_stats_
 
 SIZES = (1, 63, 64, 1000, STATS_BLOCK - 64, STATS_BLOCK + 1, 5 * STATS_BLOCK + 77)

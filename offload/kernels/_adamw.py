@@ -61,9 +61,9 @@ from offload.kernels._fused_mp import (
     bitwise_matches_torch,
     fused_mp_available,
 )
-from offload.kernels._fused_mp import _module as _native_module
 from offload.kernels._build import ExtensionLoader
-from offload.kernels._grad_stats import checksums_, checksums_reference, grad_stats_
+from offload.kernels._grad_stats import checksums_, grad_stats_
+from offload.kernels._outputs import native_copy_, speculation_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,7 @@ __all__ = [
     "fused_adamw_",
     "mixed_precision_adamw_",
     "native_adamw_f32_",
-    "native_copy_",
     "native_scalars",
-    "speculation_outputs",
     "new_step_tensor",
     "torch_mp_adamw_",
 ]
@@ -307,34 +305,6 @@ def native_adamw_f32_(
         outs=list(outs), steps_to_increment=list(steps_to_increment), scalars=scalars,
         saves=list(saves), checksums=checksums, loader=loader,
     )
-
-
-def native_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *,
-                 loader: ExtensionLoader | None = None) -> None:
-    """``dsts[i] = srcs[i]`` (each pair one dtype and size, contiguous, one element size per
-    call) by the native extension: one parallel pass, the GIL released, non-temporal stores into
-    the destinations of a large call (no read for ownership: 16-20% faster than
-    ``torch._foreach_copy_`` on the 2-core VM, 20M fp32 or bf16 elements, 1 or 2 threads). For
-    the weight copies of committed speculations (``offload.pipeline._host_transport``), which run
-    only where a native kernel ran: the extension is loaded by then."""
-    _native_module(loader).copy_(list(dsts), list(srcs))
-
-
-def speculation_outputs(grads: Sequence[Tensor], masters: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                        exp_avg_sqs: Sequence[Tensor], saves: Sequence[Tensor],
-                        checksums: Tensor | None) -> None:
-    """What a native kernel given ``saves`` and ``checksums`` leaves there, made with torch ops
-    (for a call that updates nothing: ``found_inf``). ``saves``: empty, or per tensor ``i`` three
-    fp32 tensors (``saves[3i:3i+3]``) that receive its master, ``exp_avg`` and ``exp_avg_sq`` as
-    they were before the update; ``checksums``: None, or an int64 tensor that receives each
-    gradient's content checksum (:func:`offload.kernels._grad_stats.checksums_`). The kernels make
-    both in their own pass: the gradient is read once, the backups only written (speculation,
-    ``offload.overlap._speculation``)."""
-    if saves:
-        srcs = [t for trio in zip(masters, exp_avgs, exp_avg_sqs) for t in trio]
-        torch._foreach_copy_(list(saves), srcs)
-    if checksums is not None:
-        checksums.copy_(checksums_reference(list(grads)))
 
 
 def mixed_precision_adamw_(

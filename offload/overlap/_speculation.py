@@ -10,7 +10,7 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
   overwrites them (kept from step to step: the memory cost of speculation, 12 bytes per
   speculated element), and a checksum of every gradient view it reads is recorded. The native
   kernels do both in their own pass (``saves``/``checksums``,
-  ``offload.kernels._adamw.speculation_outputs``): the gradient is read from memory once and the
+  ``offload.kernels._outputs.speculation_outputs``): the gradient is read from memory once and the
   backups are only written, 40 bytes per element moved instead of 28 + 24 + 12 (read for
   ownership) + 4 with a copy and a checksum pass first, which is what items of torch's kernel
   still take. For a CUDA gradient the native kernel checksums the staged copy it consumed (so a

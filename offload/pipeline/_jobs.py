@@ -87,7 +87,7 @@ class ChunkJob:
     speculate: dict[ItemKind, tuple[list[Tensor], Tensor]] | None = None
     """Early launch: per item kind of a native kernel, the ``saves`` and ``checksums`` its call
     is given (the backups and gradient checksums made in the kernel's own pass; set by
-    ``before_kernel``, ``offload.kernels._adamw.speculation_outputs`` says what they receive)."""
+    ``before_kernel``, ``offload.kernels._outputs.speculation_outputs`` says what they receive)."""
     # Filled by the transport and the worker.
     transfer: Any = None
     """The transport's state of an issued d2h (None: not issued yet)."""
