@@ -184,14 +184,13 @@ class HostTransport:
                 src = slabs.view("master", it.view)
             else:
                 continue  # the parameter is its own master, updated in place
-            dst = param_view(it)
             copied = True
-            if it.kind and dst.dtype == src.dtype:  # a native kernel's item: the extension is loaded
-                pair = native.setdefault(dst.dtype, ([], []))
-                pair[0].append(dst)
+            if it.kind and it.param.dtype == src.dtype:  # a native kernel's item: the extension is loaded
+                pair = native.setdefault(src.dtype, ([], []))
+                pair[0].append(param_operand(it))  # the copy reads sizes, not shapes: no view of a whole one
                 pair[1].append(src)
             else:
-                dst.copy_(src)  # a conversion (torch's kernel on a bf16 model)
+                param_view(it).copy_(src)  # a conversion (torch's kernel on a bf16 model)
         for dsts, srcs in native.values():
             self._copy(dsts, srcs)
         t1 = time.perf_counter()
