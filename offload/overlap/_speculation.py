@@ -36,9 +36,11 @@ only when all its parameters' hooks fired). At ``step()`` the gradients' checksu
 (on their device, one sync for all) while the worker still runs the last early kernels, and
 compared once they are done.
 
-On the host the kernel takes a piece's checksum right before updating that piece (at most 16 Ki
-elements, microseconds apart): a concurrent in-place write that lands between the two and is
-undone before ``step()`` (A -> B -> A within that window) is the one change not seen.
+A native kernel checksums a private copy of each piece (at most 16 Ki elements) and updates from
+that copy, so what it checksummed is what it consumed even while another thread writes the
+gradient. Items of torch's kernel on the host are checksummed here before their kernel reads the
+gradient: a concurrent in-place write that lands in between and is undone before ``step()`` (A ->
+B -> A) is not seen there (the fallback where the native kernel cannot be built).
 """
 
 from __future__ import annotations

@@ -715,13 +715,23 @@ inline void save_span(const float* src, float* dst, int64_t n) {
 }
 
 // The bookkeeping of elements [lo, hi) of tensor i (hi - lo <= kStatsBlock: the 32-bit lanes of
-// block_stats cannot overflow).
+// block_stats cannot overflow). With checksums, the piece's gradient is first copied into this
+// thread's buffer, and both the checksum and the update read that copy (the returned pointer, at
+// element lo): what is checksummed is exactly what is consumed, even while another thread writes
+// the gradient (an in-place change and its undo between a checksum read and an update read, A ->
+// B -> A, was committed as A: seen about once in 12 runs of bench.device_checks races on the
+// CPU). The copy stays in cache; the gradient is still read from memory once.
 template <typename grad_t>
-inline void speculate_piece(const Speculate& s, size_t i, const grad_t* grad, const float* master,
-                            const float* exp_avg, const float* exp_avg_sq, int64_t lo,
-                            int64_t hi) {
+inline const grad_t* speculate_piece(const Speculate& s, size_t i, const grad_t* grad,
+                                     const float* master, const float* exp_avg,
+                                     const float* exp_avg_sq, int64_t lo, int64_t hi) {
+  const grad_t* consumed = grad + lo;
   if (s.sums != nullptr) {
-    s.sums[i].fetch_add(block_stats<grad_t, kNormNone>(grad + lo, hi - lo).sum,
+    thread_local std::vector<grad_t> snapshot;
+    snapshot.resize(static_cast<size_t>(kStatsBlock));
+    std::memcpy(snapshot.data(), grad + lo, static_cast<size_t>(hi - lo) * sizeof(grad_t));
+    consumed = snapshot.data();
+    s.sums[i].fetch_add(block_stats<grad_t, kNormNone>(consumed, hi - lo).sum,
                         std::memory_order_relaxed);
   }
   if (!s.saves.empty()) {
@@ -732,25 +742,26 @@ inline void speculate_piece(const Speculate& s, size_t i, const grad_t* grad, co
     _mm_sfence();  // the streamed backups are visible before anything reads them
 #endif
   }
+  return consumed;
 }
 
 static_assert(kStatsBlock % kUnit == 0, "a speculation piece must end on a unit boundary");
 
-// Runs `update(lo, hi)` over [lo, hi) of tensor i, with the speculation's bookkeeping first, piece
-// by piece. Pieces split at multiples of kUnit from `lo`: the vector body / scalar tail split of
+// Runs `update(lo, hi, g)` over [lo, hi) of tensor i, `g` the gradient at element lo (the tensor's
+// own, or the piece's copy: speculate_piece), with the speculation's bookkeeping first, piece by
+// piece. Pieces split at multiples of kUnit from `lo`: the vector body / scalar tail split of
 // every element stays as it is (the same rule that makes the thread count irrelevant).
 template <typename grad_t, typename UpdateFn>
 inline void speculated(const Speculate* s, size_t i, const grad_t* grad, const float* master,
                        const float* exp_avg, const float* exp_avg_sq, int64_t lo, int64_t hi,
                        const UpdateFn& update) {
   if (s == nullptr || !s->any()) {
-    update(lo, hi);
+    update(lo, hi, grad + lo);
     return;
   }
   for (int64_t a = lo; a < hi; a += kStatsBlock) {
     const int64_t b = std::min(hi, a + kStatsBlock);
-    speculate_piece<grad_t>(*s, i, grad, master, exp_avg, exp_avg_sq, a, b);
-    update(a, b);
+    update(a, b, speculate_piece<grad_t>(*s, i, grad, master, exp_avg, exp_avg_sq, a, b));
   }
 }
 
@@ -860,9 +871,10 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   }
   const bool stream = total >= kStreamMinElements;
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-    speculated<grad_t>(spec, i, g_lp[i], m32[i], ea[i], eas[i], lo, hi, [&](int64_t a, int64_t b) {
-      adamw_span<param_t, grad_t>(p_lp[i] + a, g_lp[i] + a, m32[i] + a, ea[i] + a, eas[i] + a,
-                                  b - a, coeffs[i], stream, x);
+    speculated<grad_t>(spec, i, g_lp[i], m32[i], ea[i], eas[i], lo, hi,
+                       [&](int64_t a, int64_t b, const grad_t* g) {
+      adamw_span<param_t, grad_t>(p_lp[i] + a, g, m32[i] + a, ea[i] + a, eas[i] + a, b - a,
+                                  coeffs[i], stream, x);
     });
   });
 }
@@ -1203,8 +1215,9 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
   {
     pybind11::gil_scoped_release no_gil;
     for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-      speculated<float>(&spec, i, gp[i], pp[i], ea[i], eas[i], lo, hi, [&](int64_t a, int64_t b) {
-        adamw_span_f32(pp[i] + a, gp[i] + a, ea[i] + a, eas[i] + a,
+      speculated<float>(&spec, i, gp[i], pp[i], ea[i], eas[i], lo, hi,
+                        [&](int64_t a, int64_t b, const float* g) {
+        adamw_span_f32(pp[i] + a, g, ea[i] + a, eas[i] + a,
                        op[i] == nullptr ? nullptr : op[i] + a, b - a, coeffs[i], x);
       });
     });
