@@ -324,3 +324,74 @@ def test_review_found_loops_are_exact(change: str) -> None:
     _same(pair)
     for _, opt in pair:
         opt.close()
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), [("torch", torch.float32), ("auto", torch.float32),
+                                               ("auto", torch.bfloat16)])
+def test_a_gradient_changed_and_restored_around_an_early_kernel_is_not_committed_wrong(kernel, dtype) -> None:
+    """A -> B -> A around the early kernel's read: on the worker, right before each early kernel
+    call, every gradient is doubled, and halved back right after it (exact), so ``step()`` sees A
+    again. What the kernel checksummed must be what it consumed: torch's kernel reads a copy taken
+    with its checksum before the change (A, committed), the native one reads B inside its call
+    and checksums that (redone); neither may commit what B gave as A. Found by
+    ``bench.device_checks races`` under load (torch's kernel read the live gradient after its
+    checksum: 15 of 20 runs wrong)."""
+    settings = OffloadSettings(threads=1, chunk_numel=1024, kernel=kernel)
+    backward_done = threading.Event()
+    window = [False]
+    live: list[torch.nn.Parameter] = []
+    calls = [0]
+    committed: list[int] = []
+
+    def around(real):
+        def kernel_call(*args, **kwargs):
+            if not (window[0] and threading.current_thread() is not threading.main_thread()):
+                return real(*args, **kwargs)
+            assert backward_done.wait(timeout=60)  # every gradient is final now
+            with torch.no_grad():
+                for p in live:
+                    if p.grad is not None:
+                        p.grad.mul_(2.0)
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    for p in live:
+                        if p.grad is not None:
+                            p.grad.mul_(0.5)
+                    calls[0] += 1
+        return kernel_call
+
+    real = KernelSet()
+    kernels = KernelSet(**{name: around(getattr(real, name))
+                           for name in ("fused_adamw", "mixed_precision_adamw", "native_adamw_f32")})
+    models = [make_model(dtype), make_model(dtype)]  # fp32: torch's kernel reads the gradient itself
+    live.extend(models[1].parameters())
+    plain = CPUOffloadAdamW(param_groups(models[0]), settings=settings)
+    over = CPUOffloadAdamW(param_groups(models[1]), settings=settings, overlap_backward=True, kernels=kernels)
+    for step in range(5):
+        for model, opt in ((models[0], plain), (models[1], over)):
+            opt.zero_grad()
+            window[0], calls[0] = opt is over and step > 0, 0
+            backward_done.clear()
+            model(batch(step)).backward()
+            backward_done.set()
+            if window[0]:  # every early chunk's kernel (one call each: one item kind) ran
+                launched = len(over._overlap.speculation.take())
+                for _ in range(1200):
+                    if calls[0] >= launched:
+                        break
+                    threading.Event().wait(0.05)
+                assert calls[0] >= launched, (step, launched, calls[0])
+            window[0] = False
+            opt.step()
+            if opt is over and step > 0:
+                committed.append(over.last_stats.committed_chunks)
+    if kernel == "torch":  # its copy, taken before the change, is what it consumed: committed
+        assert all(n > 0 for n in committed), committed
+    else:  # the native kernel read B inside its call (checksummed as B): every chunk redone
+        assert committed == [0] * len(committed), committed
+    assert_bitwise(list(models[1].parameters()), list(models[0].parameters()), "params")
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert_bitwise(_state(models[1], over, key), _state(models[0], plain, key), key)
+    plain.close()
+    over.close()

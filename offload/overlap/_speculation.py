@@ -37,10 +37,10 @@ only when all its parameters' hooks fired). At ``step()`` the gradients' checksu
 compared once they are done.
 
 A native kernel checksums a private copy of each piece (at most 16 Ki elements) and updates from
-that copy, so what it checksummed is what it consumed even while another thread writes the
-gradient. Items of torch's kernel on the host are checksummed here before their kernel reads the
-gradient: a concurrent in-place write that lands in between and is undone before ``step()`` (A ->
-B -> A) is not seen there (the fallback where the native kernel cannot be built).
+that copy; an item of torch's kernel on the host gets a copy of its gradient here, which is
+checksummed and which its kernel reads. Either way what was checksummed is what was consumed,
+even while another thread writes the gradient (a change and its undo, A -> B -> A, is then
+redone, not committed as A).
 """
 
 from __future__ import annotations
@@ -240,6 +240,7 @@ class Speculation:
         copy_from: list[Tensor] = []
         summed: list[tuple[ViewKey, Tensor]] = []
         fused: dict[ItemKind, tuple[list[Tensor], list[ViewKey]]] = {}
+        snapshots: dict[int, Tensor] = {}  # slot -> the copy torch's kernel reads (host gradients)
         for it in job.items:
             v = it.view
             saves, state, key = views[(v.slot, v.start)]
@@ -253,7 +254,14 @@ class Speculation:
             copy_to.extend(saves)
             copy_from.extend(state)
             if host:
-                summed.append((key, grad_slice(it.grad, v.start, v.stop)))
+                # torch's kernel reads the gradient later: it reads a copy taken now, the copy
+                # that is checksummed (a change and its undo in between, A -> B -> A, would
+                # otherwise commit what B gave: 15 of 20 loaded runs of the races check)
+                snapshot = snapshots.get(v.slot)
+                if snapshot is None:
+                    snapshot = snapshots[v.slot] = it.grad.clone()
+                it.grad = snapshot
+                summed.append((key, grad_slice(snapshot, v.start, v.stop)))
         if summed:
             sums = self._checksums([g for _, g in summed])
             for i, (key, _) in enumerate(summed):
