@@ -132,11 +132,9 @@ def redo_kernel_s(spans: Any) -> float:
 
 def host_bytes_per_param(opt: Any, numel: int) -> float:
     """Host bytes the optimizer holds per parameter: its slabs (master where it has one, moments)
-    plus the speculation's backups. Reads two private attributes; changes nothing."""
-    slabs = opt._layout.slabs.nbytes
-    launcher = getattr(opt, "_overlap", None)
-    backups = launcher.speculation.backup_bytes if launcher is not None else 0
-    return (slabs + backups) / numel
+    plus their second generation (speculation). Reads a private attribute; changes nothing."""
+    slabs = opt._layout.slabs
+    return (slabs.nbytes + slabs.next_nbytes) / numel
 
 
 def visit(t: Trainee, *, iters: int, clip: float | None, clock: Clock = time.perf_counter) -> list[dict[str, Any]]:

@@ -71,7 +71,7 @@ def compare(rounds: Sequence[Round], mode: str, base: str = "off") -> dict[str, 
     """``mode`` against ``base`` round by round: the hidden fraction, the forward+backward
     slowdown (mode / base) and the exposed time after backward (mode - base). The redo cost is
     taken over the iterations that redid chunks (a speculation that did not commit: checksums
-    read again, backups restored, chunks recomputed): their exposed time minus ``base``'s in the
+    read again, chunks recomputed from the committed state): their exposed time minus ``base``'s in the
     same round, and the recomputed chunks' own stage time (``redo_kernel_s``)."""
     hidden, slowdown, delta, redo, redo_kernels = [], [], [], [], []
     for r in rounds:
@@ -131,7 +131,7 @@ released) for a modelled GPU time in every layer's forward and backward, as it w
 GPU, while the optimizer's worker thread runs the early chunks on the core that leaves free. So
 the figures are those of the host: how much of the step the early chunks hide behind backward
 (hidden fraction), what a speculation that does not commit costs after backward (redo cost:
-checksums read again, backups restored, chunks recomputed), and how much the early work slows
+checksums read again, chunks recomputed from the committed state), and how much the early work slows
 the trainer's own thread (forward+backward on/off: GIL hand-offs, memory bandwidth shared with
 the model's real, small, math). **What it cannot measure:** PCIe transfers (gradients to the
 host, weights back; here the gradients are already in host memory and the weights are updated
@@ -174,7 +174,7 @@ def render_markdown(r: Mapping[str, Any]) -> str:
         "iteration_on) / exposed_off per round: median (quartiles; min..max). *redo ms* = exposed_on - "
         "exposed_off (same round) over the steps that redid chunks, median (the recomputed chunks' own stage time; how "
         "many such steps). Host B/param = "
-        "(`opt._layout.slabs.nbytes` + `opt._overlap.speculation.backup_bytes`) / parameters.", "",
+        "(`opt._layout.slabs.nbytes` + `opt._layout.slabs.next_nbytes`: the second generation) / parameters.", "",
     ]
     for d in r["dtypes"]:
         lines.append(f"- {d['dtype']}: plain step {_ms(d['step_s']['median'])} ms (IQR {_ms(d['step_s']['iqr'])}, "

@@ -22,11 +22,11 @@ next case), same initial weights, same batch every iteration (lr 1e-6: the work 
 Per case the modes are visited in rotating order (off, on / on, off / ...), ``--iters``
 iterations per visit, ``--rounds`` rounds, after ``--warmup`` discarded iterations per mode (the
 first creates the optimizer state, so nothing speculates in it; the second first-touches the
-backups).
+second generation).
 Reported per case: iteration, forward+backward and exposed (after backward) times of each mode;
 per round the hidden fraction ``(iteration_off - iteration_on) / exposed_off``, the
 forward+backward slowdown and the redo cost; commit rate, redone chunks, and host bytes per
-parameter (slabs + speculation backups). ``bench._overlap_report`` says how each is computed.
+parameter (slabs + their second generation). ``bench._overlap_report`` says how each is computed.
 
 ``--overlap`` picks the modes (:data:`MODES`: a new way to overlap is one more entry, compared
 against off the same way). Results: ``<out-dir>/<name>.json``, ``.md`` and ``.png`` (the hidden

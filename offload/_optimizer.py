@@ -32,7 +32,7 @@ from offload.overlap._speculation import checksums_of
 from offload.pipeline._cuda_transport import CudaTransport
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._step import collect_grads, ready_event, submit_step
+from offload.pipeline._step import collect_grads, commit_generations, ready_event, submit_step
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
 from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
@@ -81,15 +81,18 @@ class CPUOffloadAdamW(Optimizer):
         overlap_backward: start each chunk's d2h and kernel during backward, as soon as all its
             gradients have arrived, as a speculation (``offload.overlap._speculation``): ``step()``
             commits a chunk whose gradients (by content), hyper-parameters, clip coefficient and
-            grad scale are those it consumed, and undoes and recomputes the others, so the results
-            are bitwise those without overlap whatever the loop does between backward and
-            ``step()`` (clipping, GradScaler, DDP, a changed lr, ``zero_grad()`` and no step).
-            Costs a backup of the speculated chunks' master and moments (12 bytes per element).
-            Use ``with opt.accumulating():`` for all micro-batches but the last (else the early
-            chunks of earlier micro-batches are redone).
-        speculation_limit: with ``overlap_backward``, at most this many elements start during
-            backward per step (chunks past it run in ``step()``), which bounds the backup memory
-            to 12 bytes per element; None (default): no bound; 0: nothing starts early.
+            grad scale are those it consumed, and recomputes the others, so the results are
+            bitwise those without overlap whatever the loop does between backward and ``step()``
+            (clipping, GradScaler, DDP, a changed lr, ``zero_grad()`` and no step). Early chunks
+            update out of place into a second generation of the state, which ``step()`` commits
+            by a swap (12 bytes per element that may speculate; ``optimizer.state`` shows the
+            committed step until then). Use ``with opt.accumulating():`` for all micro-batches
+            but the last (else the early chunks of earlier micro-batches are redone).
+        speculation_limit: with ``overlap_backward``, only the last parameters (in param_groups
+            order: those whose gradients usually arrive first) whose state fits in this many
+            elements may start during backward (the others run in ``step()``), which bounds the
+            second generation to 12 bytes per such element; None (default): no bound; 0:
+            nothing starts early.
         amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.
@@ -145,7 +148,8 @@ class CPUOffloadAdamW(Optimizer):
             self._numa = NumaPlacement.bind(registry.device, numa_binder)
         self._layout = HostLayout.build(
             self.param_groups, self.state, registry=registry, chunk_numel=settings.chunk_numel,
-            overlap_backward=overlap_backward, allocate=HostSlabs if self._numa is None else self._numa.allocate).layout
+            overlap_backward=overlap_backward, allocate=HostSlabs if self._numa is None else self._numa.allocate,
+            speculable=limit).layout
 
         # A tuned optimizer's thread plan, kernel vote and tuner share one node agreement.
         plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
@@ -161,9 +165,11 @@ class CPUOffloadAdamW(Optimizer):
         self._stats: StatsBuilder | None = None
         self._clip: ClipRequest | None = None  # set by clip_grad_norm_, taken by the next step()
         self._overlap: Launcher | None = None
+        #: How a step that updated out of place commits (overlap_backward): the native storage
+        #: swap, or None (no extension: a copy).
+        self._swap = self._kernels.storage_swap() if overlap_backward else None
         if overlap_backward:
-            self._overlap = Launcher(self, checksums=checksums_of(self._kernels), limit_numel=limit,
-                                     settings=self._settings)
+            self._overlap = Launcher(self, checksums=checksums_of(self._kernels), settings=self._settings)
             self._overlap.bind(self._layout, self._pipeline)
 
         #: The online tuner (``autotune.OnlineTuner``), or None.
@@ -231,7 +237,8 @@ class CPUOffloadAdamW(Optimizer):
         values of slots that were their own master and now get a master place."""
         relaid = HostLayout.build(self.param_groups, self.state, previous=self._layout, seeds=seeds,
                                   chunk_numel=self._settings.chunk_numel,
-                                  overlap_backward=self._layout.overlap_backward)
+                                  overlap_backward=self._layout.overlap_backward,
+                                  speculable=self._layout.speculable)
         self.state.clear()
         self.state.update(relaid.entries)
         record(relaid.layout.records, relaid.migrated)  # their masters were just seeded from them
@@ -483,8 +490,8 @@ class CPUOffloadAdamW(Optimizer):
             late = early.late_edits() if early is not None else []
             if late or self._layout.recheck_masters:
                 self._abandon_early("step() (weights edited after backward started chunks)")
-            committed, speculated = early.start_step(hyper_now=hyper_now, late=late, threads=threads) \
-                if early is not None else ({}, 0)
+            committed, speculated, out_of_place = early.start_step(hyper_now=hyper_now, late=late, threads=threads) \
+                if early is not None else ({}, 0, set())
             self._follow_edits(grads)
         except BaseException:
             self._abandon_early("step() (an error)")
@@ -492,12 +499,16 @@ class CPUOffloadAdamW(Optimizer):
 
         layout = self._layout
         sub = submit_step(self._pipeline, layout, committed, grads, self.state, hyper_now=hyper_now,
-                          kernel=self._settings.kernel, threads=threads, event=ready_event(layout.registry.device))
+                          kernel=self._settings.kernel, threads=threads, event=ready_event(layout.registry.device),
+                          out_of_place=out_of_place)
         result = self._pipeline.drain()
         layout.items.release_grads()
-        if early is not None:  # a failure before any in-place update undoes the early chunks too
-            early.end_step(grad_scale=scale, failed=result.error is not None and
-                           not any(j.kernel_ran for j in sub.updates))
+        failed = result.error is not None and not any(j.kernel_ran for j in sub.updates)
+        if out_of_place:
+            commit_generations(layout, out_of_place, grads, [*committed.values(), *sub.updates],
+                               error=result.error is not None, failed=failed, swap=self._swap)
+        if early is not None:  # a failure before any update drops the early chunks too
+            early.end_step(grad_scale=scale, failed=failed)
         if result.last_h2d_event is not None:  # first: the weight copies that did land stay
             # ordered before whatever the caller runs next, also when the step raises
             torch.cuda.current_stream(layout.registry.device).wait_event(result.last_h2d_event)

@@ -1,14 +1,16 @@
-"""The native kernels' speculation outputs: backups and gradient checksums made in the update's pass.
+"""The native kernels' speculation outputs: an out-of-place update and gradient checksums in one pass.
 
-An early chunk (``overlap_backward``) has its kernel save the state it overwrites (``saves``) and
-checksum the gradient it reads (``checksums``) in the same pass (``offload.kernels._adamw``,
-``speculation_outputs``). Checked here: the update's bits do not change, the backups are the state
-before the call, the checksums are ``checksums_``' (itself ``grad_stats_``' second result and the
-torch reference's), for both entry points, 1 and 2 threads, sizes around the pieces the kernel
-works in, a chunk mixing bf16 and fp16, and a call that updates nothing (``found_inf``). Bad
-outputs are refused before anything is written. And ``native_copy_``, which writes the weights of
-committed speculations into the parameters: the bits of ``copy_``, aligned or not, small or large
-enough for its non-temporal stores.
+An early chunk (``overlap_backward``) has its kernel read the committed state and write the new
+one into the second generation (``into``), and checksum the gradient it reads (``checksums``),
+in the same pass (``offload.kernels._adamw``, ``speculation_outputs``). Checked here: ``into``
+receives exactly the bits of the update in place, the inputs are left as they were, the
+checksums are ``checksums_``' (itself ``grad_stats_``' second result and the torch reference's),
+for both entry points, 1 and 2 threads, sizes around the pieces the kernel works in, aligned and
+unaligned outputs, a chunk mixing bf16 and fp16, and a call that updates nothing
+(``found_inf``). Bad outputs are refused before anything is written. ``swap_storages_``, the
+commit, exchanges two storages' memory under every view. And ``native_copy_``, which writes the
+weights of committed speculations into the parameters: the bits of ``copy_``, aligned or not,
+small or large enough for its non-temporal stores.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from offload.kernels._adamw import Hyper, mixed_precision_adamw_, native_adamw_f32_
-from offload.kernels._outputs import native_copy_
+from offload.kernels._outputs import native_copy_, swap_storages_
 from offload.kernels._grad_stats import STATS_BLOCK, checksums_, checksums_reference, grad_stats_
 
 SIZES = (1, 63, 64, 1000, STATS_BLOCK - 64, STATS_BLOCK + 1, 5 * STATS_BLOCK + 77)
@@ -45,14 +47,17 @@ def _run(kind: str, st, hyper: Hyper, **spec) -> None:
                                st["step"], steps_to_increment=st["step"], hyper=hyper, **spec)
 
 
-def _outputs(sizes) -> tuple[list[torch.Tensor], torch.Tensor]:
-    saves = [torch.full((n,), float("nan")) for n in sizes for _ in range(3)]
-    return saves, torch.full((len(sizes),), -1, dtype=torch.int64)
+def _outputs(sizes, offset: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """NaN-filled ``into`` tensors (``offset``: elements off the 64-byte alignment, so the kernel
+    cannot stream into them) and -1 checksums."""
+    into = [torch.full((n + offset,), float("nan"))[offset:] for n in sizes for _ in range(3)]
+    return into, torch.full((len(sizes),), -1, dtype=torch.int64)
 
 
+@pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["f32", "bf16", "mixed"])
-def test_outputs_are_the_state_before_and_the_checksums_and_the_update_is_unchanged(kernel, kind, threads) -> None:
+def test_into_holds_the_update_in_place_and_the_inputs_are_only_read(kernel, kind, threads, offset) -> None:
     dtypes = {"f32": [torch.float32] * len(SIZES), "bf16": [torch.bfloat16] * len(SIZES),
               "mixed": [torch.bfloat16 if i % 2 else torch.float16 for i in range(len(SIZES))]}[kind]
     entry = "f32" if kind == "f32" else "mp"
@@ -61,58 +66,77 @@ def test_outputs_are_the_state_before_and_the_checksums_and_the_update_is_unchan
     try:
         plain, spec = _state(SIZES, dtypes), _state(SIZES, dtypes)
         old = {k: [t.clone() for t in spec[k]] for k in ("master", "exp_avg", "exp_avg_sq")}
-        saves, sums = _outputs(SIZES)
+        into, sums = _outputs(SIZES, offset)
         _run(entry, plain, HYPER)
-        _run(entry, spec, HYPER, saves=saves, checksums=sums)
+        _run(entry, spec, HYPER, into=into, checksums=sums)
     finally:
         torch.set_num_threads(before)
-    for key in ("master", "exp_avg", "exp_avg_sq", "step") + (("lowp",) if entry == "mp" else ()):
+    for key in ("step",) + (("lowp",) if entry == "mp" else ()):
         for i, (a, b) in enumerate(zip(spec[key], plain[key])):
-            assert torch.equal(a, b), f"{key}[{i}] changed by the speculation outputs"
+            assert torch.equal(a, b), f"{key}[{i}] differs from the update in place"
     for i in range(len(SIZES)):
         for k, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
-            assert torch.equal(saves[3 * i + k], old[key][i]), f"saves[{3 * i + k}] is not {key}[{i}] before"
+            assert torch.equal(into[3 * i + k], plain[key][i]), f"into[{3 * i + k}] is not the new {key}[{i}]"
+            assert torch.equal(spec[key][i], old[key][i]), f"{key}[{i}] was written"
     assert torch.equal(sums, checksums_(spec["grad"]))
     assert torch.equal(sums, checksums_reference(spec["grad"]))
     assert torch.equal(sums, grad_stats_(spec["grad"])[1])
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
-def test_a_skipped_step_still_fills_the_outputs(kernel, kind) -> None:
+def test_a_skipped_step_puts_the_state_as_it_is_into_the_outputs(kernel, kind) -> None:
     dtype = torch.float32 if kind == "f32" else torch.bfloat16
     st = _state(SIZES[:3], [dtype] * 3)
     old = [t.clone() for k in ("master", "exp_avg", "exp_avg_sq") for t in st[k]]
-    saves, sums = _outputs(SIZES[:3])
+    into, sums = _outputs(SIZES[:3])
     skip = Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, found_inf=torch.ones(()))
-    _run("f32" if kind == "f32" else "mp", st, skip, saves=saves, checksums=sums)
+    _run("f32" if kind == "f32" else "mp", st, skip, into=into, checksums=sums)
     assert torch.equal(st["master"][0], old[0])  # nothing updated
     for i in range(3):
-        assert torch.equal(saves[3 * i], old[i]) and torch.equal(saves[3 * i + 1], old[3 + i])
+        assert torch.equal(into[3 * i], old[i]) and torch.equal(into[3 * i + 1], old[3 + i])
+        assert torch.equal(into[3 * i + 2], old[6 + i])
     assert torch.equal(sums, checksums_reference(st["grad"]))
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("count", "saves has 2 tensors: expected 0 or 3"),
-    ("size", "saves[1] has 5 elements"),
-    ("alias", "saves[0] and exp_avgs[0] share memory"),
+    ("count", "into has 2 tensors: expected 0 or 3"),
+    ("size", "into[1] has 5 elements"),
+    ("alias", "into[0] and exp_avgs[0] share memory"),
     ("checksums", "checksums must be a contiguous torch.int64 CPU tensor of 1 elements"),
 ])
 def test_bad_outputs_are_refused_before_any_write(kernel, bad, message) -> None:
     st = _state([64], [torch.float32])
-    saves, sums = _outputs([64])
+    into, sums = _outputs([64])
     if bad == "count":
-        saves = saves[:2]
+        into = into[:2]
     elif bad == "size":
-        saves[1] = torch.zeros(5)
+        into[1] = torch.zeros(5)
     elif bad == "alias":
-        saves[0] = st["exp_avg"][0]
+        into[0] = st["exp_avg"][0]
     else:
         sums = torch.zeros(2, dtype=torch.int64)
     before = [t.clone() for k in ("master", "exp_avg", "step") for t in st[k]]
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        _run("f32", st, HYPER, saves=saves, checksums=sums)
+        _run("f32", st, HYPER, into=into, checksums=sums)
     after = [t for k in ("master", "exp_avg", "step") for t in st[k]]
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_swap_storages_exchanges_memory_under_every_view(kernel) -> None:
+    a, b = torch.arange(8, dtype=torch.float32), torch.arange(8, 16, dtype=torch.float32)
+    view_a, view_b = a[2:5], b.view(2, 4)
+    version = a._version
+    swap_storages_([a], [b])
+    assert torch.equal(a, torch.arange(8, 16, dtype=torch.float32)) and torch.equal(view_a, a[2:5])
+    assert torch.equal(view_b.reshape(-1), torch.arange(8, dtype=torch.float32))
+    assert a._version > version
+    with pytest.raises(ValueError, match="different sizes"):
+        swap_storages_([a], [torch.zeros(9)])
+    with pytest.raises(ValueError, match="over the whole of its storage"):
+        swap_storages_([a[1:]], [torch.zeros(7)])
+    with pytest.raises(ValueError, match="share one storage"):
+        swap_storages_([a], [a.view(2, 4)])
+    assert torch.equal(a, torch.arange(8, 16, dtype=torch.float32))  # nothing swapped by a refused call
 
 
 def test_checksums_alone_equal_grad_stats_and_skip_the_norm(kernel) -> None:

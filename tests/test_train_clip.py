@@ -71,7 +71,9 @@ def test_clip_amp_and_overlap_against_torch(tmp_path: Path, capsys: pytest.Captu
     over_amp = _train(tmp_path, "over_amp", *amp, *OURS, "--overlap-backward")
     assert ref_amp["amp"] == "fp16" and ref_amp["amp_skipped_steps"] == over_amp["amp_skipped_steps"]
     assert ref_amp["losses"] != ref["losses"]  # autocast really ran
-    _close_to_torch(ours_amp, ref_amp)
+    # Under fp16 autocast the last-bit differences of the first clip grow faster: the third
+    # step's norm was 1.003e-5 off torch's on an AMD EPYC VM, past the 1e-5 of fp32.
+    _close_to_torch(ours_amp, ref_amp, later_rel=5e-5)
     _same_run(over_amp, ours_amp)
 
 

@@ -63,7 +63,7 @@ from offload.kernels._fused_mp import (
 )
 from offload.kernels._build import ExtensionLoader
 from offload.kernels._grad_stats import checksums_, grad_stats_
-from offload.kernels._outputs import native_copy_, speculation_outputs
+from offload.kernels._outputs import native_copy_, speculation_outputs, swap_storages_
 
 logger = logging.getLogger(__name__)
 
@@ -285,25 +285,25 @@ def native_adamw_f32_(
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
     outs: Sequence[Tensor] = (),
-    saves: Sequence[Tensor] = (),
+    into: Sequence[Tensor] = (),
     checksums: Tensor | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_adamw_`'s update of fp32 tensors by the native kernel, in one call per chunk.
 
     ``params[i]`` is updated in place (it is its own master: a parameter of a CPU model, or a
-    master slab view); ``outs``, if given, receive a copy of each updated parameter. ``saves`` and
-    ``checksums``: see :func:`speculation_outputs`. ``loader``: whose extension runs (None: the
+    master slab view), or out of place into ``into``; ``outs``, if given, receive a copy of each
+    updated parameter. ``into`` and ``checksums``: see :func:`speculation_outputs`. ``loader``: whose extension runs (None: the
     process's). Raises ``FusedMPUnavailable`` when the kernel could not be built.
     """
     scalars = native_scalars(hyper, steps_to_increment)
     if scalars is None:
-        speculation_outputs(grads, params, exp_avgs, exp_avg_sqs, saves, checksums)
+        speculation_outputs(grads, params, exp_avgs, exp_avg_sqs, into, checksums)
         return
     call_f32_unchecked(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
         outs=list(outs), steps_to_increment=list(steps_to_increment), scalars=scalars,
-        saves=list(saves), checksums=checksums, loader=loader,
+        into=list(into), checksums=checksums, loader=loader,
     )
 
 
@@ -317,7 +317,7 @@ def mixed_precision_adamw_(
     *,
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
-    saves: Sequence[Tensor] = (),
+    into: Sequence[Tensor] = (),
     checksums: Tensor | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
@@ -327,20 +327,20 @@ def mixed_precision_adamw_(
 
     ``params_lowp[i]`` receives the updated master rounded to the low-precision dtype;
     ``grads_lowp[i]`` is read as is (no fp32 copy). ``loader``: whose extension runs (None: the
-    process's). ``saves`` and ``checksums``: see :func:`speculation_outputs`. Raises
+    process's). ``into`` and ``checksums``: see :func:`speculation_outputs`. Raises
     ``FusedMPUnavailable`` when the kernel could not be built (the optimizer checks first and keeps
     the torch path then).
     """
     scalars = native_scalars(hyper, steps_to_increment)
     if scalars is None:
-        speculation_outputs(grads_lowp, masters, exp_avgs, exp_avg_sqs, saves, checksums)
+        speculation_outputs(grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums)
         return
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
     if len(dtypes) <= 1:  # the usual case: one call
         call_steps_unchecked(
             list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
             list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars,
-            saves=list(saves), checksums=checksums, loader=loader,
+            into=list(into), checksums=checksums, loader=loader,
         )
         return
     # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
@@ -353,7 +353,7 @@ def mixed_precision_adamw_(
             *([lst[i] for i in idx] for lst in (params_lowp, grads_lowp, masters, exp_avgs,
                                                 exp_avg_sqs, state_steps)),
             steps_to_increment=[], scalars=scalars,
-            saves=[saves[3 * i + k] for i in idx for k in range(3)] if saves else [],
+            into=[into[3 * i + k] for i in idx for k in range(3)] if into else [],
             checksums=sums, loader=loader,
         )
         if checksums is not None:
@@ -446,6 +446,9 @@ class KernelSet:
     ``grad_stats``."""
     copy: Kernel = native_copy_
     """The native kernels' weight copies (``dsts``, ``srcs``; see :func:`native_copy_`)."""
+    swap: Kernel = swap_storages_
+    """A speculation's commit: swaps the memory of two generations' storages (``a``, ``b``; see
+    :func:`offload.kernels._outputs.swap_storages_`); :meth:`storage_swap` says whether it runs."""
     loader: ExtensionLoader | None = None
     """Builds and loads the native extension: :meth:`available` asks it, and the two native kernels
     and ``grad_stats`` left at their defaults run on what it loads. None: the process's loader
@@ -457,7 +460,7 @@ class KernelSet:
         defaults: tuple[tuple[str, Callable[..., object]], ...] = (
             ("mixed_precision_adamw", mixed_precision_adamw_),
             ("native_adamw_f32", native_adamw_f32_), ("grad_stats", grad_stats_),
-            ("checksums", checksums_), ("copy", native_copy_))
+            ("checksums", checksums_), ("copy", native_copy_), ("swap", swap_storages_))
         for name, default in defaults:
             if getattr(self, name) is default:  # the default kernel, on this set's extension
                 object.__setattr__(self, name, functools.partial(default, loader=self.loader))
@@ -466,6 +469,13 @@ class KernelSet:
         """Whether the native kernels can run here, and why (or why not); see
         ``offload.kernels._fused_mp.fused_mp_available`` (the first call builds the extension)."""
         return fused_mp_available(self.loader)
+
+    def storage_swap(self) -> Kernel | None:
+        """:attr:`swap` where the native extension runs here, else None (``HostSlabs.swap`` then
+        copies the new generation into the committed one)."""
+        if self.swap is not swap_storages_ and not isinstance(self.swap, functools.partial):
+            return self.swap  # a test's own swap
+        return self.swap if self.available()[0] else None
 
     def resolve(self, kernel: str) -> str:
         """The kernel that runs for the setting ``kernel``: ``"fused-mp"`` where it can run here

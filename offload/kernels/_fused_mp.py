@@ -267,13 +267,14 @@ def call_steps_unchecked(
     *,
     steps_to_increment: list[Tensor],
     scalars: NativeScalars,
-    saves: list[Tensor] | None = None,
+    into: list[Tensor] | None = None,
     checksums: Tensor | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_mp_adamw_steps_` without its Python-side checks, for the offload pipeline.
-    ``saves``/``checksums``: a speculation's backups and gradient checksums, made in the kernel's
-    pass (see :func:`offload.kernels._adamw.mixed_precision_adamw_`).
+    ``into``/``checksums``: a speculation's next generation (the new master and moments, written
+    out of place) and gradient checksums, made in the kernel's pass (see
+    :func:`offload.kernels._adamw.mixed_precision_adamw_`).
 
     The C++ side still checks every tensor before writing; what is skipped is the per-element
     ``isinstance`` walk (pybind rejects a non-tensor with a less precise TypeError) and the
@@ -285,7 +286,7 @@ def call_steps_unchecked(
         params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps,
         steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
         eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
-        grad_coef=scalars.grad_coef, saves=saves or [], checksums=checksums,
+        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums,
     )
 
 
@@ -299,7 +300,7 @@ def call_f32_unchecked(
     outs: list[Tensor],
     steps_to_increment: list[Tensor],
     scalars: NativeScalars,
-    saves: list[Tensor] | None = None,
+    into: list[Tensor] | None = None,
     checksums: Tensor | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
@@ -312,5 +313,5 @@ def call_f32_unchecked(
         params, grads, exp_avgs, exp_avg_sqs, state_steps, outs=outs,
         steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
         eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
-        grad_coef=scalars.grad_coef, saves=saves or [], checksums=checksums,
+        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums,
     )

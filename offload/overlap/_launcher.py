@@ -8,10 +8,10 @@ A :class:`Launcher` lives as long as its optimizer. It is handed each layout and
 settings in force; of the optimizer itself it reads only what torch's ``Optimizer`` owns,
 ``state`` and ``param_groups``, through a weak reference (the hooks live on the model's
 parameters and must not keep the optimizer alive). The optimizer asks it three things:
-:meth:`Launcher.start_step` (which early chunks stand, with the stale ones already restored on
-the worker), :meth:`Launcher.abandon` (undo every early chunk: a step that does not happen),
-:meth:`Launcher.end_step` (the window closes, the grad scale used is remembered for the next
-speculation).
+:meth:`Launcher.start_step` (which early chunks stand, and which param groups were updated out
+of place: the step commits them by a swap), :meth:`Launcher.abandon` (drop every early chunk: a
+step that does not happen; the committed state was never written), :meth:`Launcher.end_step`
+(the window closes, the grad scale used is remembered for the next speculation).
 """
 
 from __future__ import annotations
@@ -51,15 +51,11 @@ PAUSE_AFTER_STALE_STEPS = 3
 class Launcher:
     """The backward hooks, early launches and speculation of one optimizer (see module doc)."""
 
-    def __init__(self, opt: Optimizer, *, checksums: Checksums, limit_numel: int | None,
-                 settings: OffloadSettings) -> None:
+    def __init__(self, opt: Optimizer, *, checksums: Checksums, settings: OffloadSettings) -> None:
         """``opt``: the optimizer (held weakly; its ``state`` and ``param_groups`` are read);
-        ``limit_numel``: at most this many elements are speculated per step (None: all), which
-        bounds the backup memory at 12 bytes each; ``settings``: the settings in force (set
-        :attr:`settings` again when they change)."""
+        ``settings``: the settings in force (set :attr:`settings` again when they change)."""
         self._opt = weakref.ref(opt)
         self._checksums = checksums
-        self._limit = limit_numel
         self.settings = settings
         """The optimizer's settings in force (kernel and threads of the early jobs)."""
         self.external = False
@@ -68,7 +64,7 @@ class Launcher:
         """Speculation is paused (:meth:`_count_stale`): chunks run in ``step()`` until a step
         that would have committed."""
         self._stale_steps = 0  # steps in a row that redid every early chunk
-        self._numel = 0  # elements launched in this window
+        self._segments: set[int] = set()  # slab segments a chunk of this window was launched in
         self._grad_scale: Tensor | None = None  # the scale the last step used (GradScaler)
         self.layout: HostLayout | None = None
         self.pipeline: Pipeline | None = None
@@ -83,13 +79,12 @@ class Launcher:
             self.hooks.remove_hooks()
         self.layout, self.pipeline = layout, pipeline
         self.speculation = Speculation(self._checksums)
-        self.speculation.bind(layout.slabs)
         self.hooks = GradHooks(layout.records, self._start_early, calibrated=calibrated)
         self.hooks.external = self.external
         self.hooks.set_chunks(layout.chunks)
 
     def rechunked(self) -> None:
-        """The layout's chunks changed (another ``chunk_numel``): count and back up the new ones."""
+        """The layout's chunks changed (another ``chunk_numel``): count the new ones."""
         assert self.hooks is not None and self.layout is not None
         self.hooks.set_chunks(self.layout.chunks)
         self.speculation.forget_layout()
@@ -128,22 +123,28 @@ class Launcher:
         records, state = layout.records, opt.state
         if any(not state.get(records[slot].param) for slot in grads):
             return  # a parameter without state yet: step() runs the chunk
-        if self._limit is not None and self._numel + chunk.numel > self._limit:
-            return  # over the speculation budget: step() runs the chunk
-        self._numel += chunk.numel
+        if not layout.slabs.speculable[chunk.segment]:
+            return  # past speculation_limit (no second generation there): step() runs the chunk
         reseed(records, layout.slabs, grads)  # an edit since the last step: the master follows it
+        # The segment's second generation, where the early kernel writes (made at its first early
+        # chunk: 12 bytes per element of the segment, kept from step to step).
+        layout.slabs.ensure_next((chunk.segment,))
+        self._segments.add(chunk.segment)
         hyper = replace(hyper_of(opt.param_groups[chunk.group]), grad_scale=self._grad_scale)
         items = fresh_items(chunk, grads, records, state, kernel=self.settings.kernel)
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.settings.threads or 1,
-                       update=True, materialize=False, ready_event=ready_event(layout.registry.device))
+                       update=True, materialize=False, into_next=True,
+                       ready_event=ready_event(layout.registry.device))
         self.speculation.launch(chunk, job, grads, records, state)
         pipeline.submit(job)
 
     # ------------------------------------------------------------ step()
     def start_step(self, *, hyper_now: Callable[[int], Any], late: Sequence[int],
-                   threads: int) -> tuple[dict[int, ChunkJob], int]:
-        """At ``step()``: (the early chunks that stand, how many were launched). The others were
-        restored on the worker; ``step()`` recomputes them from the committed state."""
+                   threads: int) -> tuple[dict[int, ChunkJob], int, set[int]]:
+        """At ``step()``: (the early chunks that stand, how many were launched, the slab segments
+        that were updated out of place). ``step()`` recomputes the others from the committed
+        state, runs every chunk of those segments out of place too and then commits them by a
+        swap (``HostSlabs.swap``)."""
         opt, layout, pipeline = self._opt(), self.layout, self.pipeline
         assert opt is not None and layout is not None and pipeline is not None and self.hooks is not None
         self.hooks.end_window()
@@ -153,23 +154,23 @@ class Launcher:
                 self.paused, self._stale_steps = False, 0
                 logger.info("overlap_backward: speculation resumes (this step's hyper-parameters, clip "
                             "coefficient and grad scale are those an early chunk would have used)")
-            return {}, 0
+            return {}, 0, set()
         if self._step_counts_change(layout, opt.state, launched):
             self.abandon("step() (a gradient dropped or a step tensor replaced after backward)",
                          threads=threads)
-            return {}, len(launched)
+            return {}, len(launched), set()
         # The gradients' checksums now, while the worker still runs the last early kernels (both
         # only read gradients); compared with what those kernels read once they are done.
         reading = self.speculation.read_now(launched, layout.records)
         pipeline.on_worker(lambda: None, threads=1)  # the early kernels (and checksums) ran
+        self.speculation.publish_steps()
         groups = {c.index: c.group for c in layout.chunks}
         stale = self.speculation.stale_chunks(launched, layout.records, hyper_now,
                                               groups.__getitem__, late, reading)
         if stale:
-            pipeline.on_worker(lambda: self.speculation.restore(stale), threads=threads)
             logger.debug("overlap_backward: %d of %d early chunks redone in step()", len(stale), len(launched))
         self._count_stale(len(stale) == len(launched))
-        return {c: s.job for c, s in launched.items() if c not in stale}, len(launched)
+        return {c: s.job for c, s in launched.items() if c not in stale}, len(launched), set(self._segments)
 
     def _count_stale(self, all_stale: bool) -> None:
         """Pause speculating after :data:`PAUSE_AFTER_STALE_STEPS` steps in a row that redid every
@@ -205,16 +206,15 @@ class Launcher:
         return False
 
     def abandon(self, what: str, *, threads: int) -> None:
-        """Undo every early chunk of the window (a step that does not happen, or not as they saw
-        it: ``what`` was called between backward and ``step()``): their state and the step
-        counters are back where the last step left them; the next ``step()`` runs them in full."""
+        """Drop every early chunk of the window (a step that does not happen, or not as they saw
+        it: ``what`` was called between backward and ``step()``): the committed state was never
+        written, the step counters go back to where the last step left them; the next ``step()``
+        runs the chunks in full."""
         if not self.speculation.has_launched():
             return
         assert self.hooks is not None and self.pipeline is not None and self.layout is not None
         self.hooks.end_window()
-        launched = self.speculation.take()
         result = self.pipeline.drain()  # the early jobs are done, their step counts forgotten
-        self.pipeline.on_worker(lambda: self.speculation.restore(launched), threads=threads)
         self.speculation.reset_steps()
         self.layout.items.release_grads()
         self.end_step(grad_scale=self._grad_scale)
@@ -224,14 +224,14 @@ class Launcher:
 
     def end_step(self, *, grad_scale: Tensor | None, failed: bool = False) -> None:
         """The window closes; ``grad_scale``: what this step divided by (speculated next time);
-        ``failed``: the step failed before any in-place update (after its drain): the early
-        chunks are undone, so the state is the last step's."""
+        ``failed``: the step failed before any update (after its drain): the early chunks are
+        dropped (their generation is not committed) and the step counters put back, so the state
+        is the last step's."""
         if failed:
-            self.speculation.restore(self.speculation.take())
             self.speculation.reset_steps()
             grad_scale = self._grad_scale
         self.speculation.close()
-        self._numel = 0
+        self._segments.clear()
         if grad_scale is not None:
             grad_scale = grad_scale.detach().to("cpu", torch.float32).reshape(()).clone()
         self._grad_scale = grad_scale

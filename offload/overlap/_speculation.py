@@ -6,25 +6,26 @@ what the step should consume: clip or unscale the gradients (torch's ``clip_grad
 ``GradScaler``), all-reduce them (DDP), run another backward, set the learning rate, skip the
 step. So an early chunk is a *speculation*, and this module makes it one that is never wrong:
 
-* the chunk's master and moments are saved into a backup buffer of the chunk before its kernel
-  overwrites them (kept from step to step: the memory cost of speculation, 12 bytes per
-  speculated element), and a checksum of every gradient view it reads is recorded. The native
-  kernels do both in their own pass (``saves``/``checksums``,
-  ``offload.kernels._outputs.speculation_outputs``): the gradient is read from memory once and the
-  backups are only written, 40 bytes per element moved instead of 28 + 24 + 12 (read for
-  ownership) + 4 with a copy and a checksum pass first, which is what items of torch's kernel
-  still take. For a CUDA gradient the native kernel checksums the staged copy it consumed (so a
-  gradient changed while the copy ran, A -> B -> A, is not taken for A: no device work in the
-  hook either); for torch's kernel the checksum is taken on the device at launch;
+* the chunk's kernel runs out of place: it reads the committed master and moments and writes
+  the new ones into the second generation of the slabs (``HostSlabs.next_view``), the same 28
+  bytes per element as the plain step (``offload.state._slabs``); ``optimizer.state`` keeps
+  showing the committed generation until ``step()`` swaps it. The native kernels also checksum
+  every gradient piece they read, in the same pass (``checksums``); items of torch's kernel take
+  a copy of the gradient and a checksum pass first, then a copy of the committed state into the
+  second generation, which they update in place. For a CUDA gradient the native kernel
+  checksums the staged copy it consumed (so a gradient changed while the copy ran, A -> B -> A,
+  is not taken for A: no device work in the hook either); for torch's kernel the checksum is
+  taken on the device at launch;
 * at ``step()`` :meth:`Speculation.stale_chunks` compares what each early chunk consumed with
   what the step would consume: the gradients' *content* (a checksum of every word, read again
   now: version counters miss in-place ops through a DTensor and GradScaler's CPU unscale, and
   multiplying by 1.0 changes nothing), the group's hyper-parameters, the clip coefficient and the
   grad scale;
-* a chunk that agrees is committed as it is; one that does not is restored from its backup on the
-  worker (in queue order, after its kernel) and recomputed in ``step()`` from the committed state.
-  A step that does not happen (``zero_grad()`` before ``step()``, a GradScaler overflow, an error)
-  restores every early chunk and the step counters (:meth:`Speculation.abandon`).
+* a chunk that agrees is committed as it is; one that does not is recomputed in ``step()`` from
+  the committed state, out of place like every other chunk of its param group in that step
+  (nothing to restore: the committed generation was never written). ``step()`` then swaps the
+  generations of those groups (``HostSlabs.swap``). A step that does not happen (``zero_grad``,
+  an overflow, ``state_dict()`` before ``step()``) only puts the step counters back.
 
 The checksum is a lane-weighted 64-bit sum of the gradient's words (``offload.kernels._grad_stats``,
 one native pass on the CPU, torch ops on a device): any change of one element changes it, and so
@@ -60,7 +61,7 @@ from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._operands import grad_slice
 from offload.kernels._adamw import Hyper
 from offload.state._params import ParamRecord
-from offload.state._slabs import SLAB_KINDS, Chunk, HostSlabs
+from offload.state._slabs import Chunk
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,6 @@ Checksums = Callable[[list[Tensor]], Tensor]
 """``checksums(tensors)``: a 1-D int64 tensor, one content checksum per tensor."""
 ViewKey = tuple[int, int, int]
 """(slot, start, stop): the elements of one parameter's gradient an early item read."""
-#: Elements: each view's place in a chunk's backup starts on a multiple of this (256 bytes), so
-#: the kernels' non-temporal stores into it are aligned.
-_BACKUP_ALIGN = 64
-
-
 def same_hyper(a: Hyper, b: Hyper) -> bool:
     """Would a kernel run with ``a`` give the bits of one run with ``b``?"""
     if (a.beta1, a.beta2, a.weight_decay, a.eps) != (b.beta1, b.beta2, b.weight_decay, b.eps):
@@ -112,7 +108,7 @@ def _same_scale(a: Tensor | None, b: Tensor | None) -> bool:
 
 @dataclass(slots=True)
 class SpeculativeChunk:
-    """What one early chunk consumed, and where its state was saved."""
+    """What one early chunk consumed."""
 
     job: ChunkJob
     """The job started during backward (its ``hyper`` is what its kernel used)."""
@@ -124,8 +120,6 @@ class SpeculativeChunk:
     """Per slot: the step tensor its kernel counts."""
     stamps: dict[int, tuple[int, int, int]]
     """Per slot: the parameter's edit stamp at the launch (an edit after it makes the chunk late)."""
-    saved: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    """(slab view, backup view) pairs filled by the worker (before or in the kernel)."""
     views: list[ViewKey] = field(default_factory=list)
     """The gradient views whose checksums are recorded per view (host gradients; CUDA ones of a
     native kernel, checksummed from their staged copy)."""
@@ -145,40 +139,34 @@ class GradReading:
 
 
 class Speculation:
-    """Backups, checksums and step snapshots of one optimizer's early chunks (see module doc)."""
+    """Checksums and step snapshots of one optimizer's early chunks (see module doc)."""
 
     def __init__(self, checksums: Checksums) -> None:
         self._checksums = checksums
-        self._backup: dict[int, list[Tensor]] = {}  # chunk index -> its backup (master, exp_avg, exp_avg_sq)
-        self._offsets: dict[int, dict[tuple[int, int], int]] = {}  # chunk -> view -> offset
-        self._views: dict[int, Any] = {}  # chunk -> its views' backup and slab views (_chunk_views)
+        self._keys: dict[int, dict[tuple[int, int], ViewKey]] = {}  # chunk -> view -> its key
         self._launched: dict[int, SpeculativeChunk] = {}
-        self._steps0: dict[int, tuple[Tensor, Tensor]] = {}  # slot -> (step tensor, its value)
+        # slot -> (its step tensor, its value before the window, the copy the early kernels count)
+        self._steps: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._sums: dict[ViewKey, tuple[Tensor, int]] = {}  # view -> (checksums, index) of what its kernel read
         self._device_sums: dict[int, tuple[Tensor, Any]] = {}  # CUDA: (checksum at launch, its event)
 
-    @property
-    def backup_bytes(self) -> int:
-        """Host bytes held by the backup buffers (12 per element of every chunk ever speculated)."""
-        return sum(t.numel() * t.element_size() for b in self._backup.values() for t in b)
-
     def forget_layout(self) -> None:
-        """A new chunk layout or new slabs: the backup buffers describe the old one."""
+        """A new chunk layout or new slabs: the view keys describe the old one."""
         assert not self._launched, "forget_layout() with early chunks in flight"
-        self._backup.clear()
-        self._offsets.clear()
-        self._views.clear()
+        self._keys.clear()
 
     # -------------------------------------------------------------- launch (backward hook)
     def launch(self, chunk: Chunk, job: ChunkJob, grads: Mapping[int, Tensor],
                records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]]) -> None:
-        """On the launching thread, before ``job`` is submitted: snapshot the step counters of
-        parameters no earlier chunk of this window touched, and arrange the worker's backup and
-        checksums (:meth:`before_kernel`)."""
-        first = [s for s in grads if s not in self._steps0]
+        """On the launching thread, before ``job`` is submitted: the step counters the early
+        kernels count (copies: ``optimizer.state`` keeps the committed count until
+        :meth:`publish_steps`), and the worker's checksums (:meth:`_before_kernel`)."""
+        first = [s for s in grads if s not in self._steps]
         for s in first:
             step = state[records[s].param]["step"]
-            self._steps0[s] = (step, step.clone())
+            self._steps[s] = (step, step.clone(), step.clone())
+        for it in job.items:  # fresh Items of this job: each counts its parameter's copy
+            it.step = self._steps[it.view.slot][2]
         # CUDA gradients of torch's kernel: checksummed on the device at launch. Those of a native
         # kernel are checksummed as the kernel reads their staged copy (what it consumed).
         torch_kind = {it.view.slot for it in job.items if it.kind == KIND_TORCH}
@@ -197,63 +185,30 @@ class Speculation:
         self._launched[chunk.index] = spec
         job.before_kernel = lambda job, spec=spec, chunk=chunk: self._before_kernel(job, spec, chunk)
 
-    def bind(self, slabs: HostSlabs) -> None:
-        """The slabs the backups copy (set again after every relayout)."""
-        self._slabs = slabs
-
-    def _buffer(self, chunk: Chunk) -> tuple[list[Tensor], dict[tuple[int, int], int]]:
-        """The chunk's backup (made at its first speculation) and each view's offset in it."""
-        buf = self._backup.get(chunk.index)
-        if buf is None:
-            offsets, pos = {}, 0
-            for v in chunk.views:
-                offsets[(v.slot, v.start)] = pos
-                pos += -(-v.numel // _BACKUP_ALIGN) * _BACKUP_ALIGN
-            buf = self._backup[chunk.index] = [torch.empty(pos, dtype=torch.float32) for _ in SLAB_KINDS]
-            self._offsets[chunk.index] = offsets
-        return buf, self._offsets[chunk.index]
-
-    def _chunk_views(self, chunk: Chunk) -> dict[tuple[int, int], tuple[list[Tensor], list[Tensor], ViewKey]]:
-        """Per view of the chunk: its backup views, its slab views (master, exp_avg, exp_avg_sq)
-        and its key, made once per chunk layout: slicing them anew for every item of every early
-        job held the GIL against the trainer's thread (512 tensors: ~20 ms per iteration)."""
-        views = self._views.get(chunk.index)
-        if views is None:
-            buf, offsets = self._buffer(chunk)
-            views = {}
-            for v in chunk.views:
-                at = offsets[(v.slot, v.start)]
-                views[(v.slot, v.start)] = ([b[at : at + v.numel] for b in buf],
-                                            [self._slabs.view(kind, v) for kind in SLAB_KINDS],
-                                            (v.slot, v.start, v.stop))
-            self._views[chunk.index] = views
-        return views
+    def _view_keys(self, chunk: Chunk) -> dict[tuple[int, int], ViewKey]:
+        """Per view of the chunk, its key, made once per chunk layout (tuples made anew for every
+        item of every early job held the GIL against the trainer's thread)."""
+        keys = self._keys.get(chunk.index)
+        if keys is None:
+            keys = self._keys[chunk.index] = {(v.slot, v.start): (v.slot, v.start, v.stop) for v in chunk.views}
+        return keys
 
     def _before_kernel(self, job: ChunkJob, spec: SpeculativeChunk, chunk: Chunk) -> None:
         """On the worker, right before the early kernel (and before the host transport reads or
-        upcasts any gradient): the backup of the state the kernel will write and the checksums
-        of the host gradient views it will read. Items of a native kernel with a host gradient
-        get both from their kernel call (``job.speculate``); the others here, first."""
-        views = self._chunk_views(chunk)
-        pairs: list[tuple[Tensor, Tensor]] = []
-        copy_to: list[Tensor] = []
-        copy_from: list[Tensor] = []
+        upcasts any gradient): where the checksums of the gradient views it reads go. Items of a
+        native kernel get them from their kernel call (``job.speculate``); host items of torch's
+        kernel are checksummed here, first."""
+        keys = self._view_keys(chunk)
         summed: list[tuple[ViewKey, Tensor]] = []
-        fused: dict[ItemKind, tuple[list[Tensor], list[ViewKey]]] = {}
+        fused: dict[ItemKind, list[ViewKey]] = {}
         snapshots: dict[int, Tensor] = {}  # slot -> the copy torch's kernel reads (host gradients)
         for it in job.items:
             v = it.view
-            saves, state, key = views[(v.slot, v.start)]
-            pairs.extend(zip(state, saves))
-            host = it.grad is not None and it.grad.device.type != "cuda"
+            key = keys[(v.slot, v.start)]
             if it.grad is not None and it.kind != KIND_TORCH:  # the kernel reads it (CUDA: staged)
-                entry = fused.setdefault(it.kind, ([], []))
-                entry[0].extend(saves)
-                entry[1].append(key)
+                fused.setdefault(it.kind, []).append(key)
                 continue
-            copy_to.extend(saves)
-            copy_from.extend(state)
-            if host:
+            if it.grad is not None and it.grad.device.type != "cuda":
                 # torch's kernel reads the gradient later: it reads a copy taken now, the copy
                 # that is checksummed (a change and its undo in between, A -> B -> A, would
                 # otherwise commit what B gave: 15 of 20 loaded runs of the races check)
@@ -266,15 +221,12 @@ class Speculation:
             sums = self._checksums([g for _, g in summed])
             for i, (key, _) in enumerate(summed):
                 self._sums[key] = (sums, i)
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
         job.speculate = {}
-        for kind, (saves, keys) in fused.items():
-            sums = torch.zeros(len(keys), dtype=torch.int64)
-            job.speculate[kind] = (saves, sums)
-            for i, key in enumerate(keys):
+        for kind, kind_keys in fused.items():
+            sums = torch.zeros(len(kind_keys), dtype=torch.int64)
+            job.speculate[kind] = sums
+            for i, key in enumerate(kind_keys):
                 self._sums[key] = (sums, i)
-        spec.saved = pairs
 
     # -------------------------------------------------------------- step()
     def has_launched(self) -> bool:
@@ -358,24 +310,23 @@ class Speculation:
                 stale.append(c)
         return stale
 
-    def restore(self, chunks: Iterable[int]) -> None:
-        """On the worker (after the chunks' kernels): put back the state saved before them."""
-        pairs = [pair for c in chunks for pair in self._launched[c].saved]
-        if pairs:
-            torch._foreach_copy_([s for s, _ in pairs], [b for _, b in pairs])
-        for c in chunks:
-            self._launched[c].saved = []
+    def publish_steps(self) -> None:
+        """At ``step()``, once the early kernels ran: the step counters take what they counted
+        (a chunk recomputed in ``step()`` then counts no step again: the worker counts each
+        parameter once per step)."""
+        for step, _, counted in self._steps.values():
+            step.copy_(counted)
 
     def reset_steps(self) -> None:
         """The step counters back to their values before this window (a step that did not
         happen); only after the pipeline drained."""
-        for step, value in self._steps0.values():
+        for step, value, _ in self._steps.values():
             step.copy_(value)
 
     def close(self) -> None:
         """End the window: forget what it launched and read."""
         self._launched.clear()
-        self._steps0.clear()
+        self._steps.clear()
         self._sums.clear()
         self._device_sums.clear()
 

@@ -87,16 +87,20 @@ class SlabListCache:
 
     def __init__(self, slabs: HostSlabs) -> None:
         self.slabs = slabs
-        self._entries: dict[tuple[int, tuple[str, ...]], _SlabLists] = {}
+        self._entries: dict[tuple[int, tuple[str, ...], bool], _SlabLists] = {}
 
     def clear(self) -> None:
         self._entries.clear()
 
-    def get(self, chunk: int, items: list[Item], kinds: tuple[SlabKind, ...]) -> dict[str, list[Tensor]]:
+    def get(self, chunk: int, items: list[Item], kinds: tuple[SlabKind, ...], *,
+            nxt: bool = False) -> dict[str, list[Tensor]]:
+        """The views of ``kinds`` per item: of the committed slabs, or (``nxt``) of the second
+        generation."""
         views = tuple(it.view for it in items)
-        key = (chunk, kinds)
+        key = (chunk, kinds, nxt)
         got = self._entries.get(key)
         if got is None or got.views != views:
-            got = _SlabLists(views, {k: [self.slabs.view(k, v) for v in views] for k in kinds})
+            view = self.slabs.next_view if nxt else self.slabs.view
+            got = _SlabLists(views, {k: [view(k, v) for v in views] for k in kinds})
             self._entries[key] = got
         return got.lists

@@ -255,6 +255,8 @@ class CudaTransport:
     def materialize(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
         ops = self._ops
         t0 = time.perf_counter()
+        # the new master: out of place (a step that commits a speculation), the next generation's
+        master = (lambda v: slabs.next_view("master", v)) if job.into_next else (lambda v: slabs.view("master", v))
         with ops.context():
             if job.staging is not None:  # the kernel of this job wrote its native items' weights
                 written = {id(it) for it in job.items if it.kind} if job.kernel_ran else set()
@@ -262,7 +264,7 @@ class CudaTransport:
                 for it in job.items:
                     dst = self._slot_view(job, it)
                     if id(it) not in written:
-                        dst.copy_(slabs.view("master", it.view))
+                        dst.copy_(master(it.view))
                     staged.append(dst)
                 slot = job.staging[0]
                 job.staging = None
@@ -275,7 +277,7 @@ class CudaTransport:
                 by_item: dict[int, Tensor] = {}
                 for it, off, dtype in zip(downcast, offsets, dtypes):
                     dst = _staged(buf, off, it.view.numel, dtype)
-                    dst.copy_(slabs.view("master", it.view))
+                    dst.copy_(master(it.view))
                     by_item[id(it)] = dst
                 # fused-mp items of a chunk started during backward: their pinned buffers.
                 staged = [

@@ -92,8 +92,8 @@ class HostTransport:
         The calls of a chunk are made once for the item list the optimizer reuses from step to
         step (``HostLayout.items``, ``offload.state._items``); a later step only puts in its gradients.
         """
-        if not (job.update and job.materialize):
-            return
+        if not (job.update and job.materialize) or job.into_next:
+            return  # out of place (a step that commits a speculation): the worker builds the calls
         items = job.items
         entry = self._prepared.get(job.chunk)
         if entry is None or entry.items is not items:
@@ -180,8 +180,8 @@ class HostTransport:
                 if job.update:
                     continue  # the kernel of this job wrote the parameter itself
                 src = self._lowp.view(it, for_write=False)  # the kernel ran during backward, into the buffer
-            elif slabs.slots[it.view.slot].master_offset >= 0:
-                src = slabs.view("master", it.view)
+            elif slabs.slots[it.view.slot].master_offset >= 0:  # the new master (out of place: the next generation)
+                src = slabs.next_view("master", it.view) if job.into_next else slabs.view("master", it.view)
             else:
                 continue  # the parameter is its own master, updated in place
             copied = True

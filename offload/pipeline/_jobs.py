@@ -81,13 +81,17 @@ class ChunkJob:
     """CUDA: event after which the gradients are final (d2h waits on it)."""
     write_event: Any = None
     """CUDA: event after which the parameters may be overwritten (h2d waits on it)."""
+    into_next: bool = False
+    """The update goes out of place: from the committed slabs into their second generation,
+    which ``step()`` then commits by a swap (chunks started during backward, and every other
+    chunk of their param groups in that step; ``offload.state._slabs``)."""
     before_kernel: Any = None
     """Early launch: called by the worker with the job right before its kernel (the speculation's
-    checksums and backup, ``offload.overlap._speculation``)."""
-    speculate: dict[ItemKind, tuple[list[Tensor], Tensor]] | None = None
-    """Early launch: per item kind of a native kernel, the ``saves`` and ``checksums`` its call
-    is given (the backups and gradient checksums made in the kernel's own pass; set by
-    ``before_kernel``, ``offload.kernels._outputs.speculation_outputs`` says what they receive)."""
+    gradient checksums, ``offload.overlap._speculation``)."""
+    speculate: dict[ItemKind, Tensor] | None = None
+    """Early launch: per item kind of a native kernel, the ``checksums`` its call is given (the
+    gradient checksums made in the kernel's own pass; set by ``before_kernel``,
+    ``offload.kernels._outputs.speculation_outputs`` says what they receive)."""
     # Filled by the transport and the worker.
     transfer: Any = None
     """The transport's state of an issued d2h (None: not issued yet)."""

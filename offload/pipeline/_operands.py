@@ -74,12 +74,24 @@ def param_operand(it: Item) -> Tensor:
     return it.param if it.view.whole else param_view(it)
 
 
-def master_operand(it: Item, slabs: HostSlabs) -> Tensor:
+def master_operand(it: Item, slabs: HostSlabs, *, nxt: bool = False) -> Tensor:
     """The tensor the kernel updates as the item's fp32 master: the parameter itself when it is
-    its own master (an fp32 parameter of a CPU model), else its master slab view."""
+    its own master (an fp32 parameter of a CPU model), else its master slab view (``nxt``: of
+    the second generation)."""
     if slabs.slots[it.view.slot].master_offset < 0:
         return param_operand(it)
-    return slabs.view("master", it.view)
+    return slabs.next_view("master", it.view) if nxt else slabs.view("master", it.view)
+
+
+def _copy_first(fn: Callable[..., None], dsts: list[Tensor], srcs: list[Tensor]) -> Callable[..., None]:
+    """``fn`` run after ``dsts[i] = srcs[i]``: torch's kernel updates in place, so out of place is
+    a copy of the committed state into the second generation, then the update there."""
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        torch._foreach_copy_(dsts, srcs)
+        fn(*args, **kwargs)
+
+    return call
 
 
 def call_steps(items: list[Item], calls: list[Call]) -> list[CallSteps]:
@@ -109,6 +121,11 @@ def build_calls(
     itself for own-master items (see :func:`master_operand`). ``f32_out(item)``, if given: where a
     KIND_F32 item's new weight is also written (CUDA: the ring slot the h2d copy reads), or None
     (only in place). The functions called are those of ``kernels``.
+
+    ``job.into_next``: the update goes out of place, from the committed slabs into the second
+    generation (``HostSlabs.next_view``): the native kernels read the one and write the other
+    (``into=``); torch's kernel, which updates in place, gets the second generation's views after
+    a copy of the committed state into them.
     """
     items = job.items
     kinds = {it.kind for it in items}
@@ -121,19 +138,36 @@ def build_calls(
             idx = [i for i, it in enumerate(items) if it.kind == kind]
             groups.append((kind, [items[i] for i in idx], [grads[i] for i in idx]))
     calls: list[Call] = []
+    out_of_place = job.into_next
     for kind, its, gs in groups:
         slab = lists.get(job.chunk, its, ("exp_avg", "exp_avg_sq"))
         masters = [master_operand(it, slabs) for it in its]
         steps = [it.step for it in its]
+        into: list[Tensor] = []
+        if out_of_place:
+            nxt = lists.get(job.chunk, its, ("exp_avg", "exp_avg_sq"), nxt=True)
+            nxt_masters = [master_operand(it, slabs, nxt=True) for it in its]
+            if kind == KIND_TORCH:  # in place on the second generation, after a copy into it
+                copy_to = [*nxt_masters, *nxt["exp_avg"], *nxt["exp_avg_sq"]]
+                copy_from = [*masters, *slab["exp_avg"], *slab["exp_avg_sq"]]
+                masters, slab = nxt_masters, nxt
+            else:
+                into = [t for trio in zip(nxt_masters, nxt["exp_avg"], nxt["exp_avg_sq"]) for t in trio]
         if kind == KIND_MP:
             outs = [lowp_out(it) for it in its]
-            calls.append((kind, kernels.mixed_precision_adamw,
-                          (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
+            fn: Any = kernels.mixed_precision_adamw
+            if into:
+                fn = functools.partial(fn, into=into)
+            calls.append((kind, fn, (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
         else:
-            fn: Any = kernels.native_adamw_f32 if kind == KIND_F32 else kernels.fused_adamw
+            fn = kernels.native_adamw_f32 if kind == KIND_F32 else kernels.fused_adamw
             f32_outs = [f32_out(it) for it in its] if kind == KIND_F32 and f32_out is not None else []
             if f32_outs and all(o is not None for o in f32_outs):
                 fn = functools.partial(kernels.native_adamw_f32, outs=f32_outs)
+            if into:
+                fn = functools.partial(fn, into=into)
+            elif out_of_place:
+                fn = _copy_first(fn, copy_to, copy_from)
             calls.append((kind, fn, (masters, gs, slab["exp_avg"], slab["exp_avg_sq"], steps)))
     return calls
 

@@ -3,12 +3,14 @@
 A chunk whose early job was committed (``committed``: the jobs an overlap with backward ran and
 found valid) only writes its weights (its kernel ran during backward); every other chunk with a
 gradient runs d2h, kernel and materialize with this step's hyper-parameters (clip coefficient and
-grad scale included).
+grad scale included). In a slab segment a chunk of which started during backward
+(``out_of_place``) every chunk updates out of place, into the second generation of the slabs, and
+:func:`commit_generations` then makes that generation the committed one (a swap).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +23,9 @@ from offload.state._dtensor import local
 from offload.state._params import check_grad, raise_bad_grad
 from offload.pipeline._pipeline import Pipeline
 from offload.state._layout import HostLayout
+from offload.state._slabs import StorageSwap
 
-__all__ = ["StepJobs", "collect_grads", "ready_event", "submit_step"]
+__all__ = ["StepJobs", "collect_grads", "commit_generations", "ready_event", "submit_step"]
 
 
 @dataclass(slots=True)
@@ -41,8 +44,10 @@ class StepJobs:
 
 def submit_step(pipeline: Pipeline, layout: HostLayout, committed: Mapping[int, ChunkJob],
                 grads: Mapping[int, Tensor], state: Mapping[Tensor, dict[str, Any]], *,
-                hyper_now: Callable[[int], Hyper], kernel: str, threads: int, event: Any) -> StepJobs:
-    """Submit every chunk's job of this step (see the module doc)."""
+                hyper_now: Callable[[int], Hyper], kernel: str, threads: int, event: Any,
+                out_of_place: Collection[int] = ()) -> StepJobs:
+    """Submit every chunk's job of this step (see the module doc); ``out_of_place``: the slab
+    segments whose chunks update into the second generation."""
     out = StepJobs()
     items, records, sharded = layout.items, layout.records, layout.registry.sharded
     writes = []  # the committed chunks' weight writes go last: a failure in an update before them
@@ -50,14 +55,14 @@ def submit_step(pipeline: Pipeline, layout: HostLayout, committed: Mapping[int, 
         early = committed.get(chunk.index)
         if early is not None:  # its kernel ran during backward: only the weights to write
             job = ChunkJob(chunk=chunk.index, items=early.items, hyper=early.hyper,
-                           threads=threads, update=False, materialize=True)
+                           threads=threads, update=False, materialize=True, into_next=True)
         else:
             hyper = hyper_now(chunk.group)
             its = items.items(chunk, grads, records, state, kernel=kernel, sharded=sharded)
             if not its:
                 continue
             job = ChunkJob(chunk=chunk.index, items=its, hyper=hyper, threads=threads, update=True,
-                           materialize=True, ready_event=event)
+                           materialize=True, ready_event=event, into_next=chunk.segment in out_of_place)
             out.updates.append(job)
         job.write_event = event
         n, native = items.summary(chunk, job.items)
@@ -71,6 +76,24 @@ def submit_step(pipeline: Pipeline, layout: HostLayout, committed: Mapping[int, 
     for job in writes:
         pipeline.submit(job)
     return out
+
+
+def commit_generations(layout: HostLayout, segments: Collection[int], grads: Mapping[int, Tensor],
+                       jobs: Sequence[ChunkJob], *, error: bool, failed: bool, swap: StorageSwap | None) -> None:
+    """After the drain of a step that updated ``segments`` out of place (``jobs``: the committed
+    early jobs and the step's update jobs): on success, the slots of those segments that had no
+    gradient carry their state into the second generation and the segments' generations are
+    swapped (``HostSlabs.swap``); ``failed`` (nothing updated in ``step()``): nothing is committed,
+    the early chunks are dropped; another ``error``: the chunks whose kernel ran keep their update
+    (copied back), as an update in place would have, and the others their committed state."""
+    slabs = layout.slabs
+    if failed:
+        return
+    if error:
+        slabs.keep(it.view for job in jobs if job.kernel_ran and job.into_next for it in job.items)
+        return
+    slabs.carry(s.index for s in slabs.slots if s.segment in segments and s.index not in grads and slabs.used[s.index])
+    slabs.swap(sorted(segments), swap)
 
 
 def collect_grads(layout: HostLayout, state: Mapping[Tensor, dict[str, Any]], *,

@@ -178,9 +178,8 @@ class Worker:
             new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
             if job.coef_in_grads and kind == KIND_TORCH:  # the operands are the products already
                 hyper = replace(job.hyper, grad_coef=None)
-            if speculate is not None and kind in speculate:  # backups and checksums in the kernel's pass
-                saves, sums = speculate[kind]
-                fn(*args, steps_to_increment=new, hyper=hyper, saves=saves, checksums=sums)
+            if speculate is not None and kind in speculate:  # checksums in the kernel's pass
+                fn(*args, steps_to_increment=new, hyper=hyper, checksums=speculate[kind])
             else:
                 fn(*args, steps_to_increment=new, hyper=hyper)
             hyper = job.hyper

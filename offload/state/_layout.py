@@ -13,10 +13,9 @@ re-bound in ``param_groups``). A later layout takes each new slot's state from w
 ``optimizer.state``, the parameter it replaced one-to-one) and returns the new state entries; the
 optimizer puts them in ``optimizer.state`` (torch's ``Optimizer`` owns that dict).
 
-The slabs are one generation of the state: the committed one, which ``state`` and
-``state_dict()`` show. Work that may be undone (a chunk started during backward) must not write
-it in place; a second generation beside it belongs here, next to the first, so that a commit is
-a swap of which one is live.
+The slabs hold two generations of the state where the overlap with backward may speculate: the
+committed one, which ``state`` and ``state_dict()`` show, and the next one, which a chunk started
+during backward writes (``offload.state._slabs``); a step commits by swapping them.
 """
 
 from __future__ import annotations
@@ -41,9 +40,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HostLayout", "Relaid", "SlabAllocator"]
 
-SlabAllocator = Callable[[list[list[Any]], list[list[bool]]], HostSlabs]
-"""``allocate(shapes, own_master)``: the slabs for the groups' local shapes (``HostSlabs``, or
-``NumaPlacement.allocate`` for slabs whose pages are first touched on the worker)."""
+SlabAllocator = Callable[..., HostSlabs]
+"""``allocate(shapes, own_master, *, speculable)``: the slabs for the groups' local shapes
+(``HostSlabs``, or ``NumaPlacement.allocate`` for slabs whose pages are first touched on the
+worker)."""
 
 NO_SEEDS: Mapping[int, Tensor] = MappingProxyType({})
 
@@ -77,6 +77,9 @@ class HostLayout:
     overlap_backward: bool
     """Chunks may start during backward: every parameter has a master place (it must not change
     before ``step()``)."""
+    speculable: int | None = 0
+    """Elements that may speculate (``HostSlabs``' argument: the last parameters' places, 0: none,
+    None: all); a relayout keeps it."""
     items: ItemCache = field(default_factory=ItemCache)
     """The Items of every chunk, reused from step to step."""
     recheck_masters: set[int] = field(default_factory=set)
@@ -86,12 +89,13 @@ class HostLayout:
     def build(cls, param_groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], *,
               chunk_numel: int, overlap_backward: bool, previous: HostLayout | None = None,
               seeds: Mapping[int, Tensor] = NO_SEEDS, registry: ParamRegistry | None = None,
-              allocate: SlabAllocator = HostSlabs) -> Relaid:
+              allocate: SlabAllocator = HostSlabs, speculable: int | None = 0) -> Relaid:
         """The layout of ``param_groups``, with ``previous``'s state carried over (the module doc).
 
         ``seeds``: the fp32 values of slots that were their own master and now get a master place;
         ``registry``: the records, when the caller needed them before the slabs (the first layout,
-        bound to a NUMA node first); ``allocate``: makes the slabs. ``previous``'s slabs and
+        bound to a NUMA node first); ``allocate``: makes the slabs; ``speculable``: elements
+        that may speculate (:attr:`speculable`). ``previous``'s slabs and
         ``state`` are not written (the records it shares with the new layout move to their new
         slots): the caller switches to the new layout and puts its entries in ``optimizer.state``.
         """
@@ -102,7 +106,8 @@ class HostLayout:
         records = registry.records
         own = own_master_flags(param_groups, records, device_type=registry.device.type,
                                overlap_backward=overlap_backward)
-        slabs = allocate([[local(p).shape for p in g["params"]] for g in param_groups], own)
+        slabs = allocate([[local(p).shape for p in g["params"]] for g in param_groups], own,
+                         speculable=speculable if overlap_backward else 0)
         recheck: set[int] = set()
         steps: dict[int, Tensor] = {}
         sources: dict[int, Source] = {}
@@ -112,7 +117,8 @@ class HostLayout:
             sources = plan_sources(previous.bound, param_groups, old_slot, records, state)
             steps = copy_sources(previous.slabs, slabs, records, sources, state, seeds)
         layout = cls(registry=registry, slabs=slabs, chunks=plan_chunks(list(slabs.slots), chunk_numel),
-                     bound=BoundParams(param_groups), overlap_backward=overlap_backward, recheck_masters=recheck)
+                     bound=BoundParams(param_groups), overlap_backward=overlap_backward, recheck_masters=recheck,
+                     speculable=speculable)
         entries = {records[s].param: {**state[records[s].param], **layout.entry(s, st)} for s, st in steps.items()}
         return Relaid(layout, entries, [s for s in steps if sources[s].old_slot is None])
 

@@ -54,9 +54,10 @@ class NumaPlacement:
         placement.order.append("bind")
         return placement
 
-    def allocate(self, shapes: list[list[torch.Size]], own_master: list[list[bool]]) -> HostSlabs:
+    def allocate(self, shapes: list[list[torch.Size]], own_master: list[list[bool]], *,
+                 speculable: int | None = 0) -> HostSlabs:
         """The slabs, allocated untouched (their pages land where :meth:`first_touch` runs)."""
-        slabs = HostSlabs(shapes, own_master, zero=False)
+        slabs = HostSlabs(shapes, own_master, zero=False, speculable=speculable)
         self.zeroed_at_allocation = False
         self.order.append("allocate")
         return slabs

@@ -203,22 +203,58 @@ struct VecCoeffs {
   bool lerp_small, do_decay;
 };
 
-// One AdamW update on the fp32 lanes of one vector; returns the new master.
-inline fVec adamw_vec(fVec param, fVec grad, float* exp_avg_ptr, float* exp_avg_sq_ptr,
-                      const VecCoeffs& k) {
+// Stores one float vector: non-temporal (`NT`: past the caches, no read for ownership; `p`
+// aligned to the vector) or plain.
+template <bool NT>
+inline void put(float* p, const fVec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (NT) {
+    _mm512_stream_ps(p, __m512(v));
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (NT) {
+    _mm256_stream_ps(p, __m256(v));
+    return;
+  }
+#endif
+  v.store(p);
+}
+
+// Where one span's state is read and where its new state goes: the same addresses for an update
+// in place; for a speculation's out-of-place update (`into`), the committed generation is read
+// and the next one written (the same bytes moved as in place).
+struct StatePtrs {
+  const float* master_in;
+  const float* exp_avg_in;
+  const float* exp_avg_sq_in;
+  float* master_out;
+  float* exp_avg_out;
+  float* exp_avg_sq_out;
+
+  StatePtrs at(int64_t d) const {
+    return {master_in + d, exp_avg_in + d, exp_avg_sq_in + d,
+            master_out + d, exp_avg_out + d, exp_avg_sq_out + d};
+  }
+};
+
+// One AdamW update on the fp32 lanes of one vector at `s`; stores the moments and returns the new
+// master.
+template <bool NT = false>
+inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs& s, const VecCoeffs& k) {
   if (k.do_decay) {
     param = param * k.decay;
   }
-  fVec exp_avg = fVec::loadu(exp_avg_ptr);
+  fVec exp_avg = fVec::loadu(s.exp_avg_in);
   // exp_avg.lerp_(grad, 1 - beta1) as torch writes it: fma(w, g - m, m) for a small weight w,
   // else fma(w - 1, g - m, g) (torch selects with a uniform blendv; a branch is the same).
   const fVec base = k.lerp_small ? exp_avg : grad;
   exp_avg = at::vec::fmadd(k.lerp_coeff, grad - exp_avg, base);
 
   const fVec c2_grad = k.c2 * grad;
-  const fVec exp_avg_sq = at::vec::fmadd(c2_grad, grad, fVec::loadu(exp_avg_sq_ptr) * k.beta2);
-  exp_avg.store(exp_avg_ptr);
-  exp_avg_sq.store(exp_avg_sq_ptr);
+  const fVec exp_avg_sq = at::vec::fmadd(c2_grad, grad, fVec::loadu(s.exp_avg_sq_in) * k.beta2);
+  put<NT>(s.exp_avg_out, exp_avg);
+  put<NT>(s.exp_avg_sq_out, exp_avg_sq);
 
   const fVec denom = (exp_avg_sq.sqrt() / k.bias_correction2_sqrt) + k.eps;
   return param + k.neg_step_size * exp_avg / denom;
@@ -226,12 +262,12 @@ inline fVec adamw_vec(fVec param, fVec grad, float* exp_avg_ptr, float* exp_avg_
 
 // One element of the scalar tail. `in_block`: the element lies in the first multiple of
 // kTailBlock tail elements (torch's vectorised tail loop), which fuses exp_avg_sq differently.
-inline float adamw_scalar(float param, float grad_val, float* exp_avg_ptr, float* exp_avg_sq_ptr,
-                          bool in_block, const Coeffs& c) {
+inline float adamw_scalar(float param, float grad_val, const StatePtrs& s, bool in_block,
+                          const Coeffs& c) {
   if (c.weight_decay != 0.f) {
     param = param * float(1 - c.lr * c.weight_decay);
   }
-  float exp_avg = *exp_avg_ptr;
+  float exp_avg = *s.exp_avg_in;
   const float lerp_weight = float(c.exp_avg_grad_coefficient);
   if (std::abs(lerp_weight) < float(0.5)) {
     exp_avg = madd(lerp_weight, grad_val - exp_avg, exp_avg);
@@ -239,24 +275,24 @@ inline float adamw_scalar(float param, float grad_val, float* exp_avg_ptr, float
     // grad - (grad - exp_avg) * (1 - w) == fma(w - 1, grad - exp_avg, grad) exactly.
     exp_avg = madd(lerp_weight - float(1), grad_val - exp_avg, grad_val);
   }
-  *exp_avg_ptr = exp_avg;
+  *s.exp_avg_out = exp_avg;
   const float c2_grad = float(c.exp_avg_sq_grad_coefficient) * grad_val;
-  float exp_avg_sq = *exp_avg_sq_ptr;
+  float exp_avg_sq = *s.exp_avg_sq_in;
   if (in_block) {
     exp_avg_sq = madd(c2_grad, grad_val, exp_avg_sq * float(c.beta2));
   } else {
     exp_avg_sq = madd(exp_avg_sq, float(c.beta2), c2_grad * grad_val);
   }
-  *exp_avg_sq_ptr = exp_avg_sq;
+  *s.exp_avg_sq_out = exp_avg_sq;
   const float denom = std::sqrt(exp_avg_sq) / float(c.bias_correction2_sqrt) + float(c.eps);
   return param - float(c.step_size) * exp_avg / denom;
 }
 
 // Updates `size` consecutive elements. `size` is a multiple of kUnit except at a tensor's end.
-template <typename param_t, typename grad_t>
-void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* exp_avg,
-                float* exp_avg_sq, int64_t size, const Coeffs& c, bool stream,
-                const GradXform& x) {
+// `st`: where the state is read and written (StatePtrs); `NT`: its new values are streamed.
+template <typename param_t, typename grad_t, bool NT = false>
+void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, int64_t size,
+                const Coeffs& c, bool stream, const GradXform& x) {
   using pVec = at::vec::Vectorized<param_t>;
   using gVec = at::vec::Vectorized<grad_t>;
   static_assert(pVec::size() == 2 * fVec::size() && gVec::size() == 2 * fVec::size(),
@@ -268,11 +304,11 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
     fVec g0, g1;
     at::vec::load_to_float<grad_t>(grad + d, g0, g1);
     if (x.any()) xform_pair<grad_t>(g0, g1, x);
-    const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
-    const fVec p1 =
-        adamw_vec(fVec::loadu(master + d + kW), g1, exp_avg + d + kW, exp_avg_sq + d + kW, k);
-    p0.store(master + d);
-    p1.store(master + d + kW);
+    const StatePtrs s0 = st.at(d), s1 = st.at(d + kW);
+    const fVec p0 = adamw_vec<NT>(fVec::loadu(s0.master_in), g0, s0, k);
+    const fVec p1 = adamw_vec<NT>(fVec::loadu(s1.master_in), g1, s1, k);
+    put<NT>(s0.master_out, p0);
+    put<NT>(s1.master_out, p1);
     return at::vec::convert_from_float<param_t>(p0, p1);
   };
   int64_t d = 0;
@@ -299,8 +335,9 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
     fVec g0;
     at::vec::load_to_float<grad_t>(grad + d, g0);
     if (x.any()) xform_one<grad_t>(g0, x);
-    const fVec p0 = adamw_vec(fVec::loadu(master + d), g0, exp_avg + d, exp_avg_sq + d, k);
-    p0.store(master + d);
+    const StatePtrs s0 = st.at(d);
+    const fVec p0 = adamw_vec<NT>(fVec::loadu(s0.master_in), g0, s0, k);
+    put<NT>(s0.master_out, p0);
     at::vec::convert_from_float<param_t>(p0, p0).store(param_lowp + d, kW);
     d += kW;
   }
@@ -308,35 +345,40 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, float* master, float* e
   for (; d < size; ++d) {
     const float g = x.any() ? xform_scalar<grad_t>(static_cast<float>(grad[d]), x)
                             : static_cast<float>(grad[d]);
-    const float p = adamw_scalar(master[d], g, exp_avg + d, exp_avg_sq + d, d < block_end, c);
-    master[d] = p;
+    const StatePtrs s = st.at(d);
+    const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c);
+    *s.master_out = p;
     param_lowp[d] = static_cast<param_t>(p);  // round to nearest even, like Tensor.to()
   }
 }
 
 // fp32 parameters: the parameter is its own master. Reads the fp32 gradient where it is, updates
-// the parameter and both moments in place and, when `out` is not null, also stores the new value
-// there (CUDA: the pinned buffer the host-to-device copy reads). The lane arithmetic is that of
-// adamw_vec / adamw_scalar, which reproduce torch's fused fp32 kernel; the split into vector body
-// and scalar tail is torch's (one float vector at a time, the last size % fVec::size() scalar).
-// Traffic: 4 (grad) + 8 + 8 + 8 = 28 bytes per parameter, the same as torch's fused kernel.
-void adamw_span_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                    float* out, int64_t size, const Coeffs& c, const GradXform& x) {
+// the parameter and both moments (in place, or out of place: `st`) and, when `out` is not null,
+// also stores the new value there (CUDA: the pinned buffer the host-to-device copy reads). The
+// lane arithmetic is that of adamw_vec / adamw_scalar, which reproduce torch's fused fp32 kernel;
+// the split into vector body and scalar tail is torch's (one float vector at a time, the last
+// size % fVec::size() scalar). Traffic: 4 (grad) + 8 + 8 + 8 = 28 bytes per parameter, the same
+// as torch's fused kernel, in place or out of place.
+template <bool NT = false>
+void adamw_span_f32(const float* grad, const StatePtrs& st, float* out, int64_t size,
+                    const Coeffs& c, const GradXform& x) {
   constexpr int64_t kW = fVec::size();
   const VecCoeffs k(c);
   int64_t d = 0;
   for (; d + kW <= size; d += kW) {
     fVec g = fVec::loadu(grad + d);
     if (x.any()) xform_one<float>(g, x);
-    const fVec p = adamw_vec(fVec::loadu(param + d), g, exp_avg + d, exp_avg_sq + d, k);
-    p.store(param + d);
+    const StatePtrs s = st.at(d);
+    const fVec p = adamw_vec<NT>(fVec::loadu(s.master_in), g, s, k);
+    put<NT>(s.master_out, p);
     if (out != nullptr) p.store(out + d);
   }
   const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
   for (; d < size; ++d) {
     const float g = x.any() ? xform_scalar<float>(grad[d], x) : grad[d];
-    const float p = adamw_scalar(param[d], g, exp_avg + d, exp_avg_sq + d, d < block_end, c);
-    param[d] = p;
+    const StatePtrs s = st.at(d);
+    const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c);
+    *s.master_out = p;
     if (out != nullptr) out[d] = p;
   }
 }
@@ -684,47 +726,33 @@ BlockStats block_stats_of(at::ScalarType dtype, const void* base, int64_t lo, in
 
 // ---- speculation (offload/overlap/_speculation.py) ------------------------------------------
 //
-// A chunk updated during backward is a guess that step() commits or undoes. Called with `saves`
-// and `checksums`, the kernels do the guess's bookkeeping in their own pass: before each piece of
-// at most kStatsBlock elements is updated, the words of its gradient are added into the tensor's
-// checksum (grad_stats' checksum: a piece starts on a multiple of kUnit, a lane boundary, so the
-// pieces' sums add up, modulo 2^64, to the checksum of the whole tensor) and the master and both
-// moments it is about to overwrite are streamed into the tensor's three backups. The update then
-// finds all four in cache: the gradient is read from memory once, and the backups cost their 12
-// bytes of writes (non-temporal where aligned: no read for ownership) instead of a copy pass of
-// 24 bytes (+12 of read for ownership) and a checksum pass of 2-4.
+// A chunk updated during backward is a guess that step() commits or redoes. Called with `into`
+// and `checksums`, the kernels make the guess in their own pass, out of place: the committed
+// master and moments are only read, and the new ones are written into the next generation
+// (`into`, three fp32 tensors per tensor), streamed past the caches where aligned. That moves
+// the same bytes as an update in place (read 12, write 12 per element): commit swaps which
+// generation is live (no copy), a redo reruns the kernel from the committed one (no restore).
+// With checksums, before each piece of at most kStatsBlock elements is updated, the words of its
+// gradient are added into the tensor's checksum (grad_stats' checksum: a piece starts on a
+// multiple of kUnit, a lane boundary, so the pieces' sums add up, modulo 2^64, to the checksum of
+// the whole tensor).
 struct Speculate {
-  std::vector<float*> saves;  // 3 per tensor (master, exp_avg, exp_avg_sq), or empty
+  std::vector<float*> into;  // 3 per tensor (master, exp_avg, exp_avg_sq), or empty
   std::unique_ptr<std::atomic<uint64_t>[]> sums;  // per tensor, or null
 
-  bool any() const { return !saves.empty() || sums != nullptr; }
+  bool any() const { return !into.empty() || sums != nullptr; }
 };
 
-inline void save_span(const float* src, float* dst, int64_t n) {
-  int64_t d = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-    for (; d + 16 <= n; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
-    for (; d + 8 <= n; d += 8) _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
-  }
-#endif
-  if (d < n) std::memcpy(dst + d, src + d, static_cast<size_t>(n - d) * sizeof(float));
-}
-
-// The bookkeeping of elements [lo, hi) of tensor i (hi - lo <= kStatsBlock: the 32-bit lanes of
-// block_stats cannot overflow). With checksums, the piece's gradient is first copied into this
-// thread's buffer, and both the checksum and the update read that copy (the returned pointer, at
-// element lo): what is checksummed is exactly what is consumed, even while another thread writes
-// the gradient (an in-place change and its undo between a checksum read and an update read, A ->
-// B -> A, was committed as A: seen about once in 12 runs of bench.device_checks races on the
-// CPU). The copy stays in cache; the gradient is still read from memory once.
+// The checksum of elements [lo, hi) of tensor i (hi - lo <= kStatsBlock: the 32-bit lanes of
+// block_stats cannot overflow). The piece's gradient is first copied into this thread's buffer,
+// and both the checksum and the update read that copy (the returned pointer, at element lo):
+// what is checksummed is exactly what is consumed, even while another thread writes the gradient
+// (an in-place change and its undo between a checksum read and an update read, A -> B -> A, was
+// committed as A: seen about once in 12 runs of bench.device_checks races on the CPU). The copy
+// stays in cache; the gradient is still read from memory once.
 template <typename grad_t>
-inline const grad_t* speculate_piece(const Speculate& s, size_t i, const grad_t* grad,
-                                     const float* master, const float* exp_avg,
-                                     const float* exp_avg_sq, int64_t lo, int64_t hi) {
+inline const grad_t* speculate_piece(const Speculate& s, size_t i, const grad_t* grad, int64_t lo,
+                                     int64_t hi) {
   const grad_t* consumed = grad + lo;
   if (s.sums != nullptr) {
     thread_local std::vector<grad_t> snapshot;
@@ -734,34 +762,50 @@ inline const grad_t* speculate_piece(const Speculate& s, size_t i, const grad_t*
     s.sums[i].fetch_add(block_stats<grad_t, kNormNone>(consumed, hi - lo).sum,
                         std::memory_order_relaxed);
   }
-  if (!s.saves.empty()) {
-    save_span(master + lo, s.saves[3 * i] + lo, hi - lo);
-    save_span(exp_avg + lo, s.saves[3 * i + 1] + lo, hi - lo);
-    save_span(exp_avg_sq + lo, s.saves[3 * i + 2] + lo, hi - lo);
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    _mm_sfence();  // the streamed backups are visible before anything reads them
-#endif
-  }
   return consumed;
 }
 
 static_assert(kStatsBlock % kUnit == 0, "a speculation piece must end on a unit boundary");
 
+// Where tensor i's state is read and written (StatePtrs): in place, or out of place into the
+// speculation's next generation.
+inline StatePtrs state_ptrs(const Speculate* s, size_t i, float* master, float* exp_avg,
+                            float* exp_avg_sq) {
+  if (s == nullptr || s->into.empty()) {
+    return {master, exp_avg, exp_avg_sq, master, exp_avg, exp_avg_sq};
+  }
+  return {master, exp_avg, exp_avg_sq, s->into[3 * i], s->into[3 * i + 1], s->into[3 * i + 2]};
+}
+
+// The new state of a span may be streamed: it goes to another buffer than the one read (out of
+// place), and every vector store is aligned (the span starts on a 64-byte boundary of all three).
+inline bool streamable(const StatePtrs& s) {
+  constexpr uintptr_t kAlign = 64;
+  return s.master_out != s.master_in && reinterpret_cast<uintptr_t>(s.master_out) % kAlign == 0 &&
+         reinterpret_cast<uintptr_t>(s.exp_avg_out) % kAlign == 0 &&
+         reinterpret_cast<uintptr_t>(s.exp_avg_sq_out) % kAlign == 0;
+}
+
+inline void fence_streams() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();  // streamed stores are visible before anything reads them
+#endif
+}
+
 // Runs `update(lo, hi, g)` over [lo, hi) of tensor i, `g` the gradient at element lo (the tensor's
-// own, or the piece's copy: speculate_piece), with the speculation's bookkeeping first, piece by
-// piece. Pieces split at multiples of kUnit from `lo`: the vector body / scalar tail split of
-// every element stays as it is (the same rule that makes the thread count irrelevant).
+// own, or the piece's copy: speculate_piece), with the checksum first, piece by piece. Pieces
+// split at multiples of kUnit from `lo`: the vector body / scalar tail split of every element
+// stays as it is (the same rule that makes the thread count irrelevant).
 template <typename grad_t, typename UpdateFn>
-inline void speculated(const Speculate* s, size_t i, const grad_t* grad, const float* master,
-                       const float* exp_avg, const float* exp_avg_sq, int64_t lo, int64_t hi,
+inline void speculated(const Speculate* s, size_t i, const grad_t* grad, int64_t lo, int64_t hi,
                        const UpdateFn& update) {
-  if (s == nullptr || !s->any()) {
+  if (s == nullptr || s->sums == nullptr) {
     update(lo, hi, grad + lo);
     return;
   }
   for (int64_t a = lo; a < hi; a += kStatsBlock) {
     const int64_t b = std::min(hi, a + kStatsBlock);
-    update(a, b, speculate_piece<grad_t>(*s, i, grad, master, exp_avg, exp_avg_sq, a, b));
+    update(a, b, speculate_piece<grad_t>(*s, i, grad, a, b));
   }
 }
 
@@ -871,11 +915,16 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   }
   const bool stream = total >= kStreamMinElements;
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-    speculated<grad_t>(spec, i, g_lp[i], m32[i], ea[i], eas[i], lo, hi,
-                       [&](int64_t a, int64_t b, const grad_t* g) {
-      adamw_span<param_t, grad_t>(p_lp[i] + a, g, m32[i] + a, ea[i] + a, eas[i] + a, b - a,
-                                  coeffs[i], stream, x);
+    const StatePtrs st = state_ptrs(spec, i, m32[i], ea[i], eas[i]);
+    const bool nt = streamable(st.at(lo));
+    speculated<grad_t>(spec, i, g_lp[i], lo, hi, [&](int64_t a, int64_t b, const grad_t* g) {
+      if (nt) {
+        adamw_span<param_t, grad_t, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x);
+      } else {
+        adamw_span<param_t, grad_t>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x);
+      }
     });
+    if (nt) fence_streams();
   });
 }
 
@@ -943,35 +992,35 @@ void bump_versions(const std::vector<at::Tensor>& params_lowp,
 }
 
 // The speculation arguments of one call (see Speculate), checked before anything is written:
-// `saves` empty or three fp32 tensors per tensor (its master, exp_avg and exp_avg_sq backups, at
+// `into` empty or three fp32 tensors per tensor (its new master, exp_avg and exp_avg_sq, at
 // 3i, 3i+1, 3i+2: contiguous CPU tensors of its size, apart from its operands); `checksums` none
 // or a contiguous int64 CPU tensor of one element per tensor (written after the update).
 Speculate make_speculate(const char* fn, const std::vector<at::Tensor>& grads,
                          const std::vector<at::Tensor>& masters,
                          const std::vector<at::Tensor>& exp_avgs,
                          const std::vector<at::Tensor>& exp_avg_sqs,
-                         const std::vector<at::Tensor>& saves,
+                         const std::vector<at::Tensor>& into,
                          const std::optional<at::Tensor>& checksums) {
   const size_t n = masters.size();
   Speculate spec;
-  if (!saves.empty()) {
-    if (saves.size() != 3 * n) {
+  if (!into.empty()) {
+    if (into.size() != 3 * n) {
       std::ostringstream msg;
-      msg << fn << ": saves has " << saves.size() << " tensors: expected 0 or " << 3 * n
-          << " (master, exp_avg and exp_avg_sq backups of each of the " << n << " tensors)";
+      msg << fn << ": into has " << into.size() << " tensors: expected 0 or " << 3 * n
+          << " (master, exp_avg and exp_avg_sq new state of each of the " << n << " tensors)";
       fail_value(msg.str());
     }
-    spec.saves.resize(3 * n);
+    spec.into.resize(3 * n);
     for (size_t i = 0; i < n; ++i) {
       const int64_t numel = masters[i].numel();
       for (size_t k = 0; k < 3; ++k) {
-        const at::Tensor& t = saves[3 * i + k];
-        check_tensor(fn, t, "saves", 3 * i + k, numel, at::kFloat);
-        check_no_overlap(fn, {span_of(t, "saves"), span_of(grads[i], "grads"),
+        const at::Tensor& t = into[3 * i + k];
+        check_tensor(fn, t, "into", 3 * i + k, numel, at::kFloat);
+        check_no_overlap(fn, {span_of(t, "into"), span_of(grads[i], "grads"),
                               span_of(masters[i], "masters"), span_of(exp_avgs[i], "exp_avgs"),
                               span_of(exp_avg_sqs[i], "exp_avg_sqs")},
                          i);
-        spec.saves[3 * i + k] = t.mutable_data_ptr<float>();
+        spec.into[3 * i + k] = t.mutable_data_ptr<float>();
       }
     }
   }
@@ -990,15 +1039,15 @@ Speculate make_speculate(const char* fn, const std::vector<at::Tensor>& grads,
   return spec;
 }
 
-// After the update: the checksums into their tensor, the backups' version counters bumped.
-void finish_speculate(Speculate& spec, const std::vector<at::Tensor>& saves,
+// After the update: the checksums into their tensor, the next generation's version counters bumped.
+void finish_speculate(Speculate& spec, const std::vector<at::Tensor>& into,
                       const std::optional<at::Tensor>& checksums, size_t n) {
   if (spec.sums != nullptr) {
     int64_t* out = checksums->mutable_data_ptr<int64_t>();
     for (size_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(spec.sums[i].load());
     checksums->unsafeGetTensorImpl()->bump_version();
   }
-  for (const at::Tensor& t : saves) t.unsafeGetTensorImpl()->bump_version();
+  for (const at::Tensor& t : into) t.unsafeGetTensorImpl()->bump_version();
 }
 
 // The update itself, with the GIL released.
@@ -1130,12 +1179,12 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                            const std::vector<at::Tensor>& steps_to_increment, double lr,
                            double beta1, double beta2, double eps, double weight_decay,
                            std::optional<double> grad_scale, std::optional<double> grad_coef,
-                           const std::vector<at::Tensor>& saves,
+                           const std::vector<at::Tensor>& into,
                            const std::optional<at::Tensor>& checksums) {
   const char* fn = "fused_mp_adamw_steps_";
   const auto [p_dtype, g_dtype] =
       check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
-  Speculate spec = make_speculate(fn, grads_lowp, masters, exp_avgs, exp_avg_sqs, saves, checksums);
+  Speculate spec = make_speculate(fn, grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums);
   std::unordered_map<float*, float> incremented;
   const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
                                                  steps_to_increment, lr, beta1, beta2, eps,
@@ -1144,7 +1193,7 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
          make_xform(grad_scale, grad_coef), &spec);
-  finish_speculate(spec, saves, checksums, masters.size());
+  finish_speculate(spec, into, checksums, masters.size());
 }
 
 // fp32 parameters (each its own master) with fp32 gradients, torch's step bookkeeping as in
@@ -1158,7 +1207,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& steps_to_increment, double lr, double beta1,
                       double beta2, double eps, double weight_decay,
                       std::optional<double> grad_scale, std::optional<double> grad_coef,
-                      const std::vector<at::Tensor>& saves,
+                      const std::vector<at::Tensor>& into,
                       const std::optional<at::Tensor>& checksums) {
   const char* fn = "adamw_f32_steps_";
   const size_t n = params.size();
@@ -1188,7 +1237,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
                           with_out ? span_of(outs[i], "outs") : Span{0, 0, "outs"}},
                      i);
   }
-  Speculate spec = make_speculate(fn, grads, params, exp_avgs, exp_avg_sqs, saves, checksums);
+  Speculate spec = make_speculate(fn, grads, params, exp_avgs, exp_avg_sqs, into, checksums);
   std::unordered_map<float*, float> incremented;
   const std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
                                                  beta1, beta2, eps, weight_decay, incremented);
@@ -1197,7 +1246,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
   }
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   if (n == 0) {
-    finish_speculate(spec, saves, checksums, n);
+    finish_speculate(spec, into, checksums, n);
     return;
   }
   std::vector<float*> pp(n), ea(n), eas(n), op(n);
@@ -1215,14 +1264,20 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
   {
     pybind11::gil_scoped_release no_gil;
     for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-      speculated<float>(&spec, i, gp[i], pp[i], ea[i], eas[i], lo, hi,
-                        [&](int64_t a, int64_t b, const float* g) {
-        adamw_span_f32(pp[i] + a, g, ea[i] + a, eas[i] + a,
-                       op[i] == nullptr ? nullptr : op[i] + a, b - a, coeffs[i], x);
+      const StatePtrs st = state_ptrs(&spec, i, pp[i], ea[i], eas[i]);
+      const bool nt = streamable(st.at(lo));
+      speculated<float>(&spec, i, gp[i], lo, hi, [&](int64_t a, int64_t b, const float* g) {
+        float* out = op[i] == nullptr ? nullptr : op[i] + a;
+        if (nt) {
+          adamw_span_f32<true>(g, st.at(a), out, b - a, coeffs[i], x);
+        } else {
+          adamw_span_f32(g, st.at(a), out, b - a, coeffs[i], x);
+        }
       });
+      if (nt) fence_streams();
     });
   }
-  finish_speculate(spec, saves, checksums, n);
+  finish_speculate(spec, into, checksums, n);
 }
 
 // Returns (terms float64[n], checksums int64[n]). `norm`: kNormL2, kNormL1 or kNormInf.
@@ -1434,6 +1489,45 @@ int64_t threads_used(int64_t units) {
   return used;
 }
 
+// Swaps the memory of a[i] and b[i]'s storages (each tensor the whole of its own CPU storage, the
+// pair of one size): every tensor viewing either storage sees the other's bytes from now on, with
+// no byte copied. A speculation's commit (offload/state/_slabs.py, HostSlabs.swap): the next
+// generation becomes the committed one under the views optimizer.state holds. Checks all pairs
+// before swapping any.
+void swap_storages_(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  const char* fn = "swap_storages_";
+  if (a.size() != b.size()) {
+    std::ostringstream msg;
+    msg << fn << ": " << a.size() << " and " << b.size() << " tensors: expected pairs";
+    fail_value(msg.str());
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (const auto& [t, name] : {std::pair{&a[i], "a"}, std::pair{&b[i], "b"}}) {
+      const auto where = [&]() { return std::string(fn) + ": " + name + "[" + std::to_string(i) + "]"; };
+      if (!t->defined() || t->device().type() != c10::DeviceType::CPU) {
+        fail_value(where() + ": expected a defined CPU tensor");
+      }
+      if (t->storage_offset() != 0 || !t->is_contiguous() ||
+          static_cast<size_t>(t->numel() * t->element_size()) != t->storage().nbytes()) {
+        fail_value(where() + ": expected a contiguous tensor over the whole of its storage");
+      }
+    }
+    if (a[i].storage().nbytes() != b[i].storage().nbytes()) {
+      fail_value(std::string(fn) + ": a[" + std::to_string(i) + "] and b[" + std::to_string(i) +
+                 "] have storages of different sizes");
+    }
+    if (a[i].storage().unsafeGetStorageImpl() == b[i].storage().unsafeGetStorageImpl()) {
+      fail_value(std::string(fn) + ": a[" + std::to_string(i) + "] and b[" + std::to_string(i) +
+                 "] share one storage");
+    }
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i].storage().unsafeGetStorageImpl()->swap_data_ptr(*b[i].storage().unsafeGetStorageImpl());
+    a[i].unsafeGetTensorImpl()->bump_version();
+    b[i].unsafeGetTensorImpl()->bump_version();
+  }
+}
+
 std::string capability() {
 #if defined(CPU_CAPABILITY)
 #define OFFLOAD_STR2(x) #x
@@ -1460,7 +1554,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
         pybind11::arg("grad_scale") = pybind11::none(),
         pybind11::arg("grad_coef") = pybind11::none(),
-        pybind11::arg("saves") = std::vector<at::Tensor>{},
+        pybind11::arg("into") = std::vector<at::Tensor>{},
         pybind11::arg("checksums") = pybind11::none());
   m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
         pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
@@ -1468,13 +1562,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
         pybind11::arg("weight_decay"), pybind11::arg("grad_scale") = pybind11::none(),
         pybind11::arg("grad_coef") = pybind11::none(),
-        pybind11::arg("saves") = std::vector<at::Tensor>{},
+        pybind11::arg("into") = std::vector<at::Tensor>{},
         pybind11::arg("checksums") = pybind11::none());
   m.def("grad_stats_", &grad_stats_, pybind11::arg("tensors"), pybind11::kw_only(),
         pybind11::arg("norm"),
         "Per-tensor norm terms (float64) and word checksums (int64); see offload/kernels/_grad_stats.py.");
   m.def("copy_", &copy_, pybind11::arg("dsts"), pybind11::arg("srcs"),
         "dsts[i] = srcs[i] (same dtype and size), non-temporal stores for large calls.");
+  m.def("swap_storages_", &swap_storages_, pybind11::arg("a"), pybind11::arg("b"),
+        "Swaps the memory of a[i]'s and b[i]'s storages (whole-storage CPU tensors of one size).");
   m.def("capability", &capability, "CPU_CAPABILITY this build was compiled for.");
   m.def("threads_used", &threads_used, pybind11::arg("units"),
         "Distinct intra-op threads a parallel_for over `units` work items ran on.");
