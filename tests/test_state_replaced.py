@@ -24,9 +24,11 @@ def _replace_moment(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
 
 
 def _replace_entry(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
-    # The step as committed (EDIT_AT steps done), not read off opt.state: with overlap on, between
-    # backward and step() a chunk that already started shows its speculated count there.
-    opt.state[p] = {"step": torch.tensor(float(EDIT_AT)), "exp_avg": torch.full_like(p, 1e-3, dtype=torch.float32),
+    # The step read off opt.state, as recipes do: between backward and step() too it is the
+    # committed count (EDIT_AT steps done), whatever early chunks counted meanwhile.
+    step = opt.state[p]["step"].clone()
+    assert step.item() == EDIT_AT
+    opt.state[p] = {"step": step, "exp_avg": torch.full_like(p, 1e-3, dtype=torch.float32),
                     "exp_avg_sq": torch.ones_like(p)}
 
 

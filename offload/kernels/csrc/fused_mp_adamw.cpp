@@ -288,11 +288,17 @@ inline float adamw_scalar(float param, float grad_val, const StatePtrs& s, bool 
   return param - float(c.step_size) * exp_avg / denom;
 }
 
+// The checksum words of a span's gradient (defined with the checksum below).
+template <typename grad_t>
+struct WordSums;
+
 // Updates `size` consecutive elements. `size` is a multiple of kUnit except at a tensor's end.
 // `st`: where the state is read and written (StatePtrs); `NT`: its new values are streamed.
-template <typename param_t, typename grad_t, bool NT = false>
+// `Sum`: the words of the gradient it consumes go into `sums` (WordSums), from the same loads.
+template <typename param_t, typename grad_t, bool NT = false, bool Sum = false>
 void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, int64_t size,
-                const Coeffs& c, bool stream, const GradXform& x) {
+                const Coeffs& c, bool stream, const GradXform& x,
+                WordSums<grad_t>* sums = nullptr) {
   using pVec = at::vec::Vectorized<param_t>;
   using gVec = at::vec::Vectorized<grad_t>;
   static_assert(pVec::size() == 2 * fVec::size() && gVec::size() == 2 * fVec::size(),
@@ -302,7 +308,13 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
   // Two float vectors: one full low-precision load of the gradient, one of the new parameter.
   auto pair = [&](int64_t d) {
     fVec g0, g1;
-    at::vec::load_to_float<grad_t>(grad + d, g0, g1);
+    if constexpr (Sum) {  // one load: its words checksummed, its values updated (exact conversion)
+      const gVec raw = gVec::loadu(grad + d);
+      sums->add_lowp(raw, d);
+      std::tie(g0, g1) = at::vec::convert_to_float<grad_t>(raw);
+    } else {
+      at::vec::load_to_float<grad_t>(grad + d, g0, g1);
+    }
     if (x.any()) xform_pair<grad_t>(g0, g1, x);
     const StatePtrs s0 = st.at(d), s1 = st.at(d + kW);
     const fVec p0 = adamw_vec<NT>(fVec::loadu(s0.master_in), g0, s0, k);
@@ -333,7 +345,13 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
   // At most one more full float vector (same lane arithmetic as above).
   if (d + kW <= size) {
     fVec g0;
-    at::vec::load_to_float<grad_t>(grad + d, g0);
+    if constexpr (Sum) {
+      const gVec raw = gVec::loadu(grad + d, kW);  // the other lanes are zero words
+      sums->add_lowp(raw, d);
+      g0 = std::get<0>(at::vec::convert_to_float<grad_t>(raw));
+    } else {
+      at::vec::load_to_float<grad_t>(grad + d, g0);
+    }
     if (x.any()) xform_one<grad_t>(g0, x);
     const StatePtrs s0 = st.at(d);
     const fVec p0 = adamw_vec<NT>(fVec::loadu(s0.master_in), g0, s0, k);
@@ -343,8 +361,10 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
   }
   const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
   for (; d < size; ++d) {
-    const float g = x.any() ? xform_scalar<grad_t>(static_cast<float>(grad[d]), x)
-                            : static_cast<float>(grad[d]);
+    const grad_t gv = grad[d];
+    if constexpr (Sum) sums->add_words(&gv, d, 1);
+    const float g = x.any() ? xform_scalar<grad_t>(static_cast<float>(gv), x)
+                            : static_cast<float>(gv);
     const StatePtrs s = st.at(d);
     const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c);
     *s.master_out = p;
@@ -359,14 +379,15 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
 // the split into vector body and scalar tail is torch's (one float vector at a time, the last
 // size % fVec::size() scalar). Traffic: 4 (grad) + 8 + 8 + 8 = 28 bytes per parameter, the same
 // as torch's fused kernel, in place or out of place.
-template <bool NT = false>
+template <bool NT = false, bool Sum = false>
 void adamw_span_f32(const float* grad, const StatePtrs& st, float* out, int64_t size,
-                    const Coeffs& c, const GradXform& x) {
+                    const Coeffs& c, const GradXform& x, WordSums<float>* sums = nullptr) {
   constexpr int64_t kW = fVec::size();
   const VecCoeffs k(c);
   int64_t d = 0;
   for (; d + kW <= size; d += kW) {
     fVec g = fVec::loadu(grad + d);
+    if constexpr (Sum) sums->add_vec(g, d);  // the words of the very load the update uses
     if (x.any()) xform_one<float>(g, x);
     const StatePtrs s = st.at(d);
     const fVec p = adamw_vec<NT>(fVec::loadu(s.master_in), g, s, k);
@@ -375,7 +396,9 @@ void adamw_span_f32(const float* grad, const StatePtrs& st, float* out, int64_t 
   }
   const int64_t block_end = d + (kHasFma ? (size - d) / kTailBlock * kTailBlock : 0);
   for (; d < size; ++d) {
-    const float g = x.any() ? xform_scalar<float>(grad[d], x) : grad[d];
+    const float gv = grad[d];
+    if constexpr (Sum) sums->add_words(&gv, d, 1);
+    const float g = x.any() ? xform_scalar<float>(gv, x) : gv;
     const StatePtrs s = st.at(d);
     const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c);
     *s.master_out = p;
@@ -724,6 +747,83 @@ BlockStats block_stats_of(at::ScalarType dtype, const void* base, int64_t lo, in
   }
 }
 
+// The checksum words of the gradient a span consumes, taken from the registers the update reads
+// (so what is checksummed is exactly what is consumed, even while another thread writes the
+// gradient: no second read of memory). Lane j of 32 holds the wrapping sum of the words of the
+// elements e with e % 32 == j (a span starts on a multiple of kUnit, so `d % 32` is that lane):
+// fp32 words sign-extended into 64-bit lanes, 16-bit words zero-extended into 32-bit lanes (a
+// call covers at most kStatsBlock elements: 512 words of at most 0xFFFF per lane). `weighted()`
+// is then grad_stats' checksum of the span (see below), whatever vector width added the words.
+template <typename grad_t>
+struct WordSums {
+  using lane_t = std::conditional_t<std::is_same_v<grad_t, float>, uint64_t, uint32_t>;
+  alignas(64) lane_t lane[32] = {};
+
+  // `n` elements starting at `d` (a multiple of the vector's width), raw words in `p`.
+  inline void add_words(const grad_t* p, int64_t d, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) lane[(d + j) & 31] += static_cast<lane_t>(word_of(p + j));
+  }
+
+  // A float vector's words at element d (fp32 gradients).
+  inline void add_vec(const fVec& v, int64_t d) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i w = _mm512_castps_si512(__m512(v));
+    uint64_t* l = reinterpret_cast<uint64_t*>(lane) + (d & 31);
+    const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(w));
+    const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(w, 1));
+    _mm512_store_si512(l, _mm512_add_epi64(_mm512_load_si512(l), lo));
+    _mm512_store_si512(l + 8, _mm512_add_epi64(_mm512_load_si512(l + 8), hi));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i w = _mm256_castps_si256(__m256(v));
+    uint64_t* l = reinterpret_cast<uint64_t*>(lane) + (d & 31);
+    const __m256i lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(w));
+    const __m256i hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(w, 1));
+    auto* a = reinterpret_cast<__m256i*>(l);
+    _mm256_store_si256(a, _mm256_add_epi64(_mm256_load_si256(a), lo));
+    _mm256_store_si256(a + 1, _mm256_add_epi64(_mm256_load_si256(a + 1), hi));
+#else
+    alignas(64) float tmp[fVec::size()];
+    v.store(tmp);
+    add_words(reinterpret_cast<const grad_t*>(tmp), d, fVec::size());
+#endif
+  }
+
+  // A low-precision vector's words at element d (16-bit gradients; lanes past a partial load are
+  // zero words and add nothing).
+  template <typename V>
+  inline void add_lowp(const V& v, int64_t d) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i w = __m512i(v);
+    uint32_t* l = reinterpret_cast<uint32_t*>(lane) + (d & 31);
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(w));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1));
+    if ((d & 31) == 0) {
+      _mm512_store_si512(l, _mm512_add_epi32(_mm512_load_si512(l), lo));
+      _mm512_store_si512(l + 16, _mm512_add_epi32(_mm512_load_si512(l + 16), hi));
+    } else {  // a partial vector at lane 16: its upper half is zeros
+      _mm512_store_si512(l, _mm512_add_epi32(_mm512_load_si512(l), lo));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i w = __m256i(v);
+    auto* a = reinterpret_cast<__m256i*>(reinterpret_cast<uint32_t*>(lane) + (d & 31));
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1));
+    _mm256_store_si256(a, _mm256_add_epi32(_mm256_load_si256(a), lo));
+    _mm256_store_si256(a + 1, _mm256_add_epi32(_mm256_load_si256(a + 1), hi));  // lanes up to 31
+#else
+    alignas(64) grad_t tmp[V::size()];
+    v.store(tmp);
+    add_words(tmp, d, std::min<int64_t>(V::size(), 32 - (d & 31)));
+#endif
+  }
+
+  uint64_t weighted() const {
+    uint64_t out = 0;
+    for (int j = 0; j < 32; ++j) out += static_cast<uint64_t>(lane[j]) * lane_weight(j);
+    return out;
+  }
+};
+
 // ---- speculation (offload/overlap/_speculation.py) ------------------------------------------
 //
 // A chunk updated during backward is a guess that step() commits or redoes. Called with `into`
@@ -742,28 +842,6 @@ struct Speculate {
 
   bool any() const { return !into.empty() || sums != nullptr; }
 };
-
-// The checksum of elements [lo, hi) of tensor i (hi - lo <= kStatsBlock: the 32-bit lanes of
-// block_stats cannot overflow). The piece's gradient is first copied into this thread's buffer,
-// and both the checksum and the update read that copy (the returned pointer, at element lo):
-// what is checksummed is exactly what is consumed, even while another thread writes the gradient
-// (an in-place change and its undo between a checksum read and an update read, A -> B -> A, was
-// committed as A: seen about once in 12 runs of bench.device_checks races on the CPU). The copy
-// stays in cache; the gradient is still read from memory once.
-template <typename grad_t>
-inline const grad_t* speculate_piece(const Speculate& s, size_t i, const grad_t* grad, int64_t lo,
-                                     int64_t hi) {
-  const grad_t* consumed = grad + lo;
-  if (s.sums != nullptr) {
-    thread_local std::vector<grad_t> snapshot;
-    snapshot.resize(static_cast<size_t>(kStatsBlock));
-    std::memcpy(snapshot.data(), grad + lo, static_cast<size_t>(hi - lo) * sizeof(grad_t));
-    consumed = snapshot.data();
-    s.sums[i].fetch_add(block_stats<grad_t, kNormNone>(consumed, hi - lo).sum,
-                        std::memory_order_relaxed);
-  }
-  return consumed;
-}
 
 static_assert(kStatsBlock % kUnit == 0, "a speculation piece must end on a unit boundary");
 
@@ -792,20 +870,24 @@ inline void fence_streams() {
 #endif
 }
 
-// Runs `update(lo, hi, g)` over [lo, hi) of tensor i, `g` the gradient at element lo (the tensor's
-// own, or the piece's copy: speculate_piece), with the checksum first, piece by piece. Pieces
-// split at multiples of kUnit from `lo`: the vector body / scalar tail split of every element
-// stays as it is (the same rule that makes the thread count irrelevant).
+// Runs `update(lo, hi, sums)` over [lo, hi) of tensor i: with checksums, piece by piece (at most
+// kStatsBlock elements, the 32-bit lanes of WordSums cannot overflow), each piece's words summed
+// by the update from the very loads it consumes (`sums`), then added into the tensor's checksum;
+// without, in one call (`sums` null). Pieces split at multiples of kUnit from `lo`: the vector
+// body / scalar tail split of every element stays as it is (the same rule that makes the thread
+// count irrelevant), and every piece starts on a lane boundary.
 template <typename grad_t, typename UpdateFn>
-inline void speculated(const Speculate* s, size_t i, const grad_t* grad, int64_t lo, int64_t hi,
+inline void speculated(const Speculate* s, size_t i, int64_t lo, int64_t hi,
                        const UpdateFn& update) {
   if (s == nullptr || s->sums == nullptr) {
-    update(lo, hi, grad + lo);
+    update(lo, hi, static_cast<WordSums<grad_t>*>(nullptr));
     return;
   }
   for (int64_t a = lo; a < hi; a += kStatsBlock) {
     const int64_t b = std::min(hi, a + kStatsBlock);
-    update(a, b, speculate_piece<grad_t>(*s, i, grad, a, b));
+    WordSums<grad_t> sums;
+    update(a, b, &sums);
+    s->sums[i].fetch_add(sums.weighted(), std::memory_order_relaxed);
   }
 }
 
@@ -917,8 +999,13 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
     const StatePtrs st = state_ptrs(spec, i, m32[i], ea[i], eas[i]);
     const bool nt = streamable(st.at(lo));
-    speculated<grad_t>(spec, i, g_lp[i], lo, hi, [&](int64_t a, int64_t b, const grad_t* g) {
-      if (nt) {
+    speculated<grad_t>(spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<grad_t>* sums) {
+      const grad_t* g = g_lp[i] + a;
+      if (sums != nullptr && nt) {
+        adamw_span<param_t, grad_t, true, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums);
+      } else if (sums != nullptr) {
+        adamw_span<param_t, grad_t, false, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums);
+      } else if (nt) {
         adamw_span<param_t, grad_t, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x);
       } else {
         adamw_span<param_t, grad_t>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x);
@@ -1266,9 +1353,14 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
     for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
       const StatePtrs st = state_ptrs(&spec, i, pp[i], ea[i], eas[i]);
       const bool nt = streamable(st.at(lo));
-      speculated<float>(&spec, i, gp[i], lo, hi, [&](int64_t a, int64_t b, const float* g) {
+      speculated<float>(&spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<float>* sums) {
+        const float* g = gp[i] + a;
         float* out = op[i] == nullptr ? nullptr : op[i] + a;
-        if (nt) {
+        if (sums != nullptr && nt) {
+          adamw_span_f32<true, true>(g, st.at(a), out, b - a, coeffs[i], x, sums);
+        } else if (sums != nullptr) {
+          adamw_span_f32<false, true>(g, st.at(a), out, b - a, coeffs[i], x, sums);
+        } else if (nt) {
           adamw_span_f32<true>(g, st.at(a), out, b - a, coeffs[i], x);
         } else {
           adamw_span_f32(g, st.at(a), out, b - a, coeffs[i], x);
