@@ -32,7 +32,8 @@ from offload.overlap._speculation import checksums_of
 from offload.pipeline._cuda_transport import CudaTransport
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._step import collect_grads, commit_generations, ready_event, submit_step
+from offload.pipeline._jobs import ChunkJob
+from offload.pipeline._step import collect_grads, commit_generations, ready_event, submit_step, write_job
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
 from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
@@ -485,25 +486,38 @@ class CPUOffloadAdamW(Optimizer):
         def hyper_now(group: int) -> Hyper:
             return replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
 
+        event = ready_event(self._layout.registry.device)
+        writes: list[ChunkJob] = []
+
+        def commit(job: ChunkJob) -> None:  # a committed early chunk: its weights go now
+            writes.append(write_job(job, threads=threads, event=event))
+            self._pipeline.submit(writes[-1])
+
         try:
             grads = collect_grads(self._layout, self.state)
             late = early.late_edits() if early is not None else []
             if late or self._layout.recheck_masters:
                 self._abandon_early("step() (weights edited after backward started chunks)")
-            committed, speculated, out_of_place = early.start_step(hyper_now=hyper_now, late=late, threads=threads) \
-                if early is not None else ({}, 0, set())
+            # Edits of parameters no early chunk holds (the others were just abandoned): before the
+            # early chunks are judged, since a committed chunk's weights are written at once.
             self._follow_edits(grads)
+            committed, speculated, out_of_place = early.start_step(
+                hyper_now=hyper_now, late=late, threads=threads, commit=commit) if early is not None else ({}, 0, set())
         except BaseException:
+            if writes:  # committed chunks' weights are being written: they keep their state
+                assert early is not None
+                early.salvage(writes, threads=threads)
             self._abandon_early("step() (an error)")
             raise
 
         layout = self._layout
         sub = submit_step(self._pipeline, layout, committed, grads, self.state, hyper_now=hyper_now,
-                          kernel=self._settings.kernel, threads=threads, event=ready_event(layout.registry.device),
-                          out_of_place=out_of_place)
+                          kernel=self._settings.kernel, threads=threads, event=event, out_of_place=out_of_place)
         result = self._pipeline.drain()
         layout.items.release_grads()
-        failed = result.error is not None and not any(j.kernel_ran for j in sub.updates)
+        # failed: nothing of this step landed (no update ran, no committed weights written)
+        failed = result.error is not None and not any(j.kernel_ran for j in sub.updates) and not any(
+            j.materialized for j in writes)
         if out_of_place:
             commit_generations(layout, out_of_place, grads, [*committed.values(), *sub.updates],
                                error=result.error is not None, failed=failed, swap=self._swap)

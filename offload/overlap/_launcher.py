@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -133,18 +134,20 @@ class Launcher:
         hyper = replace(hyper_of(opt.param_groups[chunk.group]), grad_scale=self._grad_scale)
         items = fresh_items(chunk, grads, records, state, kernel=self.settings.kernel)
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.settings.threads or 1,
-                       update=True, materialize=False, into_next=True,
+                       update=True, materialize=False, into_next=True, done=threading.Event(),
                        ready_event=ready_event(layout.registry.device))
         self.speculation.launch(chunk, job, grads, records, state)
         pipeline.submit(job)
 
     # ------------------------------------------------------------ step()
-    def start_step(self, *, hyper_now: Callable[[int], Any], late: Sequence[int],
-                   threads: int) -> tuple[dict[int, ChunkJob], int, set[int]]:
-        """At ``step()``: (the early chunks that stand, how many were launched, the slab segments
-        that were updated out of place). ``step()`` recomputes the others from the committed
-        state, runs every chunk of those segments out of place too and then commits them by a
-        swap (``HostSlabs.swap``)."""
+    def start_step(self, *, hyper_now: Callable[[int], Any], late: Sequence[int], threads: int,
+                   commit: Callable[[ChunkJob], None]) -> tuple[dict[int, ChunkJob], int, set[int]]:
+        """At ``step()``: judge the early chunks in chunk order, handing each that stands to
+        ``commit`` as soon as it is known (its weights can be written while the next chunk's
+        gradients are read); returns (the early chunks that stand, how many were launched, the
+        slab segments that were updated out of place). ``step()`` recomputes the others from the
+        committed state, runs every chunk of those segments out of place too and then commits
+        them by a swap (``HostSlabs.swap``)."""
         opt, layout, pipeline = self._opt(), self.layout, self.pipeline
         assert opt is not None and layout is not None and pipeline is not None and self.hooks is not None
         self.hooks.end_window()
@@ -159,18 +162,24 @@ class Launcher:
             self.abandon("step() (a gradient dropped or a step tensor replaced after backward)",
                          threads=threads)
             return {}, len(launched), set()
-        # The gradients' checksums now, while the worker still runs the last early kernels (both
-        # only read gradients); compared with what those kernels read once they are done.
+        # Each chunk's gradients are read while the worker still runs the later early kernels
+        # (both only read gradients) and compared once its own kernel ran.
         reading = self.speculation.read_now(launched, layout.records)
-        pipeline.on_worker(lambda: None, threads=1)  # the early kernels (and checksums) ran
-        self.speculation.publish_steps()
         groups = {c.index: c.group for c in layout.chunks}
-        stale = self.speculation.stale_chunks(launched, layout.records, hyper_now,
-                                              groups.__getitem__, late, reading)
+        committed: dict[int, ChunkJob] = {}
+        stale: list[int] = []
+        for c, is_stale in self.speculation.verdicts(launched, layout.records, hyper_now,
+                                                     groups.__getitem__, late, reading):
+            if is_stale:
+                stale.append(c)
+            else:
+                committed[c] = launched[c].job
+                commit(launched[c].job)
+        self.speculation.publish_steps()  # every early kernel ran (verdicts waited for each)
         if stale:
             logger.debug("overlap_backward: %d of %d early chunks redone in step()", len(stale), len(launched))
         self._count_stale(len(stale) == len(launched))
-        return {c: s.job for c, s in launched.items() if c not in stale}, len(launched), set(self._segments)
+        return committed, len(launched), set(self._segments)
 
     def _count_stale(self, all_stale: bool) -> None:
         """Pause speculating after :data:`PAUSE_AFTER_STALE_STEPS` steps in a row that redid every
@@ -221,6 +230,22 @@ class Launcher:
         if result.error is not None:  # nothing of it remains; step() meets it again if it lasts
             logger.warning("CPUOffloadAdamW: a chunk started during backward failed (%s: %s); undone "
                            "at %s", type(result.error).__name__, result.error, what)
+
+    def salvage(self, written: Sequence[ChunkJob], *, threads: int) -> None:
+        """``step()`` failed after some committed chunks' weights were submitted (``written``): those
+        chunks keep their update (state copied from the second generation, their parameters'
+        counted steps), as an update in place that failed part-way would have; the rest is dropped."""
+        assert self.pipeline is not None and self.layout is not None
+        result = self.pipeline.drain()
+        done = [j for j in written if j.materialized]
+        self.layout.slabs.keep(it.view for j in done for it in j.items)
+        self.speculation.reset_steps()
+        self.speculation.publish_steps({it.view.slot for j in done for it in j.items})
+        self.layout.items.release_grads()
+        self.end_step(grad_scale=self._grad_scale)
+        if result.error is not None:
+            logger.warning("CPUOffloadAdamW: a chunk failed while step() failed (%s: %s)",
+                           type(result.error).__name__, result.error)
 
     def end_step(self, *, grad_scale: Tensor | None, failed: bool = False) -> None:
         """The window closes; ``grad_scale``: what this step divided by (speculated next time);

@@ -16,7 +16,7 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
   checksums the staged copy it consumed (so a gradient changed while the copy ran, A -> B -> A,
   is not taken for A: no device work in the hook either); for torch's kernel the checksum is
   taken on the device at launch;
-* at ``step()`` :meth:`Speculation.stale_chunks` compares what each early chunk consumed with
+* at ``step()`` :meth:`Speculation.verdicts` compares what each early chunk consumed with
   what the step would consume: the gradients' *content* (a checksum of every word, read again
   now: version counters miss in-place ops through a DTensor and GradScaler's CPU unscale, and
   multiplying by 1.0 changes nothing), the group's hyper-parameters, the clip coefficient and the
@@ -47,7 +47,7 @@ redone, not committed as A).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -134,8 +134,8 @@ class GradReading:
     grads: dict[int, Tensor] = field(default_factory=dict)
     """The others' gradients (local tensors)."""
     views: dict[ViewKey, int] = field(default_factory=dict)
-    """Per view an early item read with its checksum recorded (host gradients; CUDA ones read by a
-    native kernel from their staged copy): the checksum of the gradient now."""
+    """Per CUDA view a native kernel read from its staged copy: the checksum of the gradient now
+    (host views are read chunk by chunk, :meth:`Speculation.verdicts`)."""
 
 
 class Speculation:
@@ -243,8 +243,10 @@ class Speculation:
                        if st != stamp(records[s])})
 
     def read_now(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord]) -> GradReading:
-        """What ``step()`` would consume of the early chunks' gradients, read now: may run while the
-        worker still runs early kernels (it only reads gradients, as they do)."""
+        """What ``step()`` would consume of the early chunks' gradients: which are gone or of
+        another shape, dtype or device, and the checksums of device views (one sync for all). The
+        host views are read chunk by chunk in :meth:`verdicts`. May run while the worker still
+        runs early kernels (it only reads gradients, as they do)."""
         reading = GradReading()
         for s in sorted({s for spec in launched.values() for s in spec.slots}):
             p = records[s].param
@@ -254,68 +256,74 @@ class Speculation:
                 reading.changed.add(s)
             else:
                 reading.grads[s] = g
-        keys = [k for spec in launched.values() for k in spec.views if k[0] in reading.grads]
-        for on_device in (False, True):  # host views, then device ones: one sync for all of those
-            part = [k for k in keys if (reading.grads[k[0]].device.type == "cuda") == on_device]
-            if part:
-                sums = self._checksums([_view_of(reading.grads[s], a, b) for s, a, b in part]).tolist()
-                reading.views.update(zip(part, sums))
+        device = [k for spec in launched.values() for k in spec.views
+                  if k[0] in reading.grads and reading.grads[k[0]].device.type == "cuda"]
+        if device:
+            sums = self._checksums([_view_of(reading.grads[s], a, b) for s, a, b in device]).tolist()
+            reading.views.update(zip(device, sums))
         return reading
 
-    def stale_chunks(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord],
-                     hyper_now: Callable[[int], Hyper], chunk_group: Callable[[int], int],
-                     late_slots: Iterable[int], reading: GradReading | None = None) -> list[int]:
-        """The early chunks whose work differs from what this step consumes; only once their
-        kernels ran (the worker drained up to them: the host checksums of what they read are
-        made there). ``reading``: :meth:`read_now`'s, when it was taken earlier in this
-        ``step()``."""
-        if reading is None:
-            reading = self.read_now(launched, records)
+    def verdicts(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord],
+                 hyper_now: Callable[[int], Hyper], chunk_group: Callable[[int], int],
+                 late_slots: Iterable[int], reading: GradReading) -> Iterator[tuple[int, bool]]:
+        """(chunk, stale) for every early chunk, in chunk order, as soon as it is known: its host
+        gradient views are checksummed now, then, once its kernel ran (the worker made the
+        checksums of what it read in that pass), compared; so the caller can write a committed
+        chunk's weights while the next chunk is read. Stale: its work differs from what this step
+        consumes (gradient content, shape, hyper-parameters, clip coefficient, grad scale, an edit
+        after launch) or its kernel did not run."""
         changed = set(late_slots) | reading.changed
-        recorded: dict[int, list[int]] = {}  # id(checksums tensor) -> its values (one read each)
-        for key, now in reading.views.items():
+        changed |= self._device_changes(reading)
+        now_of: dict[int, Hyper] = {}  # per group, on the host: no device sync per chunk
+        values: dict[int, list[int]] = {}  # id(checksums tensor) -> its values (one read each)
+
+        def recorded(key: ViewKey, now: int) -> bool:  # the early kernel's checksum of key is now
             was = self._sums.get(key)
             if was is None:
-                changed.add(key[0])
-                continue
+                return False
             sums, i = was
-            values = recorded.get(id(sums))
-            if values is None:
-                values = recorded[id(sums)] = sums.tolist()
-            if values[i] != now:
-                changed.add(key[0])
-        dev_slots: list[int] = []
-        dev_now: list[Tensor] = []
-        dev_was: list[Tensor] = []
-        device = [s for s in reading.grads if s in self._device_sums]
-        if device:
-            for s, v in zip(device, self._checksums([reading.grads[s] for s in device])):
-                was, done = self._device_sums[s]
-                # The launch's checksum is on its stream: ours waits for it on the device.
-                torch.cuda.current_stream(v.device).wait_event(done)
-                dev_slots.append(s)
-                dev_now.append(v)
-                dev_was.append(was)
-            # one host-device sync for all device checksums, not two per parameter
-            differs = (torch.stack(dev_now) != torch.stack(dev_was)).tolist()
-            changed.update(s for s, d in zip(dev_slots, differs) if d)
-        stale = []
-        now_of: dict[int, Hyper] = {}  # per group, on the host: no device sync per chunk
+            got = values.get(id(sums))
+            if got is None:
+                got = values[id(sums)] = sums.tolist()
+            return got[i] == now
+
         for c, spec in sorted(launched.items()):
+            keys = [k for k in spec.views if k[0] in reading.grads and k not in reading.views]
+            now = (self._checksums([_view_of(reading.grads[s], a, b) for s, a, b in keys]).tolist()
+                   if keys else [])
+            if spec.job.done is not None:
+                spec.job.done.wait()
+            stale_views = {k[0] for k, v in zip(keys, now) if not recorded(k, v)}
+            stale_views |= {k[0] for k in spec.views if k in reading.views and not recorded(k, reading.views[k])}
             group = chunk_group(c)
             if group not in now_of:
                 now_of[group] = on_host(hyper_now(group))
-            if (not spec.job.kernel_ran or changed.intersection(spec.slots)
-                    or not same_hyper(spec.job.hyper, now_of[group])):
-                stale.append(c)
-        return stale
+            yield c, bool(not spec.job.kernel_ran or changed.intersection(spec.slots) or stale_views
+                          or not same_hyper(spec.job.hyper, now_of[group]))
 
-    def publish_steps(self) -> None:
-        """At ``step()``, once the early kernels ran: the step counters take what they counted
-        (a chunk recomputed in ``step()`` then counts no step again: the worker counts each
-        parameter once per step)."""
-        for step, _, counted in self._steps.values():
-            step.copy_(counted)
+    def _device_changes(self, reading: GradReading) -> set[int]:
+        """Slots whose CUDA gradient of torch's kernel changed since its launch checksum (one
+        host-device sync for all of them)."""
+        device = [s for s in reading.grads if s in self._device_sums]
+        if not device:
+            return set()
+        dev_now, dev_was = [], []
+        for s, v in zip(device, self._checksums([reading.grads[s] for s in device])):
+            was, done = self._device_sums[s]
+            # The launch's checksum is on its stream: ours waits for it on the device.
+            torch.cuda.current_stream(v.device).wait_event(done)
+            dev_now.append(v)
+            dev_was.append(was)
+        differs = (torch.stack(dev_now) != torch.stack(dev_was)).tolist()
+        return {s for s, d in zip(device, differs) if d}
+
+    def publish_steps(self, slots: Collection[int] | None = None) -> None:
+        """At ``step()``, once the early kernels ran: the step counters (of ``slots``; None: all)
+        take what they counted (a chunk recomputed in ``step()`` then counts no step again: the
+        worker counts each parameter once per step)."""
+        for s, (step, _, counted) in self._steps.items():
+            if slots is None or s in slots:
+                step.copy_(counted)
 
     def reset_steps(self) -> None:
         """The step counters back to their values before this window (a step that did not

@@ -85,6 +85,9 @@ class ChunkJob:
     """The update goes out of place: from the committed slabs into their second generation,
     which ``step()`` then commits by a swap (chunks started during backward, and every other
     chunk of their param groups in that step; ``offload.state._slabs``)."""
+    done: Any = None
+    """Early launch: a ``threading.Event`` the worker sets once it processed (or skipped) the job,
+    so ``step()`` can judge an early chunk as soon as its kernel ran."""
     before_kernel: Any = None
     """Early launch: called by the worker with the job right before its kernel (the speculation's
     gradient checksums, ``offload.overlap._speculation``)."""
@@ -105,6 +108,8 @@ class ChunkJob:
     """CUDA: the h2d ring slot the kernel wrote the new weights into (see CudaTransport)."""
     kernel_ran: bool = False
     """The job's kernel calls ran (read by the optimizer for early launches)."""
+    materialized: bool = False
+    """Its weights were written (materialize ran)."""
     coef_in_grads: bool = False
     """The transport multiplied the torch kernel's gradient operands by ``hyper.grad_coef``
     already (a low-precision gradient is rounded to its dtype first, as torch's ``_foreach_mul_``

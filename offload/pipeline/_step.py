@@ -1,11 +1,12 @@
 """The gradients and jobs of one ``step()``: one job per chunk, in chunk order.
 
 A chunk whose early job was committed (``committed``: the jobs an overlap with backward ran and
-found valid) only writes its weights (its kernel ran during backward); every other chunk with a
-gradient runs d2h, kernel and materialize with this step's hyper-parameters (clip coefficient and
-grad scale included). In a slab segment a chunk of which started during backward
-(``out_of_place``) every chunk updates out of place, into the second generation of the slabs, and
-:func:`commit_generations` then makes that generation the committed one (a swap).
+found valid) only writes its weights (its kernel ran during backward), submitted as soon as it
+was judged (:func:`write_job`); every other chunk with a gradient runs d2h, kernel and
+materialize with this step's hyper-parameters (clip coefficient and grad scale included). In a
+slab segment a chunk of which started during backward (``out_of_place``) every chunk updates out
+of place, into the second generation of the slabs, and :func:`commit_generations` then makes that
+generation the committed one (a swap), or, after a failure part-way, keeps what ran.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from offload.pipeline._pipeline import Pipeline
 from offload.state._layout import HostLayout
 from offload.state._slabs import StorageSwap
 
-__all__ = ["StepJobs", "collect_grads", "commit_generations", "ready_event", "submit_step"]
+__all__ = ["StepJobs", "collect_grads", "commit_generations", "ready_event", "submit_step", "write_job"]
 
 
 @dataclass(slots=True)
@@ -42,39 +43,41 @@ class StepJobs:
     """Some item runs on the native kernel."""
 
 
+def write_job(early: ChunkJob, *, threads: int, event: Any) -> ChunkJob:
+    """The job that writes the weights of a committed early chunk (its kernel ran during backward,
+    into the second generation): submitted as soon as ``step()`` judged it, before the step's
+    update jobs, so the writes run while later chunks are still being checked."""
+    return ChunkJob(chunk=early.chunk, items=early.items, hyper=early.hyper, threads=threads, update=False,
+                    materialize=True, into_next=True, write_event=event)
+
+
 def submit_step(pipeline: Pipeline, layout: HostLayout, committed: Mapping[int, ChunkJob],
                 grads: Mapping[int, Tensor], state: Mapping[Tensor, dict[str, Any]], *,
                 hyper_now: Callable[[int], Hyper], kernel: str, threads: int, event: Any,
                 out_of_place: Collection[int] = ()) -> StepJobs:
-    """Submit every chunk's job of this step (see the module doc); ``out_of_place``: the slab
+    """Submit the update job of every chunk not in ``committed`` (whose weight writes were
+    submitted already, :func:`write_job`), see the module doc; ``out_of_place``: the slab
     segments whose chunks update into the second generation."""
     out = StepJobs()
     items, records, sharded = layout.items, layout.records, layout.registry.sharded
-    writes = []  # the committed chunks' weight writes go last: a failure in an update before them
-    for chunk in layout.chunks:  # leaves no weight written, so step() can undo the early chunks wholly
+    for chunk in layout.chunks:
         early = committed.get(chunk.index)
-        if early is not None:  # its kernel ran during backward: only the weights to write
-            job = ChunkJob(chunk=chunk.index, items=early.items, hyper=early.hyper,
-                           threads=threads, update=False, materialize=True, into_next=True)
+        if early is not None:  # its kernel ran during backward; its weights are being written
+            its = early.items
         else:
             hyper = hyper_now(chunk.group)
             its = items.items(chunk, grads, records, state, kernel=kernel, sharded=sharded)
             if not its:
                 continue
             job = ChunkJob(chunk=chunk.index, items=its, hyper=hyper, threads=threads, update=True,
-                           materialize=True, ready_event=event, into_next=chunk.segment in out_of_place)
+                           materialize=True, ready_event=event, into_next=chunk.segment in out_of_place,
+                           write_event=event)
             out.updates.append(job)
-        job.write_event = event
-        n, native = items.summary(chunk, job.items)
+            pipeline.submit(job)
+        n, native = items.summary(chunk, its)
         out.native = out.native or native
         out.numel += n
         out.chunks += 1
-        if job.update:
-            pipeline.submit(job)
-        else:
-            writes.append(job)
-    for job in writes:
-        pipeline.submit(job)
     return out
 
 

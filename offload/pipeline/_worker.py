@@ -124,27 +124,35 @@ class Worker:
                     item.event.set()
                 continue
             job: ChunkJob = item
-            if self.error is not None:
-                continue  # a failed step: leave the remaining chunks untouched
             try:
-                if job.update and job.transfer is None:
-                    self.transport.issue_d2h(job)
-                # Async transports: issue the gradient copies of the next queued jobs before this
-                # job's kernel, so they run while it computes (never past a barrier).
-                while job.update and len(pending) < lookahead and (
-                    not pending or isinstance(pending[-1], ChunkJob)
-                ):
-                    try:
-                        nxt = self.q.get_nowait()
-                    except queue.Empty:
-                        break
-                    pending.append(nxt)
-                    if isinstance(nxt, ChunkJob) and nxt.update and nxt.transfer is None:
-                        self.transport.issue_d2h(nxt)
-                self._process(job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller of step()
-                logger.debug("chunk %d failed", job.chunk, exc_info=True)
-                self.error = exc
+                self._run_job(job, pending, lookahead)
+            finally:
+                if job.done is not None:
+                    job.done.set()
+
+    def _run_job(self, job: ChunkJob, pending: collections.deque[Any], lookahead: int) -> None:
+        """One queued job (see :meth:`run`); an error is kept for the step's drain."""
+        if self.error is not None:
+            return  # a failed step: leave the remaining chunks untouched
+        try:
+            if job.update and job.transfer is None:
+                self.transport.issue_d2h(job)
+            # Async transports: issue the gradient copies of the next queued jobs before this
+            # job's kernel, so they run while it computes (never past a barrier).
+            while job.update and len(pending) < lookahead and (
+                not pending or isinstance(pending[-1], ChunkJob)
+            ):
+                try:
+                    nxt = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                pending.append(nxt)
+                if isinstance(nxt, ChunkJob) and nxt.update and nxt.transfer is None:
+                    self.transport.issue_d2h(nxt)
+            self._process(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of step()
+            logger.debug("chunk %d failed", job.chunk, exc_info=True)
+            self.error = exc
 
     def _process(self, job: ChunkJob) -> None:
         self._use_threads(job.threads)
@@ -157,6 +165,7 @@ class Worker:
             self._kernel(job)
         if job.materialize:
             self.transport.materialize(job, self.slabs, self.records)
+            job.materialized = True
 
     def _kernel(self, job: ChunkJob) -> None:
         stepped = self.stepped
