@@ -32,8 +32,7 @@ from offload.overlap._speculation import checksums_of
 from offload.pipeline._cuda_transport import CudaTransport
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._jobs import ChunkJob
-from offload.pipeline._step import collect_grads, commit_generations, ready_event, submit_step, write_job
+from offload.pipeline._step import collect_grads, ready_event, submit_step
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
 from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
@@ -487,12 +486,6 @@ class CPUOffloadAdamW(Optimizer):
             return replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
 
         event = ready_event(self._layout.registry.device)
-        writes: list[ChunkJob] = []
-
-        def commit(job: ChunkJob) -> None:  # a committed early chunk: its weights go now
-            writes.append(write_job(job, threads=threads, event=event))
-            self._pipeline.submit(writes[-1])
-
         try:
             grads = collect_grads(self._layout, self.state)
             late = early.late_edits() if early is not None else []
@@ -502,12 +495,10 @@ class CPUOffloadAdamW(Optimizer):
             # early chunks are judged, since a committed chunk's weights are written at once.
             self._follow_edits(grads)
             committed, speculated, out_of_place = early.start_step(
-                hyper_now=hyper_now, late=late, threads=threads, commit=commit) if early is not None else ({}, 0, set())
+                hyper_now=hyper_now, late=late, threads=threads, event=event) if early is not None else ({}, 0, set())
         except BaseException:
-            if writes:  # committed chunks' weights are being written: they keep their state
-                assert early is not None
-                early.salvage(writes, threads=threads)
-            self._abandon_early("step() (an error)")
+            if early is not None:
+                early.fail_start("step() (an error)", threads=threads)
             raise
 
         layout = self._layout
@@ -515,14 +506,9 @@ class CPUOffloadAdamW(Optimizer):
                           kernel=self._settings.kernel, threads=threads, event=event, out_of_place=out_of_place)
         result = self._pipeline.drain()
         layout.items.release_grads()
-        # failed: nothing of this step landed (no update ran, no committed weights written)
-        failed = result.error is not None and not any(j.kernel_ran for j in sub.updates) and not any(
-            j.materialized for j in writes)
-        if out_of_place:
-            commit_generations(layout, out_of_place, grads, [*committed.values(), *sub.updates],
-                               error=result.error is not None, failed=failed, swap=self._swap)
-        if early is not None:  # a failure before any update drops the early chunks too
-            early.end_step(grad_scale=scale, failed=failed)
+        if early is not None:  # commits the out-of-place segments; a step where nothing landed drops them
+            early.finish_step(segments=out_of_place, grads=grads, updates=sub.updates,
+                              error=result.error is not None, swap=self._swap, grad_scale=scale)
         if result.last_h2d_event is not None:  # first: the weight copies that did land stay
             # ordered before whatever the caller runs next, also when the step raises
             torch.cuda.current_stream(layout.registry.device).wait_event(result.last_h2d_event)
@@ -531,19 +517,10 @@ class CPUOffloadAdamW(Optimizer):
         record(layout.records, grads)  # our writes bumped the versions
         t1 = time.perf_counter()
         self._stats = StatsBuilder(
-            result.records,
-            t0,
-            step_s=t1 - t0,
-            drain_s=result.wait_s,
-            threads=threads,
-            chunk_numel=self._settings.chunk_numel,
-            num_chunks=sub.chunks,
-            numel=sub.numel,
-            kernel="fused-mp" if sub.native else "torch",
-            speculated_chunks=speculated,
-            committed_chunks=len(committed),
-            speculation_paused=early is not None and early.paused,
-        )
+            result.records, t0, step_s=t1 - t0, drain_s=result.wait_s, threads=threads,
+            chunk_numel=self._settings.chunk_numel, num_chunks=sub.chunks, numel=sub.numel,
+            kernel="fused-mp" if sub.native else "torch", speculated_chunks=speculated,
+            committed_chunks=len(committed), speculation_paused=early is not None and early.paused)
 
     def _follow_edits(self, grads: dict[int, Tensor]) -> None:
         """Parameters edited since our last write: their masters follow them (``offload.state._edits``);

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -33,12 +33,12 @@ from offload.overlap._hooks import GradHooks
 from offload.overlap._speculation import Checksums, Speculation, SpeculativeChunk, same_hyper
 from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._step import ready_event
+from offload.pipeline._step import commit_generations, ready_event, write_job
 from offload.state._edits import reseed
 from offload.state._groups import hyper_of
 from offload.state._items import fresh_items
 from offload.state._layout import HostLayout
-from offload.state._slabs import Chunk
+from offload.state._slabs import Chunk, StorageSwap
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class Launcher:
         that would have committed."""
         self._stale_steps = 0  # steps in a row that redid every early chunk
         self._segments: set[int] = set()  # slab segments a chunk of this window was launched in
+        self._committed: list[ChunkJob] = []  # the early jobs that stand (start_step)
+        self._writes: list[ChunkJob] = []  # their weight writes, submitted by start_step
         self._grad_scale: Tensor | None = None  # the scale the last step used (GradScaler)
         self.layout: HostLayout | None = None
         self.pipeline: Pipeline | None = None
@@ -141,13 +143,13 @@ class Launcher:
 
     # ------------------------------------------------------------ step()
     def start_step(self, *, hyper_now: Callable[[int], Any], late: Sequence[int], threads: int,
-                   commit: Callable[[ChunkJob], None]) -> tuple[dict[int, ChunkJob], int, set[int]]:
-        """At ``step()``: judge the early chunks in chunk order, handing each that stands to
-        ``commit`` as soon as it is known (its weights can be written while the next chunk's
-        gradients are read); returns (the early chunks that stand, how many were launched, the
-        slab segments that were updated out of place). ``step()`` recomputes the others from the
-        committed state, runs every chunk of those segments out of place too and then commits
-        them by a swap (``HostSlabs.swap``)."""
+                   event: Any) -> tuple[dict[int, ChunkJob], int, set[int]]:
+        """At ``step()``: judge the early chunks in chunk order and submit the weight writes of
+        each that stands as soon as it is known (``write_job``; ``event``: the step's ready event),
+        so they run while the next chunk's gradients are read; returns (the early chunks that
+        stand, how many were launched, the slab segments that were updated out of place).
+        ``step()`` recomputes the others from the committed state, runs every chunk of those
+        segments out of place too, and :meth:`finish_step` commits them by a swap."""
         opt, layout, pipeline = self._opt(), self.layout, self.pipeline
         assert opt is not None and layout is not None and pipeline is not None and self.hooks is not None
         self.hooks.end_window()
@@ -174,11 +176,13 @@ class Launcher:
                 stale.append(c)
             else:
                 committed[c] = launched[c].job
-                commit(launched[c].job)
+                self._writes.append(write_job(launched[c].job, threads=threads, event=event))
+                pipeline.submit(self._writes[-1])
         self.speculation.publish_steps()  # every early kernel ran (verdicts waited for each)
         if stale:
             logger.debug("overlap_backward: %d of %d early chunks redone in step()", len(stale), len(launched))
         self._count_stale(len(stale) == len(launched))
+        self._committed = list(committed.values())
         return committed, len(launched), set(self._segments)
 
     def _count_stale(self, all_stale: bool) -> None:
@@ -231,21 +235,37 @@ class Launcher:
             logger.warning("CPUOffloadAdamW: a chunk started during backward failed (%s: %s); undone "
                            "at %s", type(result.error).__name__, result.error, what)
 
-    def salvage(self, written: Sequence[ChunkJob], *, threads: int) -> None:
-        """``step()`` failed after some committed chunks' weights were submitted (``written``): those
-        chunks keep their update (state copied from the second generation, their parameters'
-        counted steps), as an update in place that failed part-way would have; the rest is dropped."""
-        assert self.pipeline is not None and self.layout is not None
-        result = self.pipeline.drain()
-        done = [j for j in written if j.materialized]
-        self.layout.slabs.keep(it.view for j in done for it in j.items)
-        self.speculation.reset_steps()
-        self.speculation.publish_steps({it.view.slot for j in done for it in j.items})
-        self.layout.items.release_grads()
-        self.end_step(grad_scale=self._grad_scale)
-        if result.error is not None:
-            logger.warning("CPUOffloadAdamW: a chunk failed while step() failed (%s: %s)",
-                           type(result.error).__name__, result.error)
+    def fail_start(self, what: str, *, threads: int) -> None:
+        """``step()`` failed before its own jobs: where committed chunks' weights were submitted
+        already, those chunks keep their update (state copied from the second generation, their
+        parameters' counted steps), as an update in place that failed part-way would have; the
+        rest is dropped (:meth:`abandon`)."""
+        if self._writes:
+            assert self.pipeline is not None and self.layout is not None
+            result = self.pipeline.drain()
+            done = [j for j in self._writes if j.materialized]
+            self.layout.slabs.keep(it.view for j in done for it in j.items)
+            self.speculation.reset_steps()
+            self.speculation.publish_steps({it.view.slot for j in done for it in j.items})
+            self.layout.items.release_grads()
+            self.end_step(grad_scale=self._grad_scale)
+            if result.error is not None:
+                logger.warning("CPUOffloadAdamW: a chunk failed while step() failed (%s: %s)",
+                               type(result.error).__name__, result.error)
+        self.abandon(what, threads=threads)
+
+    def finish_step(self, *, segments: set[int], grads: Mapping[int, Tensor], updates: Sequence[ChunkJob],
+                    error: bool, swap: StorageSwap | None, grad_scale: Tensor | None) -> None:
+        """After ``step()``'s drain (``updates``: its jobs; ``error``: one failed): commit the
+        ``segments`` updated out of place (``commit_generations``), and close the window. Nothing
+        of the step landed (no update ran, no committed weights written): the early chunks are
+        dropped and the step counters put back."""
+        failed = error and not any(j.kernel_ran for j in updates) and not any(j.materialized for j in self._writes)
+        if segments:
+            assert self.layout is not None
+            commit_generations(self.layout, segments, grads, [*self._committed, *updates],
+                               error=error, failed=failed, swap=swap)
+        self.end_step(grad_scale=grad_scale, failed=failed)
 
     def end_step(self, *, grad_scale: Tensor | None, failed: bool = False) -> None:
         """The window closes; ``grad_scale``: what this step divided by (speculated next time);
@@ -257,6 +277,7 @@ class Launcher:
             grad_scale = self._grad_scale
         self.speculation.close()
         self._segments.clear()
+        self._committed, self._writes = [], []
         if grad_scale is not None:
             grad_scale = grad_scale.detach().to("cpu", torch.float32).reshape(()).clone()
         self._grad_scale = grad_scale

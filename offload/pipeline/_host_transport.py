@@ -26,7 +26,7 @@ from torch import Tensor
 
 from offload.pipeline._buffers import LowpBuffers, Scratch, SlabListCache
 from offload.pipeline._jobs import Call, CallSteps, ChunkJob, StageRecord
-from offload.state._items import KIND_MP, Item
+from offload.state._items import KIND_F32, KIND_MP, Item
 from offload.kernels._adamw import KernelSet
 from offload.pipeline._operands import build_calls, call_steps, flat, grad_operand, param_operand, param_view, torch_grads
 from offload.state._slabs import HostSlabs
@@ -151,9 +151,13 @@ class HostTransport:
         upcast = [i for i, it in enumerate(items) if not self._reads_in_place(it)]
         grads = [grad_operand(it) if it.kind == KIND_MP or it.grad.dtype == torch.float32  # type: ignore[union-attr]
                  else None for it in items]
-        job.direct = not upcast and all(
-            it.kind == KIND_MP or slabs.slots[it.view.slot].master_offset < 0 for it in items
-        ) and job.materialize
+        # KIND_F32 with a master of its own (overlap_backward): the kernel writes the parameter
+        # too, in its pass (f32_out), as KIND_MP's does
+        # (all of them: build_calls hands the kernel outs for every KIND_F32 item or for none)
+        own = [slabs.slots[it.view.slot].master_offset < 0 for it in items]
+        outs = not any(o for it, o in zip(items, own) if it.kind == KIND_F32)
+        job.direct = not upcast and job.materialize and all(
+            it.kind == KIND_MP or o or (it.kind == KIND_F32 and outs) for it, o in zip(items, own))
         if upcast:
             t0 = time.perf_counter()
             sources = [flat(it.grad)[it.view.start : it.view.stop] if g is None else g  # type: ignore[arg-type]
@@ -198,8 +202,11 @@ class HostTransport:
             records.append(StageRecord(job.chunk, "materialize", t0, t1, t1 - t0))
 
     def f32_out(self, job: ChunkJob, item: Item) -> Tensor | None:
-        """None: an fp32 item's kernel updates its master (or the parameter itself) in place."""
-        return None
+        """A step's job: the parameter, which the kernel writes in its pass besides the master
+        (a master of its own: overlap_backward; 4 bytes written per element instead of a copy
+        pass that reads the master again). A chunk started during backward: None (its weights
+        must not change before ``step()``; they are copied in at commit)."""
+        return param_operand(item) if job.materialize else None
 
     def flush(self) -> Any:
         return None

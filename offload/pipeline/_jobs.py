@@ -1,4 +1,4 @@
-"""The pipeline's records: a job (:class:`ChunkJob`, the :class:`~offload.state._items.Item`\ s it
+"""The pipeline's records: a job (:class:`ChunkJob`, the :class:`~offload.state._items.Item` records it
 updates), what a stage took (:class:`StageRecord`) and what a step's drain hands back (:class:`DrainResult`).
 
 Items and jobs are mutable on purpose: the optimizer reuses a chunk's item list from step to step

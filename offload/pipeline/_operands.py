@@ -161,7 +161,9 @@ def build_calls(
             calls.append((kind, fn, (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
         else:
             fn = kernels.native_adamw_f32 if kind == KIND_F32 else kernels.fused_adamw
-            f32_outs = [f32_out(it) for it in its] if kind == KIND_F32 and f32_out is not None else []
+            # an own master is the parameter itself: nothing to copy it into
+            f32_outs = ([f32_out(it) if slabs.slots[it.view.slot].master_offset >= 0 else None for it in its]
+                        if kind == KIND_F32 and f32_out is not None else [])
             if f32_outs and all(o is not None for o in f32_outs):
                 fn = functools.partial(kernels.native_adamw_f32, outs=f32_outs)
             if into:
