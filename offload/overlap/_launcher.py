@@ -144,9 +144,10 @@ class Launcher:
     # ------------------------------------------------------------ step()
     def start_step(self, *, hyper_now: Callable[[int], Any], late: Sequence[int], threads: int,
                    event: Any) -> tuple[dict[int, ChunkJob], int, set[int]]:
-        """At ``step()``: judge the early chunks in chunk order and submit the weight writes of
-        each that stands as soon as it is known (``write_job``; ``event``: the step's ready event),
-        so they run while the next chunk's gradients are read; returns (the early chunks that
+        """At ``step()``: judge the early chunks in the order they started and write the weights of
+        each that stands as soon as it is known (``write_job``, ``Pipeline.write_committed``;
+        ``event``: the step's ready event), so they land while the worker runs the last early
+        kernels and the next chunk's gradients are read; returns (the early chunks that
         stand, how many were launched, the slab segments that were updated out of place).
         ``step()`` recomputes the others from the committed state, runs every chunk of those
         segments out of place too, and :meth:`finish_step` commits them by a swap."""
@@ -170,14 +171,14 @@ class Launcher:
         groups = {c.index: c.group for c in layout.chunks}
         committed: dict[int, ChunkJob] = {}
         stale: list[int] = []
-        for c, is_stale in self.speculation.verdicts(launched, layout.records, hyper_now,
-                                                     groups.__getitem__, late, reading):
+        for c, is_stale in self.speculation.verdicts(launched, layout.records, hyper_now, groups.__getitem__,
+                                                     late, reading, wait=pipeline.wait_for):
             if is_stale:
                 stale.append(c)
             else:
                 committed[c] = launched[c].job
                 self._writes.append(write_job(launched[c].job, threads=threads, event=event))
-                pipeline.submit(self._writes[-1])
+                pipeline.write_committed(self._writes[-1])
         self.speculation.publish_steps()  # every early kernel ran (verdicts waited for each)
         if stale:
             logger.debug("overlap_backward: %d of %d early chunks redone in step()", len(stale), len(launched))

@@ -265,11 +265,12 @@ class Speculation:
 
     def verdicts(self, launched: Mapping[int, SpeculativeChunk], records: Sequence[ParamRecord],
                  hyper_now: Callable[[int], Hyper], chunk_group: Callable[[int], int],
-                 late_slots: Iterable[int], reading: GradReading) -> Iterator[tuple[int, bool]]:
-        """(chunk, stale) for every early chunk, in chunk order, as soon as it is known: its host
-        gradient views are checksummed now, then, once its kernel ran (the worker made the
-        checksums of what it read in that pass), compared; so the caller can write a committed
-        chunk's weights while the next chunk is read. Stale: its work differs from what this step
+                 late_slots: Iterable[int], reading: GradReading,
+                 wait: Callable[[ChunkJob], None]) -> Iterator[tuple[int, bool]]:
+        """(chunk, stale) for every early chunk, in the order they started (the order their kernels
+        finish), as soon as it is known: its host gradient views are checksummed now, then, once
+        its kernel ran (``wait(job)``: the worker made the checksums of what it read in that pass),
+        compared; so the caller can write a committed chunk's weights while the last kernels run. Stale: its work differs from what this step
         consumes (gradient content, shape, hyper-parameters, clip coefficient, grad scale, an edit
         after launch) or its kernel did not run."""
         changed = set(late_slots) | reading.changed
@@ -287,12 +288,12 @@ class Speculation:
                 got = values[id(sums)] = sums.tolist()
             return got[i] == now
 
-        for c, spec in sorted(launched.items()):
+        for c, spec in launched.items():
             keys = [k for k in spec.views if k[0] in reading.grads and k not in reading.views]
             now = (self._checksums([_view_of(reading.grads[s], a, b) for s, a, b in keys]).tolist()
                    if keys else [])
             if spec.job.done is not None:
-                spec.job.done.wait()
+                wait(spec.job)
             stale_views = {k[0] for k, v in zip(keys, now) if not recorded(k, v)}
             stale_views |= {k[0] for k in spec.views if k in reading.views and not recorded(k, reading.views[k])}
             group = chunk_group(c)

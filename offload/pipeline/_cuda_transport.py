@@ -178,6 +178,7 @@ class CudaTransport:
         self._ops: DeviceOps = ops if ops is not None else TorchCudaOps(device)
         #: Jobs whose gradient copies the worker issues ahead of the current chunk's kernel.
         self.lookahead = slots - 1
+        self.caller_writes = False  # the h2d ring and streams belong to the worker
         self._d2h_stream = self._ops.stream()
         self._h2d_stream = self._ops.stream()
         self._d2h = _Ring(self._ops, slots)

@@ -62,6 +62,9 @@ class HostTransport:
     """None: the parameters are on the host."""
     lookahead: int = 0
     """Nothing to issue ahead: d2h is synchronous (an upcast, or nothing)."""
+    caller_writes: bool = True
+    """A committed chunk's weight copy (its per-parameter buffer, or its master, into the
+    parameter) may run on the thread calling ``step()``."""
 
     def __init__(self, copy: Any = None) -> None:
         """``copy(dsts, srcs)``: the weight copies of native items (``KernelSet.copy``; None:

@@ -40,7 +40,7 @@ import weakref
 from typing import Any
 
 from offload.pipeline._buffers import SlabListCache
-from offload.pipeline._jobs import ChunkJob, DrainResult
+from offload.pipeline._jobs import ChunkJob, DrainResult, StageRecord
 from offload.kernels._adamw import DEFAULT_KERNELS, KernelSet
 from offload.state._slabs import HostSlabs
 from offload.pipeline._transport import Transport
@@ -81,6 +81,7 @@ class Pipeline:
         self._thread.start()
         self._finalizer = weakref.finalize(self, _shutdown, self._q, self._thread)
         self.transport = transport
+        self._caller_records: list[StageRecord] = []  # stages write_committed ran on the caller
 
     @property
     def alive(self) -> bool:
@@ -112,6 +113,25 @@ class Pipeline:
         if done.error is not None:
             raise done.error
 
+    def write_committed(self, job: ChunkJob) -> None:
+        """The weight writes of a committed early chunk (``update=False``): on this thread, now,
+        where the transport allows it (``caller_writes``: the thread calling ``step()`` waits
+        anyway, while the worker runs the last early kernels), else queued. Their stage records
+        join the next drain's."""
+        if not self.transport.caller_writes:
+            self.submit(job)
+            return
+        records: list[StageRecord] = []
+        self.transport.materialize(job, self._worker.slabs, records)
+        job.materialized = True
+        self._caller_records.extend(records)
+
+    def wait_for(self, job: ChunkJob) -> None:
+        """Wait until the worker processed (or skipped) ``job`` (its ``done`` event)."""
+        while not job.done.wait(_LIVENESS_POLL_S):
+            if not self._thread.is_alive():
+                raise RuntimeError("the optimizer's worker thread died; see the log")
+
     def forget_layout(self) -> None:
         """Drop the cached kernel argument lists of the old chunk layout (call between steps)."""
         self._lists.clear()
@@ -129,6 +149,9 @@ class Pipeline:
                 raise RuntimeError("the optimizer's worker thread died; see the log")
         result = barrier.result
         assert result is not None
+        if self._caller_records:
+            result.records.extend(self._caller_records)
+            self._caller_records = []
         result.wait_s = time.perf_counter() - t0
         return result
 

@@ -29,6 +29,10 @@ class Transport(Protocol):
     """The CUDA device the worker thread binds to; None for parameters on the CPU."""
     lookahead: int
     """Jobs whose d2h the worker issues ahead of the current job's kernel (0: none)."""
+    caller_writes: bool
+    """The weights of a committed early chunk may be written by the thread that calls ``step()``
+    (``Pipeline.write_committed``) while the worker still runs later chunks' kernels: the host
+    transport's copies touch nothing the worker's jobs of other chunks use."""
 
     def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
         """On the submitting thread: optionally set ``job.calls``/``job.call_steps`` ahead."""
