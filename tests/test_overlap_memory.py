@@ -32,13 +32,15 @@ def _bytes_per_param(dtype: torch.dtype, **kw) -> tuple[float, float, int]:
 @pytest.mark.parametrize(("dtype", "plain"), [(torch.float32, 8.0), (torch.bfloat16, 12.0)])
 def test_bytes_per_parameter_of_each_mode(dtype: torch.dtype, plain: float) -> None:
     assert _bytes_per_param(dtype) == (plain, 0.0, 0)
+    # The committed state as without overlap (an fp32 parameter is its own master), plus the
+    # second generation: master (fp32: a scratch place for the new weights) and moments.
     slabs, second, speculated = _bytes_per_param(dtype, overlap_backward=True)
-    assert (slabs, second) == (12.0, 12.0) and speculated == 65  # every chunk speculated
+    assert (slabs, second) == (plain, 12.0) and speculated == 65  # every chunk speculated
     # A quarter: the last two Linear(256, 256) (2 x 65,792 elements, exactly a quarter: their
     # 131,584 elements in 17 chunks of at most 8,192); the rest of the model has no second
     # generation and runs in step().
     slabs, second, speculated = _bytes_per_param(dtype, overlap_backward=True, speculation_limit="quarter")
-    assert slabs == 12.0 and second == 3.0 and speculated == 17
+    assert slabs == plain and second == 3.0 and speculated == 17
 
 
 def test_speculation_limit_zero_starts_nothing_and_bad_limits_raise() -> None:

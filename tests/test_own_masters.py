@@ -191,7 +191,7 @@ def test_mixed_fp32_bf16_with_kernel_and_chunk_switches(overlap: bool, set_to_no
     ref = _MixedReference(ref_model)
     opt = CPUOffloadAdamW(model.groups(), settings=settings[0], overlap_backward=overlap)
     own = [s.own_master for s in opt._layout.slabs.slots]
-    assert own == ([False] * 5 if overlap else [True, False, True, False, True])
+    assert own == [True, False, True, False, True]  # with overlap too: early chunks write a scratch master
     for step in range(16):
         opt.apply_settings(settings[step % 4])
         for m, o in ((ref_model, ref), (model, opt)):

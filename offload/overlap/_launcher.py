@@ -33,7 +33,7 @@ from offload.overlap._hooks import GradHooks
 from offload.overlap._speculation import Checksums, Speculation, SpeculativeChunk, same_hyper
 from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._step import commit_generations, ready_event, write_job
+from offload.pipeline._step import commit_generations, keep_views, ready_event, write_job
 from offload.state._edits import reseed
 from offload.state._groups import hyper_of
 from offload.state._items import fresh_items
@@ -245,7 +245,7 @@ class Launcher:
             assert self.pipeline is not None and self.layout is not None
             result = self.pipeline.drain()
             done = [j for j in self._writes if j.materialized]
-            self.layout.slabs.keep(it.view for j in done for it in j.items)
+            keep_views(self.layout, [it.view for j in done for it in j.items])
             self.speculation.reset_steps()
             self.speculation.publish_steps({it.view.slot for j in done for it in j.items})
             self.layout.items.release_grads()

@@ -159,8 +159,10 @@ class HostTransport:
         # (all of them: build_calls hands the kernel outs for every KIND_F32 item or for none)
         own = [slabs.slots[it.view.slot].master_offset < 0 for it in items]
         outs = not any(o for it, o in zip(items, own) if it.kind == KIND_F32)
+        # (out of place an own master's new value is in the second generation: copied in by materialize)
         job.direct = not upcast and job.materialize and all(
-            it.kind == KIND_MP or o or (it.kind == KIND_F32 and outs) for it, o in zip(items, own))
+            it.kind == KIND_MP or (o and not job.into_next) or (it.kind == KIND_F32 and outs)
+            for it, o in zip(items, own))
         if upcast:
             t0 = time.perf_counter()
             sources = [flat(it.grad)[it.view.start : it.view.stop] if g is None else g  # type: ignore[arg-type]
@@ -187,8 +189,10 @@ class HostTransport:
                 if job.update:
                     continue  # the kernel of this job wrote the parameter itself
                 src = self._lowp.view(it, for_write=False)  # the kernel ran during backward, into the buffer
-            elif slabs.slots[it.view.slot].master_offset >= 0:  # the new master (out of place: the next generation)
-                src = slabs.next_view("master", it.view) if job.into_next else slabs.view("master", it.view)
+            elif job.into_next:  # the new master, out of place: the next generation (own: scratch)
+                src = slabs.next_view("master", it.view)
+            elif slabs.slots[it.view.slot].master_offset >= 0:
+                src = slabs.view("master", it.view)
             else:
                 continue  # the parameter is its own master, updated in place
             copied = True

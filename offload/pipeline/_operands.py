@@ -76,11 +76,13 @@ def param_operand(it: Item) -> Tensor:
 
 def master_operand(it: Item, slabs: HostSlabs, *, nxt: bool = False) -> Tensor:
     """The tensor the kernel updates as the item's fp32 master: the parameter itself when it is
-    its own master (an fp32 parameter of a CPU model), else its master slab view (``nxt``: of
-    the second generation)."""
+    its own master (an fp32 parameter of a CPU model), else its master slab view; ``nxt``: where
+    its new master goes out of place (the second generation; an own master's scratch place)."""
+    if nxt:
+        return slabs.next_view("master", it.view)
     if slabs.slots[it.view.slot].master_offset < 0:
         return param_operand(it)
-    return slabs.next_view("master", it.view) if nxt else slabs.view("master", it.view)
+    return slabs.view("master", it.view)
 
 
 def _copy_first(fn: Callable[..., None], dsts: list[Tensor], srcs: list[Tensor]) -> Callable[..., None]:
@@ -149,7 +151,7 @@ def build_calls(
             nxt_masters = [master_operand(it, slabs, nxt=True) for it in its]
             if kind == KIND_TORCH:  # in place on the second generation, after a copy into it
                 copy_to = [*nxt_masters, *nxt["exp_avg"], *nxt["exp_avg_sq"]]
-                copy_from = [*masters, *slab["exp_avg"], *slab["exp_avg_sq"]]
+                copy_from = [*(m.view(-1) for m in masters), *slab["exp_avg"], *slab["exp_avg_sq"]]
                 masters, slab = nxt_masters, nxt
             else:
                 into = [t for trio in zip(nxt_masters, nxt["exp_avg"], nxt["exp_avg_sq"]) for t in trio]

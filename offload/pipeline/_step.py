@@ -24,9 +24,10 @@ from offload.state._dtensor import local
 from offload.state._params import check_grad, raise_bad_grad
 from offload.pipeline._pipeline import Pipeline
 from offload.state._layout import HostLayout
-from offload.state._slabs import StorageSwap
+from offload.state._slabs import StorageSwap, View
 
-__all__ = ["StepJobs", "collect_grads", "commit_generations", "ready_event", "submit_step", "write_job"]
+__all__ = ["StepJobs", "collect_grads", "commit_generations", "keep_views", "ready_event", "submit_step",
+           "write_job"]
 
 
 @dataclass(slots=True)
@@ -93,10 +94,21 @@ def commit_generations(layout: HostLayout, segments: Collection[int], grads: Map
     if failed:
         return
     if error:
-        slabs.keep(it.view for job in jobs if job.kernel_ran and job.into_next for it in job.items)
+        keep_views(layout, [it.view for job in jobs if job.kernel_ran and job.into_next for it in job.items])
         return
     slabs.carry(s.index for s in slabs.slots if s.segment in segments and s.index not in grads and slabs.used[s.index])
     slabs.swap(sorted(segments), swap)
+
+
+def keep_views(layout: HostLayout, views: Sequence[View]) -> None:
+    """The update of ``views``, made out of place, kept as if it had been made in place: the
+    second generation copied into the committed slabs (``HostSlabs.keep``) and, where a parameter
+    is its own master, its new master into the parameter."""
+    slabs = layout.slabs
+    slabs.keep(views)
+    for v in views:
+        if slabs.slots[v.slot].own_master:
+            layout.records[v.slot].local().detach().view(-1)[v.start : v.stop].copy_(slabs.next_view("master", v))
 
 
 def collect_grads(layout: HostLayout, state: Mapping[Tensor, dict[str, Any]], *,

@@ -2,10 +2,13 @@
 
 An fp32 parameter of a CPU model is its own master (no master slab place, :func:`own_master_flags`):
 the kernels update it in place, and a master copy would cost 4 bytes per parameter and two passes
-per step (a copy in, a copy out) for nothing. Not with ``overlap_backward``: a chunk started during
-backward must not change the weights before ``step()``, so it updates a master that ``step()``
-copies out. A state entry's ``master_param`` is the parameter itself then (a live tensor sharing
-its storage, like the slab views), so saved state dicts keep their layout.
+per step (a copy in, a copy out) for nothing. With ``overlap_backward`` too: a chunk started during
+backward must not change the weights before ``step()``, so it writes its new master into the
+second generation of the slabs (``offload.state._slabs``: a scratch place per such parameter),
+which ``step()`` copies into the parameter when it commits; a chunk that runs in ``step()``
+updates the parameter in place as without overlap. A state entry's ``master_param`` is the
+parameter itself (a live tensor sharing its storage, like the slab views), so saved state dicts
+keep their layout.
 
 A parameter that was its own master gets a master place, seeded from its fp32 value, and keeps it
 (``ParamRecord.real_master``, :func:`give_masters`) when:
@@ -50,7 +53,7 @@ __all__ = [
 def own_master_flags(param_groups: Sequence[dict[str, Any]], records: Sequence[ParamRecord], *,
                      device_type: str, overlap_backward: bool) -> list[list[bool]]:
     """Per group and parameter: the parameter is its own fp32 master (no master slab place)."""
-    own = device_type == "cpu" and not overlap_backward
+    own = device_type == "cpu"  # with overlap_backward too: early chunks write a scratch master
     result, slot = [], 0
     for g in param_groups:
         row = []

@@ -212,8 +212,17 @@ class HostSlabs:
         # storages' memory, not the tensors: cached views keep their role (committed or next).
         self._views: dict[tuple[SlabKind, int, int, int], Tensor] = {}
         #: Per segment: the second generation of its slabs (None until ensure_next).
-        self._next: list[dict[SlabKind, Tensor] | None] = [None] * len(self._slabs)
+        self._next: list[dict[str, Tensor] | None] = [None] * len(self._slabs)
         self._next_views: dict[tuple[SlabKind, int, int, int], Tensor] = {}
+        # Own masters (the parameter itself) have no place in the master slab; out of place their
+        # new master goes to a scratch place of the second generation ("own"), which step()
+        # copies into the parameter when it commits (the weight write), never swapped.
+        self._own_offset: dict[int, int] = {}
+        self._own_numel = [0] * len(self._slabs)
+        for s in self.slots:
+            if s.master_offset < 0:
+                self._own_offset[s.index] = self._own_numel[s.segment]
+                self._own_numel[s.segment] = _round_up(self._own_numel[s.segment] + s.numel, _ALIGN)
 
     @property
     def nbytes(self) -> int:
@@ -276,7 +285,9 @@ class HostSlabs:
             if self._next[seg] is None:
                 if not self.speculable[seg]:
                     raise RuntimeError(f"segment {seg} may not speculate: it gets no second generation")
-                self._next[seg] = {k: torch.zeros_like(t) for k, t in self._slabs[seg].items()}
+                nxt: dict[str, Tensor] = {k: torch.zeros_like(t) for k, t in self._slabs[seg].items()}
+                nxt["own"] = torch.zeros(self._own_numel[seg], dtype=torch.float32)
+                self._next[seg] = nxt
 
     def next_view(self, kind: SlabKind, v: View) -> Tensor:
         """:meth:`view` of the second generation (``ensure_next`` made it for the view's segment)."""
@@ -287,9 +298,16 @@ class HostSlabs:
             nxt = self._next[s.segment]
             if nxt is None:
                 raise RuntimeError(f"parameter {v.slot}'s segment {s.segment} has no second generation")
-            base = self._base(kind, s)
-            t = self._next_views[key] = nxt[kind][base + v.start : base + v.stop]
+            slab, base = self._next_place(kind, s)
+            t = self._next_views[key] = nxt[slab][base + v.start : base + v.stop]
         return t
+
+    def _next_place(self, kind: SlabKind, s: ParamSlot) -> tuple[str, int]:
+        """(tensor of the second generation, offset) of slot ``s``'s ``kind``: an own master's
+        scratch place, else the committed layout's."""
+        if kind == "master" and s.master_offset < 0:
+            return "own", self._own_offset[s.index]
+        return kind, self._base(kind, s)
 
     def next_flat(self, kind: SlabKind, slot: int) -> Tensor:
         """:meth:`flat` of the second generation."""
@@ -297,8 +315,8 @@ class HostSlabs:
         nxt = self._next[s.segment]
         if nxt is None:
             raise RuntimeError(f"parameter {slot}'s segment {s.segment} has no second generation")
-        base = self._base(kind, s)
-        return nxt[kind][base : base + s.numel]
+        slab, base = self._next_place(kind, s)
+        return nxt[slab][base : base + s.numel]
 
     def kinds_of(self, slot: int) -> tuple[SlabKind, ...]:
         """The slabs that hold state of ``slot`` (no master place where it is its own master)."""
@@ -318,7 +336,8 @@ class HostSlabs:
 
     def keep(self, views: Iterable[View]) -> None:
         """Copy the second generation of ``views`` into the committed slabs (a step that failed
-        part-way: the chunks that ran keep their update, as an update in place would have)."""
+        part-way: the chunks that ran keep their update, as an update in place would have). An
+        own master's new value is the caller's to copy into its parameter."""
         dsts: list[Tensor] = []
         srcs: list[Tensor] = []
         for v in views:

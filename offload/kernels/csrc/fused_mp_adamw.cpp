@@ -1066,12 +1066,16 @@ std::pair<at::ScalarType, at::ScalarType> check_lists(
 // After every check: bumps the version counters of the tensors written (in-place semantics for
 // autograd, as torch's own in-place ops). Raises, still before any write, for inference tensors
 // outside InferenceMode.
+// `in_place`: the state tensors are written (no `into`); out of place they are only read, and
+// keep their versions (an own master, the parameter itself, must not look edited).
 void bump_versions(const std::vector<at::Tensor>& params_lowp,
                    const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
                    const std::vector<at::Tensor>& exp_avg_sqs,
-                   const std::vector<at::Tensor>& steps = {}) {
+                   const std::vector<at::Tensor>& steps = {}, bool in_place = true) {
   for (size_t i = 0; i < masters.size(); ++i) {
-    for (const at::Tensor* t : {&params_lowp[i], &masters[i], &exp_avgs[i], &exp_avg_sqs[i]}) {
+    params_lowp[i].unsafeGetTensorImpl()->bump_version();
+    if (!in_place) continue;
+    for (const at::Tensor* t : {&masters[i], &exp_avgs[i], &exp_avg_sqs[i]}) {
       t->unsafeGetTensorImpl()->bump_version();
     }
   }
@@ -1276,7 +1280,7 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
   const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
                                                  steps_to_increment, lr, beta1, beta2, eps,
                                                  weight_decay, incremented);
-  bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment);
+  bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment, into.empty());
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
          make_xform(grad_scale, grad_coef), &spec);
@@ -1329,6 +1333,8 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
   const std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
                                                  beta1, beta2, eps, weight_decay, incremented);
   for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &outs, &steps_to_increment}) {
+    const bool read_only = !into.empty() && list != &outs && list != &steps_to_increment;
+    if (read_only) continue;  // out of place: the state is only read (an own master keeps its version)
     for (const at::Tensor& t : *list) t.unsafeGetTensorImpl()->bump_version();
   }
   for (const auto& [p, v] : incremented) *p = v;  // the first write
