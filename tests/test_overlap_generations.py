@@ -5,8 +5,10 @@ Checked here, overlap on against overlap off on the same loop: while early kerne
 bitwise (the early kernels wrote the other generation, with ``into=``); after ``step()`` it is
 the new step's, through the same tensor objects (the swap exchanges storage memory under every
 view); a redone chunk (the clip coefficient changed) and a dropped window (``zero_grad()``) need
-nothing restored; parameters without a gradient in a step that commits keep their state; and
-the commit without the native swap (a copy) gives the same bits.
+nothing restored; parameters without a gradient in a step that commits keep their state; the
+commit without the native swap (a copy) gives the same bits; and a ``step()`` that fails while
+judging its early chunks, after some were committed and their weights written, keeps weights
+and state together.
 """
 
 from __future__ import annotations
@@ -130,4 +132,63 @@ def test_redo_drop_and_gradientless_parameters_without_restores(kernel, native_s
         assert_bitwise(_snapshot(opt), _snapshot(ref), f"state after step {step}")
         assert_bitwise(list(model.parameters()), list(ref_model.parameters()), f"params after step {step}")
     ref.close()
+    opt.close()
+
+
+class FailingChecksums:
+    """``KernelSet.checksums`` that raises at call ``fail_at`` (counted from 1) while armed: the
+    checksums step() reads chunk by chunk, after earlier chunks were committed and written."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fail_at: int | None = None
+
+    def __call__(self, tensors, **kwargs):  # noqa: ANN001, ANN003, ANN204
+        from offload.kernels._grad_stats import checksums_
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise OSError("injected checksum failure")
+        return checksums_(tensors, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_failure_after_committed_writes_keeps_weights_and_state_together(kernel, dtype) -> None:
+    """step() fails while judging its early chunks, after some were committed and their weights
+    written: those chunks keep their update (state and weights agree: the master rounds to the
+    weight, the step counts it), the others keep the last step's, and training goes on."""
+    checks = FailingChecksums()
+    calls = EarlyCalls()
+    model = make_model(dtype)
+    opt = CPUOffloadAdamW(param_groups(model), settings=SETTINGS, overlap_backward=True,
+                          kernels=KernelSet(checksums=checks, mixed_precision_adamw=calls.wrap(mixed_precision_adamw_),
+                                            native_adamw_f32=calls.wrap(native_adamw_f32_)))
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    steps_before = {id(p): float(st["step"]) for p, st in opt.state.items()}
+    opt.zero_grad()
+    start = calls.count
+    _loss(model, 2).backward()
+    calls.wait_for(start + 3)  # several early chunks ran
+    checks.calls, checks.fail_at = 0, 3  # the third chunk's check fails: two were committed first
+    with pytest.raises(OSError, match="injected checksum failure"):
+        opt.step()
+    checks.fail_at = None
+    moved = [i for i, (p, b) in enumerate(zip(model.parameters(), before)) if not torch.equal(p, b)]
+    assert moved, "the chunks committed before the failure kept their update"
+    assert len(moved) < len(before), "the chunks after the failure kept the last step"
+    for i, p in enumerate(model.parameters()):
+        st = opt.state.get(p)
+        if not st:
+            continue
+        master = st["master_param"]
+        assert torch.equal(master.to(p.dtype), p.detach()), f"parameter {i}: master and weight disagree"
+        advanced = float(st["step"]) - steps_before[id(p)]
+        assert advanced == (1.0 if i in moved else 0.0) or p.numel() > SETTINGS.chunk_numel, i
+    for step in range(3, 5):  # training goes on
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
     opt.close()
