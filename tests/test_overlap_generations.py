@@ -81,6 +81,7 @@ def test_state_between_backward_and_step_is_the_committed_step(kernel, dtype) ->
     calls = EarlyCalls()
     opt = CPUOffloadAdamW(param_groups(model), settings=SETTINGS, overlap_backward=True, kernels=calls.kernels())
     tensors = None
+    committed: list[torch.Tensor] = []  # opt.state after the last step
     for step in range(4):
         before = calls.count
         for m, o in ((ref_model, ref), (model, opt)):
