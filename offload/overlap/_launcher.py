@@ -1,7 +1,7 @@
 """``overlap_backward``'s launcher: it starts chunks from the backward hooks as speculations
 and, at ``step()``, commits them or undoes them (``offload.overlap._hooks`` says when a chunk's
-gradients are all in, ``offload.overlap._speculation`` keeps the backups and checks what each
-chunk consumed).
+gradients are all in, ``offload.overlap._speculation`` keeps the step counters and checks what
+each chunk consumed).
 
 A :class:`Launcher` lives as long as its optimizer. It is handed each layout and pipeline
 (:meth:`Launcher.bind`: the host state it speculates on, the worker it submits to) and the
@@ -76,7 +76,7 @@ class Launcher:
 
     def bind(self, layout: HostLayout, pipeline: Pipeline) -> None:
         """A new layout (the first, or after a relayout): hooks on its parameters (the hook counts
-        learned so far are kept: they live in the records), backups of its chunks."""
+        learned so far are kept: they live in the records), a new speculation for its chunks."""
         calibrated = self.hooks is not None and self.hooks.calibrated
         if self.hooks is not None:
             self.hooks.remove_hooks()
