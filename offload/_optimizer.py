@@ -498,7 +498,7 @@ class CPUOffloadAdamW(Optimizer):
                 hyper_now=hyper_now, late=late, threads=threads, event=event) if early is not None else ({}, 0, set())
         except BaseException:
             if early is not None:
-                early.fail_start("step() (an error)", threads=threads)
+                early.fail_start("step() (an error)")
             raise
 
         layout = self._layout
@@ -576,4 +576,4 @@ class CPUOffloadAdamW(Optimizer):
     def _abandon_early(self, what: str) -> None:
         """Undo the chunks started during backward (a call between backward and step())."""
         if self._overlap is not None:
-            self._overlap.abandon(what, threads=self._settings.threads or 1)
+            self._overlap.abandon(what)

@@ -8,8 +8,8 @@ A :class:`Launcher` lives as long as its optimizer. It is handed each layout and
 settings in force; of the optimizer itself it reads only what torch's ``Optimizer`` owns,
 ``state`` and ``param_groups``, through a weak reference (the hooks live on the model's
 parameters and must not keep the optimizer alive). The optimizer asks it three things:
-:meth:`Launcher.start_step` (which early chunks stand, and which param groups were updated out
-of place: the step commits them by a swap), :meth:`Launcher.abandon` (drop every early chunk: a
+:meth:`Launcher.start_step` (which early chunks stand, and which slab segments were updated out
+of place: the step commits them by a swap, :meth:`Launcher.finish_step`), :meth:`Launcher.abandon` (drop every early chunk: a
 step that does not happen; the committed state was never written), :meth:`Launcher.end_step`
 (the window closes, the grad scale used is remembered for the next speculation).
 """
@@ -162,8 +162,7 @@ class Launcher:
                             "coefficient and grad scale are those an early chunk would have used)")
             return {}, 0, set()
         if self._step_counts_change(layout, opt.state, launched):
-            self.abandon("step() (a gradient dropped or a step tensor replaced after backward)",
-                         threads=threads)
+            self.abandon("step() (a gradient dropped or a step tensor replaced after backward)")
             return {}, len(launched), set()
         # Each chunk's gradients are read while the worker still runs the later early kernels
         # (both only read gradients) and compared once its own kernel ran.
@@ -219,7 +218,7 @@ class Launcher:
                     return True
         return False
 
-    def abandon(self, what: str, *, threads: int) -> None:
+    def abandon(self, what: str) -> None:
         """Drop every early chunk of the window (a step that does not happen, or not as they saw
         it: ``what`` was called between backward and ``step()``): the committed state was never
         written, the step counters go back to where the last step left them; the next ``step()``
@@ -236,7 +235,7 @@ class Launcher:
             logger.warning("CPUOffloadAdamW: a chunk started during backward failed (%s: %s); undone "
                            "at %s", type(result.error).__name__, result.error, what)
 
-    def fail_start(self, what: str, *, threads: int) -> None:
+    def fail_start(self, what: str) -> None:
         """``step()`` failed before its own jobs: where committed chunks' weights were submitted
         already, those chunks keep their update (state copied from the second generation, their
         parameters' counted steps), as an update in place that failed part-way would have; the
@@ -253,7 +252,7 @@ class Launcher:
             if result.error is not None:
                 logger.warning("CPUOffloadAdamW: a chunk failed while step() failed (%s: %s)",
                                type(result.error).__name__, result.error)
-        self.abandon(what, threads=threads)
+        self.abandon(what)
 
     def finish_step(self, *, segments: set[int], grads: Mapping[int, Tensor], updates: Sequence[ChunkJob],
                     error: bool, swap: StorageSwap | None, grad_scale: Tensor | None) -> None:
