@@ -74,6 +74,7 @@ __all__ = [
     "ChecksumKernel",
     "StatsKernel",
     "check_grad_transform",
+    "follow_weights",
     "fused_adamw_",
     "mixed_precision_adamw_",
     "native_adamw_f32_",
@@ -262,6 +263,21 @@ def fused_adamw_(
     )
 
 
+@torch.no_grad()
+def follow_weights(masters: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
+    """Each element of ``masters[i]`` (fp32, flat) whose value rounded to ``weights[i]``'s dtype
+    differs from the weight's takes the weight's value (compared as values: +0 == -0, a NaN never
+    equal): an edit of the parameter that no version counter shows (``p.data.clamp_()``) is
+    followed as ``offload.state._edits.reseed`` follows the ones they show. The native
+    mixed-precision kernel does this in its pass (``seen=``); this is the same with torch ops,
+    for torch's kernel (a few passes: about 8 B read per element, 4 written where it differs)."""
+    for m, w in zip(masters, weights):
+        w = w.reshape(-1)
+        edited = m.to(w.dtype) != w
+        if bool(edited.any()):
+            m.copy_(torch.where(edited, w.to(torch.float32), m))
+
+
 def native_scalars(hyper: Hyper, steps_to_increment: Sequence[Tensor]) -> NativeScalars | None:
     """The native kernels' scalar arguments of ``hyper``; None where ``found_inf`` skips the step
     (done here)."""
@@ -319,6 +335,8 @@ def mixed_precision_adamw_(
     hyper: Hyper,
     into: Sequence[Tensor] = (),
     checksums: Tensor | None = None,
+    seen: Sequence[Tensor] = (),
+    follow: bool = False,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """The fused-mp step of :func:`offload.kernels._fused_mp.fused_mp_adamw_steps_` with
@@ -326,21 +344,29 @@ def mixed_precision_adamw_(
     view is updated with its own parameter's step, in one kernel call.
 
     ``params_lowp[i]`` receives the updated master rounded to the low-precision dtype;
-    ``grads_lowp[i]`` is read as is (no fp32 copy). ``loader``: whose extension runs (None: the
-    process's). ``into`` and ``checksums``: see :func:`speculation_outputs`. Raises
+    ``grads_lowp[i]`` is read as is (no fp32 copy). ``seen``: none, or per view the weights as
+    they are now (the live parameter, which may be ``params_lowp[i]`` itself): an element whose
+    master does not round to its weight takes the weight's value first, in the kernel's pass (an
+    edit through ``.data`` that no version counter shows: :func:`follow_weights` is the same with
+    torch ops); with ``checksums`` their words are added to the gradient's checksum. ``follow``:
+    ``seen`` is ``params_lowp`` (the kernel writes the live weights it compares with). ``loader``:
+    whose extension runs (None: the process's). ``into`` and ``checksums``: see
+    :func:`speculation_outputs`. Raises
     ``FusedMPUnavailable`` when the kernel could not be built (the optimizer checks first and keeps
     the torch path then).
     """
+    if follow:
+        seen = params_lowp
     scalars = native_scalars(hyper, steps_to_increment)
     if scalars is None:
-        speculation_outputs(grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums)
+        speculation_outputs(grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums, seen=seen)
         return
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
     if len(dtypes) <= 1:  # the usual case: one call
         call_steps_unchecked(
             list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
             list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars,
-            into=list(into), checksums=checksums, loader=loader,
+            into=list(into), checksums=checksums, seen=list(seen), loader=loader,
         )
         return
     # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
@@ -354,7 +380,7 @@ def mixed_precision_adamw_(
                                                 exp_avg_sqs, state_steps)),
             steps_to_increment=[], scalars=scalars,
             into=[into[3 * i + k] for i in idx for k in range(3)] if into else [],
-            checksums=sums, loader=loader,
+            checksums=sums, seen=[seen[i] for i in idx] if seen else [], loader=loader,
         )
         if checksums is not None:
             checksums[idx] = sums

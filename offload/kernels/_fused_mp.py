@@ -269,12 +269,13 @@ def call_steps_unchecked(
     scalars: NativeScalars,
     into: list[Tensor] | None = None,
     checksums: Tensor | None = None,
+    seen: list[Tensor] | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_mp_adamw_steps_` without its Python-side checks, for the offload pipeline.
     ``into``/``checksums``: a speculation's next generation (the new master and moments, written
-    out of place) and gradient checksums, made in the kernel's pass (see
-    :func:`offload.kernels._adamw.mixed_precision_adamw_`).
+    out of place) and gradient checksums, made in the kernel's pass; ``seen``: the weights the
+    masters must round to (see :func:`offload.kernels._adamw.mixed_precision_adamw_`).
 
     The C++ side still checks every tensor before writing; what is skipped is the per-element
     ``isinstance`` walk (pybind rejects a non-tensor with a less precise TypeError) and the
@@ -286,7 +287,7 @@ def call_steps_unchecked(
         params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps,
         steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
         eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
-        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums,
+        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums, seen=seen or [],
     )
 
 

@@ -43,7 +43,7 @@ def swap_storages_(a: Sequence[Tensor], b: Sequence[Tensor], *, loader: Extensio
 
 def speculation_outputs(grads: Sequence[Tensor], masters: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                         exp_avg_sqs: Sequence[Tensor], into: Sequence[Tensor],
-                        checksums: Tensor | None) -> None:
+                        checksums: Tensor | None, *, seen: Sequence[Tensor] = ()) -> None:
     """What a native kernel given ``into`` and ``checksums`` leaves there, made with torch ops
     (for a call that updates nothing: ``found_inf``). ``into``: empty, or per tensor ``i`` three
     fp32 tensors (``into[3i:3i+3]``) that receive its new master, ``exp_avg`` and ``exp_avg_sq``
@@ -51,9 +51,13 @@ def speculation_outputs(grads: Sequence[Tensor], masters: Sequence[Tensor], exp_
     ``checksums``: None, or an int64 tensor that receives each gradient's content checksum
     (:func:`offload.kernels._grad_stats.checksums_`). The kernels make both in their own pass: the
     gradient is read once, the committed state only read and the next generation only written
-    (speculation, ``offload.overlap._speculation``)."""
+    (speculation, ``offload.overlap._speculation``). ``seen``: the weights a mixed-precision call
+    compared the masters with; their words are part of each checksum (as the kernel adds them)."""
     if into:
         srcs = [t for trio in zip(masters, exp_avgs, exp_avg_sqs) for t in trio]
         torch._foreach_copy_(list(into), srcs)
     if checksums is not None:
-        checksums.copy_(checksums_reference(list(grads)))
+        sums = checksums_reference(list(grads))
+        if seen:
+            sums += checksums_reference(list(seen))  # int64 wrap-around, as the kernel's uint64 sums
+        checksums.copy_(sums)

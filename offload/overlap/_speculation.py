@@ -56,9 +56,9 @@ from torch import Tensor
 
 from offload.state._dtensor import local as _local
 from offload.state._edits import stamp
-from offload.state._items import KIND_TORCH, ItemKind
+from offload.state._items import KIND_TORCH, ItemKind, follows_weights
 from offload.pipeline._jobs import ChunkJob
-from offload.pipeline._operands import grad_slice
+from offload.pipeline._operands import grad_slice, param_view
 from offload.kernels._adamw import Hyper
 from offload.state._params import ParamRecord
 from offload.state._slabs import Chunk
@@ -123,6 +123,10 @@ class SpeculativeChunk:
     views: list[ViewKey] = field(default_factory=list)
     """The gradient views whose checksums are recorded per view (host gradients; CUDA ones of a
     native kernel, checksummed from their staged copy)."""
+    weighted: set[ViewKey] = field(default_factory=set)
+    """The views whose checksum also holds the words of the weights the kernel compared its
+    masters with (``offload.state._items.follows_weights``): an edit through ``.data`` after the
+    chunk started makes it stale."""
 
 
 @dataclass(slots=True)
@@ -190,6 +194,8 @@ class Speculation:
                                 {s: stamp(records[s]) for s in grads})
         spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in job.items
                       if grads[it.view.slot].device.type != "cuda" or it.kind != KIND_TORCH]
+        spec.weighted = {(it.view.slot, it.view.start, it.view.stop) for it in job.items
+                         if it.grad is not None and follows_weights(it)}
         self._launched[chunk.index] = spec
         job.before_kernel = lambda job, spec=spec, chunk=chunk: self._before_kernel(job, spec, chunk)
 
@@ -216,6 +222,7 @@ class Speculation:
         kernel are checksummed here, first."""
         keys = self._view_keys(chunk)
         summed: list[tuple[ViewKey, Tensor]] = []
+        weights: list[tuple[int, Tensor]] = []  # (index in summed, the weights torch's kernel compares with)
         fused: dict[ItemKind, list[ViewKey]] = {}
         snapshots: dict[int, Tensor] = {}  # slot -> the copy torch's kernel reads (host gradients)
         for it in job.items:
@@ -232,9 +239,13 @@ class Speculation:
                 if snapshot is None:
                     snapshot = snapshots[v.slot] = it.grad.clone()
                 it.grad = snapshot
+                if key in spec.weighted:
+                    weights.append((len(summed), param_view(it)))
                 summed.append((key, grad_slice(snapshot, v.start, v.stop)))
         if summed:
             sums = self._checksums([g for _, g in summed])
+            if weights:  # (read microseconds before follow_weights reads them, on this thread)
+                sums[[i for i, _ in weights]] += self._checksums([w for _, w in weights])
             for i, (key, _) in enumerate(summed):
                 self._sums[key] = (sums, i)
         job.speculate = {}
@@ -306,8 +317,7 @@ class Speculation:
 
         for c, spec in launched.items():
             keys = [k for k in spec.views if k[0] in reading.grads and k not in reading.views]
-            now = (self._checksums([_view_of(reading.grads[s], a, b) for s, a, b in keys]).tolist()
-                   if keys else [])
+            now = self._now(keys, reading, spec.weighted, records) if keys else []
             if spec.job.done is not None:
                 wait(spec.job)
             stale_views = {k[0] for k, v in zip(keys, now) if not recorded(k, v)}
@@ -317,6 +327,17 @@ class Speculation:
                 now_of[group] = on_host(hyper_now(group))
             yield c, bool(not spec.job.kernel_ran or changed.intersection(spec.slots) or stale_views
                           or not same_hyper(spec.job.hyper, now_of[group]))
+
+    def _now(self, keys: list[ViewKey], reading: GradReading, weighted: set[ViewKey],
+             records: Sequence[ParamRecord]) -> list[int]:
+        """The checksums of ``keys`` as the step would consume them now: the gradient views, plus
+        the live weights' words for the ``weighted`` ones (as their kernels added them)."""
+        sums = self._checksums([_view_of(reading.grads[s], a, b) for s, a, b in keys])
+        idx = [i for i, k in enumerate(keys) if k in weighted]
+        if idx:
+            flat = {s: _local(records[s].param).detach().reshape(-1) for s in {keys[i][0] for i in idx}}
+            sums[idx] += self._checksums([flat[keys[i][0]][keys[i][1]:keys[i][2]] for i in idx])
+        return sums.tolist()
 
     def _device_changes(self, reading: GradReading) -> set[int]:
         """Slots whose CUDA gradient of torch's kernel changed since its launch checksum (one

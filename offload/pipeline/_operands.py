@@ -18,8 +18,8 @@ from offload.pipeline._buffers import SlabListCache
 import torch
 
 from offload.pipeline._jobs import Call, CallSteps, ChunkJob
-from offload.state._items import KIND_F32, KIND_MP, KIND_TORCH, Item, ItemKind
-from offload.kernels._adamw import KernelSet
+from offload.state._items import KIND_F32, KIND_MP, KIND_TORCH, Item, ItemKind, follows_weights
+from offload.kernels._adamw import KernelSet, follow_weights
 from offload.state._slabs import HostSlabs
 
 __all__ = [
@@ -96,6 +96,17 @@ def _copy_first(fn: Callable[..., None], dsts: list[Tensor], srcs: list[Tensor])
     return call
 
 
+def _follow_first(fn: Callable[..., None], masters: list[Tensor], weights: list[Tensor]) -> Callable[..., None]:
+    """``fn`` run after the masters follow their live weights (torch's kernel; the native one
+    does it in its pass): ``offload.kernels._adamw.follow_weights``."""
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        follow_weights(masters, weights)
+        fn(*args, **kwargs)
+
+    return call
+
+
 def call_steps(items: list[Item], calls: list[Call]) -> list[CallSteps]:
     """Per call of :func:`build_calls`: the slots and step tensors of its items, in order."""
     if len(calls) == 1:
@@ -128,6 +139,11 @@ def build_calls(
     generation (``HostSlabs.next_view``): the native kernels read the one and write the other
     (``into=``); torch's kernel, which updates in place, gets the second generation's views after
     a copy of the committed state into them.
+
+    Host items of a low-precision parameter (:func:`follows_weights`) first compare their masters
+    with the live weights (an edit through ``.data``: ``offload.state._edits``): the native kernel
+    in its pass (``follow=True`` where it writes the weights itself, else ``seen=``), torch's
+    kernel by :func:`offload.kernels._adamw.follow_weights` before it runs.
     """
     items = job.items
     kinds = {it.kind for it in items}
@@ -160,6 +176,9 @@ def build_calls(
             fn: Any = kernels.mixed_precision_adamw
             if into:
                 fn = functools.partial(fn, into=into)
+            if follows_weights(its[0]):  # (a chunk's parameters share one device)
+                fn = (functools.partial(fn, follow=True) if job.materialize
+                      else functools.partial(fn, seen=[param_operand(it) for it in its]))
             calls.append((kind, fn, (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
         else:
             fn = kernels.native_adamw_f32 if kind == KIND_F32 else kernels.fused_adamw
@@ -168,6 +187,9 @@ def build_calls(
                         if kind == KIND_F32 and f32_out is not None else [])
             if f32_outs and all(o is not None for o in f32_outs):
                 fn = functools.partial(kernels.native_adamw_f32, outs=f32_outs)
+            follow = [i for i, it in enumerate(its) if kind == KIND_TORCH and follows_weights(it)]
+            if follow:
+                fn = _follow_first(fn, [masters[i].view(-1) for i in follow], [param_view(its[i]) for i in follow])
             if into:
                 fn = functools.partial(fn, into=into)
             elif out_of_place:

@@ -29,7 +29,7 @@ from offload.state._slabs import Chunk, View
 logger = logging.getLogger(__name__)
 
 __all__ = ["KIND_F32", "KIND_MP", "KIND_TORCH", "LOWP_DTYPES", "CachedItems", "Item", "ItemCache", "ItemKind",
-           "item_kind", "new_item"]
+           "follows_weights", "item_kind", "new_item"]
 
 class ItemKind(IntEnum):
     """The kernel that updates an item (chosen by the optimizer, read by the pipeline)."""
@@ -63,6 +63,13 @@ class Item:
 
 #: Parameter dtypes the fused-mp kernel's mixed-precision entry updates (fp32 has its own entry).
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def follows_weights(it: Item) -> bool:
+    """Whether the item's kernel compares its fp32 master with the live weight (an edit through
+    ``.data`` that no version counter shows, ``offload.state._edits``): a low-precision parameter
+    on the host, whose master is separate. (A CUDA parameter's weights are not on the host.)"""
+    return it.param.dtype in LOWP_DTYPES and it.param.device.type == "cpu"
 
 
 def item_kind(kernel: str, param_dtype: torch.dtype, grad_dtype: torch.dtype | None) -> ItemKind:

@@ -288,6 +288,32 @@ inline float adamw_scalar(float param, float grad_val, const StatePtrs& s, bool 
   return param - float(c.step_size) * exp_avg / denom;
 }
 
+// An edit the version counters cannot see (see adamw_span's `seen`): lanes whose master rounded to
+// the parameter's dtype differs in value from the weight `w` take the weight's value.
+// bf16: the master is rounded in its 32-bit lanes (c10::BFloat16's round-to-nearest-even, without
+// packing to 16 bits and back: a third of this check's cost in the step); a NaN master is never
+// equal (it would round to NaN). fp16: F16C's conversions.
+inline fVec round_bf16_lanes(const fVec& m) {
+  using iVec = at::vec::Vectorized<int32_t>;
+  const iVec b = at::vec::cast<int32_t>(m);
+  const iVec r = (b + (iVec(0x7FFF) + ((b >> iVec(16)) & iVec(1)))) & iVec(static_cast<int32_t>(0xFFFF0000u));
+  return at::vec::cast<float>(r);
+}
+
+template <typename param_t>
+inline void follow_weights(const at::vec::Vectorized<param_t>& w, fVec& m0, fVec& m1) {
+  const auto [w0, w1] = at::vec::convert_to_float<param_t>(w);
+  if constexpr (std::is_same_v<param_t, c10::BFloat16>) {
+    // equal (as values; not NaN): keep the master (its extra precision)
+    m0 = fVec::blendv(w0, m0, (round_bf16_lanes(m0) == w0) & (m0 == m0));
+    m1 = fVec::blendv(w1, m1, (round_bf16_lanes(m1) == w1) & (m1 == m1));
+  } else {
+    const auto [r0, r1] = at::vec::convert_to_float<param_t>(at::vec::convert_from_float<param_t>(m0, m1));
+    m0 = fVec::blendv(w0, m0, r0 == w0);
+    m1 = fVec::blendv(w1, m1, r1 == w1);
+  }
+}
+
 // The checksum words of a span's gradient (defined with the checksum below).
 template <typename grad_t>
 struct WordSums;
@@ -295,10 +321,15 @@ struct WordSums;
 // Updates `size` consecutive elements. `size` is a multiple of kUnit except at a tensor's end.
 // `st`: where the state is read and written (StatePtrs); `NT`: its new values are streamed.
 // `Sum`: the words of the gradient it consumes go into `sums` (WordSums), from the same loads.
+// `seen`: null, or the weights as they are now (the live parameter; may be `param_lowp` itself):
+// an element whose master does not round to its weight (an edit the version counters cannot see:
+// `p.data.clamp_()`) first takes the weight's value as its master, exactly as
+// offload/state/_edits.py's reseed (compared as values: +0 == -0, a NaN never equal); with `Sum`
+// the weight's words go into `sums` too, from the same loads.
 template <typename param_t, typename grad_t, bool NT = false, bool Sum = false>
 void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, int64_t size,
                 const Coeffs& c, bool stream, const GradXform& x,
-                WordSums<grad_t>* sums = nullptr) {
+                WordSums<grad_t>* sums = nullptr, const param_t* seen = nullptr) {
   using pVec = at::vec::Vectorized<param_t>;
   using gVec = at::vec::Vectorized<grad_t>;
   static_assert(pVec::size() == 2 * fVec::size() && gVec::size() == 2 * fVec::size(),
@@ -317,8 +348,14 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
     }
     if (x.any()) xform_pair<grad_t>(g0, g1, x);
     const StatePtrs s0 = st.at(d), s1 = st.at(d + kW);
-    const fVec p0 = adamw_vec<NT>(fVec::loadu(s0.master_in), g0, s0, k);
-    const fVec p1 = adamw_vec<NT>(fVec::loadu(s1.master_in), g1, s1, k);
+    fVec m0 = fVec::loadu(s0.master_in), m1 = fVec::loadu(s1.master_in);
+    if (seen != nullptr) {
+      const pVec w = pVec::loadu(seen + d);
+      if constexpr (Sum) sums->add_lowp(w, d);
+      follow_weights<param_t>(w, m0, m1);
+    }
+    const fVec p0 = adamw_vec<NT>(m0, g0, s0, k);
+    const fVec p1 = adamw_vec<NT>(m1, g1, s1, k);
     put<NT>(s0.master_out, p0);
     put<NT>(s1.master_out, p1);
     return at::vec::convert_from_float<param_t>(p0, p1);
@@ -354,7 +391,14 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
     }
     if (x.any()) xform_one<grad_t>(g0, x);
     const StatePtrs s0 = st.at(d);
-    const fVec p0 = adamw_vec<NT>(fVec::loadu(s0.master_in), g0, s0, k);
+    fVec m0 = fVec::loadu(s0.master_in);
+    if (seen != nullptr) {
+      const pVec w = pVec::loadu(seen + d, kW);  // the other lanes are zero words
+      if constexpr (Sum) sums->add_lowp(w, d);
+      fVec m1 = m0;
+      follow_weights<param_t>(w, m0, m1);
+    }
+    const fVec p0 = adamw_vec<NT>(m0, g0, s0, k);
     put<NT>(s0.master_out, p0);
     at::vec::convert_from_float<param_t>(p0, p0).store(param_lowp + d, kW);
     d += kW;
@@ -366,7 +410,13 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
     const float g = x.any() ? xform_scalar<grad_t>(static_cast<float>(gv), x)
                             : static_cast<float>(gv);
     const StatePtrs s = st.at(d);
-    const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c);
+    float m = *s.master_in;
+    if (seen != nullptr) {
+      const param_t w = seen[d];
+      if constexpr (Sum) sums->add_words(reinterpret_cast<const grad_t*>(&w), d, 1);
+      if (!(static_cast<float>(static_cast<param_t>(m)) == static_cast<float>(w))) m = static_cast<float>(w);
+    }
+    const float p = adamw_scalar(m, g, s, d < block_end, c);
     *s.master_out = p;
     param_lowp[d] = static_cast<param_t>(p);  // round to nearest even, like Tensor.to()
   }
@@ -979,9 +1029,10 @@ template <typename param_t, typename grad_t>
 void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
          const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<Coeffs>& coeffs,
-         const GradXform& x, const Speculate* spec) {
+         const GradXform& x, const Speculate* spec, const std::vector<at::Tensor>& seen) {
   const size_t n = masters.size();
   std::vector<param_t*> p_lp(n);
+  std::vector<const param_t*> w_lp(n, nullptr);
   std::vector<const grad_t*> g_lp(n);
   std::vector<float*> m32(n), ea(n), eas(n);
   std::vector<int64_t> numel(n);
@@ -994,6 +1045,7 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
     eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
     numel[i] = masters[i].numel();
     total += numel[i];
+    if (!seen.empty()) w_lp[i] = seen[i].const_data_ptr<param_t>();
   }
   const bool stream = total >= kStreamMinElements;
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
@@ -1001,14 +1053,15 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
     const bool nt = streamable(st.at(lo));
     speculated<grad_t>(spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<grad_t>* sums) {
       const grad_t* g = g_lp[i] + a;
+      const param_t* w = w_lp[i] == nullptr ? nullptr : w_lp[i] + a;
       if (sums != nullptr && nt) {
-        adamw_span<param_t, grad_t, true, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums);
+        adamw_span<param_t, grad_t, true, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
       } else if (sums != nullptr) {
-        adamw_span<param_t, grad_t, false, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums);
+        adamw_span<param_t, grad_t, false, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
       } else if (nt) {
-        adamw_span<param_t, grad_t, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x);
+        adamw_span<param_t, grad_t, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
       } else {
-        adamw_span<param_t, grad_t>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x);
+        adamw_span<param_t, grad_t>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
       }
     });
     if (nt) fence_streams();
@@ -1082,6 +1135,31 @@ void bump_versions(const std::vector<at::Tensor>& params_lowp,
   for (const at::Tensor& t : steps) t.unsafeGetTensorImpl()->bump_version();
 }
 
+// `seen` (see adamw_span): empty, or per tensor the weights as they are now, of the parameters'
+// dtype and size: `params_lowp[i]` itself, or a tensor apart from it and from the other operands.
+// Only read.
+void check_seen(const char* fn, const std::vector<at::Tensor>& seen,
+                const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+                const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype) {
+  if (seen.empty()) return;
+  const size_t n = masters.size();
+  if (seen.size() != n) {
+    std::ostringstream msg;
+    msg << fn << ": seen has " << seen.size() << " tensors: expected 0 or " << n << " like masters";
+    fail_value(msg.str());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    check_tensor(fn, seen[i], "seen", i, masters[i].numel(), p_dtype);
+    const Span w = span_of(seen[i], "seen"), out = span_of(params_lowp[i], "params_lowp");
+    const bool same = w.begin == out.begin && w.end == out.end;
+    check_no_overlap(fn, {w, span_of(grads[i], "grads_lowp"), span_of(masters[i], "masters"),
+                          span_of(exp_avgs[i], "exp_avgs"), span_of(exp_avg_sqs[i], "exp_avg_sqs")},
+                     i);
+    if (!same) check_no_overlap(fn, {w, out, Span{0, 0, ""}, Span{0, 0, ""}, Span{0, 0, ""}}, i);
+  }
+}
+
 // The speculation arguments of one call (see Speculate), checked before anything is written:
 // `into` empty or three fp32 tensors per tensor (its new master, exp_avg and exp_avg_sq, at
 // 3i, 3i+1, 3i+2: contiguous CPU tensors of its size, apart from its operands); `checksums` none
@@ -1146,21 +1224,22 @@ void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Te
             const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
             const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
             at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs,
-            const GradXform& x = GradXform{}, const Speculate* spec = nullptr) {
+            const GradXform& x = GradXform{}, const Speculate* spec = nullptr,
+            const std::vector<at::Tensor>& seen = {}) {
   if (masters.empty()) return;
   pybind11::gil_scoped_release no_gil;
   if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
     run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs,
-                                      coeffs, x, spec);
+                                      coeffs, x, spec, seen);
   } else if (p_dtype == at::kBFloat16) {
     run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
-                                  x, spec);
+                                  x, spec, seen);
   } else if (g_dtype == at::kBFloat16) {
     run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
-                                  x, spec);
+                                  x, spec, seen);
   } else {
     run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs, x,
-                              spec);
+                              spec, seen);
   }
 }
 
@@ -1271,10 +1350,12 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                            double beta1, double beta2, double eps, double weight_decay,
                            std::optional<double> grad_scale, std::optional<double> grad_coef,
                            const std::vector<at::Tensor>& into,
-                           const std::optional<at::Tensor>& checksums) {
+                           const std::optional<at::Tensor>& checksums,
+                           const std::vector<at::Tensor>& seen) {
   const char* fn = "fused_mp_adamw_steps_";
   const auto [p_dtype, g_dtype] =
       check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
+  check_seen(fn, seen, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype);
   Speculate spec = make_speculate(fn, grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums);
   std::unordered_map<float*, float> incremented;
   const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
@@ -1283,7 +1364,7 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
   bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment, into.empty());
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
-         make_xform(grad_scale, grad_coef), &spec);
+         make_xform(grad_scale, grad_coef), &spec, seen);
   finish_speculate(spec, into, checksums, masters.size());
 }
 
@@ -1653,7 +1734,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("grad_scale") = pybind11::none(),
         pybind11::arg("grad_coef") = pybind11::none(),
         pybind11::arg("into") = std::vector<at::Tensor>{},
-        pybind11::arg("checksums") = pybind11::none());
+        pybind11::arg("checksums") = pybind11::none(),
+        pybind11::arg("seen") = std::vector<at::Tensor>{});
   m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
         pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
         pybind11::kw_only(), pybind11::arg("outs"), pybind11::arg("steps_to_increment"),
