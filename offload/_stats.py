@@ -58,4 +58,11 @@ class StepStats:
     """Speculation is paused after this step: several steps in a row redid every early chunk (e.g.
     clipping on every step); it resumes at the first step whose hyper-parameters, clip coefficient
     and grad scale would have let an early chunk commit."""
+    pinned_bytes: int = 0
+    """CUDA: page-locked host memory the optimizer holds after this step (its pinned ring slots
+    and, with ``overlap_backward`` and fused-mp, the places of the weights chunks started during
+    backward keep until ``step()``); a few blocks of exact size, rounded up to a page. 0 on the CPU."""
+    pinned_registrations: int = 0
+    """CUDA: pinned blocks registered during this step: a few in the first step of a chunk layout,
+    then 0. 0 on the CPU."""
     spans: tuple[StageSpan, ...] = field(default=(), repr=False)

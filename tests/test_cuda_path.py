@@ -49,7 +49,8 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, *, overlap: bool, side_s
     ref = CpuMasterReference(model)
     opt = CPUOffloadAdamW(param_groups(model), settings=settings, overlap_backward=overlap)
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
-    early = []
+    early, registered = [], []
+    transport = opt._pipeline.transport
     with torch.cuda.stream(stream):
         for step in range(STEPS):
             opt.zero_grad(set_to_none=True)
@@ -59,6 +60,7 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, *, overlap: bool, side_s
             grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
             opt.step()
             early.append(opt.last_stats.speculated_chunks)
+            registered.append(transport.pinned.registrations)
             # enqueued right after step() on the same stream, with no host sync in between:
             # must already see the updated weights
             seen = [p.detach().clone() for p in model.parameters()]
@@ -81,11 +83,16 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, *, overlap: bool, side_s
             assert stages["adam_kernel"][1] <= stages["materialize"][0]
     if overlap:
         assert early[0] == 0 and all(n > 0 for n in early[1:]), early
-    else:  # host memory: the state and the chunk-sized rings, no buffer per parameter
-        assert not opt._pipeline.transport._lowp._bufs
+    else:  # host memory: the state and the chunk-sized rings, no place per parameter
+        assert transport._lowp.places == 0
+    # pinned blocks: registered in the first steps of the layout (the second is the first in which
+    # the sometimes-used layer has a gradient: a larger chunk, places of its own), never after
+    assert registered[0] > 0 and registered[2:] == [registered[1]] * (STEPS - 2), registered
+    assert transport.pinned.nbytes > 0
     numel = sum(p.numel() for p in model.parameters())
     assert opt._layout.slabs.nbytes <= 12 * numel + 3 * 64 * 4 * len(list(model.parameters()))
     opt.close()
+    assert transport.pinned.nbytes == 0 and not transport._ops._blocks, "close() left pinned blocks registered"
 
 
 @pytest.mark.parametrize("kernel", ["torch", "auto"])

@@ -8,7 +8,6 @@ per parameter per step costs Python time while the memory bus idles (see :mod:`o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,34 +25,26 @@ class LowpBuffers:
     """One host buffer per parameter, of the parameter's dtype, made on first use.
 
     Holds the fused-mp kernel's low-precision output until materialize copies it into the
-    parameter. ``pin`` for CUDA; each buffer remembers the event of its last host-to-device copy,
-    and :meth:`view` waits for it before handing the buffer out for writing again. Subclasses may
-    override :meth:`new` to allocate elsewhere.
+    parameter (parameters on the CPU; the CUDA transport keeps pinned places instead,
+    :class:`offload.pipeline._pinned.LowpPlaces`).
     """
 
-    def __init__(self, *, pin: bool) -> None:
-        self._pin = pin
+    def __init__(self) -> None:
         self._bufs: dict[int, Tensor] = {}
-        self._last: dict[int, Any] = {}
 
     def view(self, it: Item, *, for_write: bool) -> Tensor:
+        """``it``'s elements of its parameter's buffer (``for_write``: no copy reads it any more,
+        on the host always so)."""
         slot = it.view.slot
         buf = self._bufs.get(slot)
         if buf is None:
             buf = self.new(it)
             self._bufs[slot] = buf
-        if for_write:
-            last = self._last.pop(slot, None)
-            if last is not None:
-                last.synchronize()
         return buf[it.view.start : it.view.stop]
 
     def new(self, it: Item) -> Tensor:
         """A new buffer for the whole parameter of ``it``."""
-        return torch.empty(it.param.numel(), dtype=it.param.dtype, pin_memory=self._pin)
-
-    def used_by(self, slot: int, event: Any) -> None:
-        self._last[slot] = event
+        return torch.empty(it.param.numel(), dtype=it.param.dtype)
 
 
 class Scratch:

@@ -13,32 +13,43 @@ No full-size host gradient slab: the kernels read the pinned copies in the ring 
 (fused-mp: bf16/fp16; fp32 gradients as they came down); only a low-precision gradient of the torch
 kernel is upcast, into the chunk-sized scratch buffer. The native kernel writes a step's new
 weights (bf16/fp16, or fp32 besides the master) straight into the h2d ring slot. Host memory is
-the state (12 bytes per parameter) plus ``2 x slots`` chunk-sized pinned slots; only with
-``overlap_backward`` does fused-mp add one pinned buffer of the parameter's dtype per parameter
-(the weights a chunk started during backward keeps until ``step()``).
+the state (12 bytes per parameter) plus ``2 x slots`` pinned blocks as large as the largest
+chunk's staging; only with ``overlap_backward`` does fused-mp add one pinned block holding a place
+of the parameter's dtype per bf16/fp16 parameter (the weights a chunk started during backward
+keeps until ``step()``). Pinned memory is a few blocks of exact size (page-rounded), registered in
+the first step of a chunk layout and never again (:mod:`offload.pipeline._pinned`); each step
+reports the bytes held and the registrations it made (``StepStats.pinned_bytes``,
+``pinned_registrations``).
 
 Every device operation goes through a :class:`DeviceOps` (streams, events, asynchronous copies,
-pinned allocation). :class:`TorchCudaOps` is the real one; a test passes one whose streams are
+pinned blocks). :class:`TorchCudaOps` is the real one; a test passes one whose streams are
 threads, so the schedule itself, which copies are in flight while which kernel runs, is checked
-on a machine without a GPU (``tests/test_cuda_schedule.py``). Not measured on a GPU with this
-ring yet (the H200 figures in ``bench/results/device-cuda-path-h200.md`` predate it).
+on a machine without a GPU (``tests/test_cuda_schedule.py``), and so are the registrations
+(``tests/test_cuda_pinned.py``). Not measured on a GPU with this ring yet (the H200 figures in
+``bench/results/device-cuda-path-h200.md`` predate it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import mmap
 import time
+import weakref
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from offload.pipeline._buffers import STAGING_ALIGN, LowpBuffers, Scratch, SlabListCache
+from offload.pipeline._buffers import STAGING_ALIGN, Scratch, SlabListCache
 from offload.pipeline._jobs import ChunkJob, StageRecord
+from offload.pipeline._pinned import LowpPlaces, PinnedPool, Ring
 from offload.state._items import KIND_MP, Item
 from offload.kernels._adamw import KernelSet
 from offload.pipeline._operands import torch_grads
 from offload.state._slabs import HostSlabs
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["STAGING_SLOTS", "CudaTransport", "DeviceOps", "TorchCudaOps"]
 
@@ -65,16 +76,44 @@ class DeviceOps(Protocol):
         reads the gradient the stream waited for and lives until the copy ran."""
         ...
 
-    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor: ...
+    def pin(self, nbytes: int) -> Tensor:
+        """A page-locked uint8 host tensor of ``nbytes`` bytes: one registration."""
+        ...
+
+    def unpin(self, buf: Tensor) -> None:
+        """Give back a tensor :meth:`pin` returned; every copy touching it has completed."""
+        ...
 
     def context(self) -> contextlib.AbstractContextManager[Any]: ...
 
 
+def _unregister_all(blocks: dict[int, tuple[Tensor, bool]]) -> None:
+    """Backstop of a :class:`TorchCudaOps` collected with blocks still registered: unregister
+    them before their memory can be freed (the dict holds it until then)."""
+    cudart = torch.cuda.cudart()
+    for ptr, (_, registered) in list(blocks.items()):
+        if registered:
+            cudart.cudaHostUnregister(ptr)
+    blocks.clear()
+
+
 class TorchCudaOps:
-    """Real CUDA streams and timing events on one device; pinned host memory."""
+    """Real CUDA streams and timing events on one device; pinned blocks of exact size.
+
+    :meth:`pin` takes plain host memory, aligned to a page, and page-locks it with
+    ``cudaHostRegister`` (flags 0: with unified addressing, the default on 64-bit Linux, the
+    memory is pinned for every device's context): the registration is the block's size rounded up
+    to a page, not to a power of two, and is undone by :meth:`unpin` (``cudaHostUnregister``)
+    before the memory can be freed. Where registration fails (a platform without it), the block
+    comes from torch's pinned allocator instead, with a warning: correct, but rounded up.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._blocks: dict[int, tuple[Tensor, bool]] = {}  # data_ptr -> (memory, registered by us)
+        self._register = True
+        finalizer = weakref.finalize(self, _unregister_all, self._blocks)
+        finalizer.atexit = False  # at exit the driver releases everything; cudart may be unloading
 
     def stream(self) -> Any:
         return torch.cuda.Stream(self.device)
@@ -94,45 +133,46 @@ class TorchCudaOps:
                 src = src.detach().reshape(-1)[span[0]:span[1]]
             dst.copy_(src, non_blocking=True)
 
-    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    def pin(self, nbytes: int) -> Tensor:
+        page = mmap.PAGESIZE
+        size = -(-max(nbytes, 1) // page) * page
+        if self._register:
+            # A page-aligned range of whole pages inside memory of its own: no page is shared with
+            # another allocation, whose registration would then overlap this one.
+            raw = torch.empty(size + page, dtype=torch.uint8)
+            start = -raw.data_ptr() % page
+            buf = raw[start : start + size]
+            cudart = torch.cuda.cudart()
+            with self.context():
+                err = cudart.cudaHostRegister(buf.data_ptr(), size, 0)
+            if err == cudart.cudaError.success:
+                self._blocks[buf.data_ptr()] = (raw, True)
+                return buf[:nbytes]
+            self._register = False
+            logger.warning(
+                "cudaHostRegister of %d bytes failed: %s (%d); pinned staging falls back to torch's "
+                "pinned allocator (each block rounded up to a power of two)",
+                size, cudart.cudaGetErrorString(err), int(err))
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        self._blocks[buf.data_ptr()] = (buf, False)
+        return buf[:nbytes]
+
+    def unpin(self, buf: Tensor) -> None:
+        ptr = buf.data_ptr()
+        entry = self._blocks.pop(ptr, None)
+        if entry is None:
+            raise ValueError(f"unpin of a tensor at {ptr:#x}: expected one that pin() returned")
+        if entry[1]:
+            cudart = torch.cuda.cudart()
+            with self.context():
+                err = cudart.cudaHostUnregister(ptr)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(f"cudaHostUnregister of the block at {ptr:#x} failed: "
+                                   f"{cudart.cudaGetErrorString(err)} ({int(err)}); expected success")
+        # the memory itself is freed when the last view of it is gone (after the registration)
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.device(self.device)
-
-
-class _Ring:
-    """``slots`` pinned host buffers used in turn; each remembers the event of its last copy."""
-
-    def __init__(self, ops: DeviceOps, slots: int) -> None:
-        if slots < 2:
-            raise ValueError(f"staging slots={slots}: expected >= 2 (a copy and a kernel at once)")
-        self._ops = ops
-        self._bufs: list[Tensor | None] = [None] * slots
-        self._last: list[Any] = [None] * slots
-        self._next = 0
-
-    def take(self, nbytes: int) -> tuple[int, Tensor]:
-        slot = self._next
-        self._next = (slot + 1) % len(self._bufs)
-        last = self._last[slot]
-        if last is not None:
-            last.synchronize()
-            self._last[slot] = None
-        buf = self._bufs[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = self._ops.pinned(max(nbytes, 1), torch.uint8)
-            self._bufs[slot] = buf
-        return slot, buf
-
-    def used_by(self, slot: int, event: Any) -> None:
-        self._last[slot] = event
-
-    def sync(self) -> None:
-        for slot, ev in enumerate(self._last):
-            if ev is not None:
-                ev.synchronize()
-                self._last[slot] = None
 
 
 def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
@@ -146,17 +186,6 @@ def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[
 
 def _staged(buf: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
     return buf[offset : offset + numel * dtype.itemsize].view(dtype)
-
-
-class _OpsLowpBuffers(LowpBuffers):
-    """:class:`LowpBuffers` allocating through the device ops (pinned on CUDA)."""
-
-    def __init__(self, ops: DeviceOps) -> None:
-        super().__init__(pin=False)
-        self._ops = ops
-
-    def new(self, it: Item) -> Tensor:
-        return self._ops.pinned(it.param.numel(), it.param.dtype)
 
 
 class CudaTransport:
@@ -181,11 +210,13 @@ class CudaTransport:
         self.caller_writes = False  # the h2d ring and streams belong to the worker
         self._d2h_stream = self._ops.stream()
         self._h2d_stream = self._ops.stream()
-        self._d2h = _Ring(self._ops, slots)
-        self._h2d = _Ring(self._ops, slots)
-        self._lowp = _OpsLowpBuffers(self._ops)
+        self.pinned = PinnedPool(self._ops)
+        self._d2h = Ring(self.pinned, slots)
+        self._h2d = Ring(self.pinned, slots)
+        self._lowp = LowpPlaces(self.pinned)
         self._scratch = Scratch()
         self._last_h2d: Any = None
+        self._counted = 0  # registrations already reported by a step
 
     def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
         """Nothing: the kernel's gradient operands exist only after the worker's d2h copy."""
@@ -213,6 +244,7 @@ class CudaTransport:
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
         staged, start, end, t_issue = job.transfer
+        self._lowp.note(job, slabs)
         end.synchronize()
         gpu_s = start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
@@ -242,7 +274,7 @@ class CudaTransport:
 
     def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:
         """A step's job: the job's h2d ring slot (the weights go up from there; no full-size host
-        copy). A job started during backward: the parameter's own pinned buffer, kept until
+        copy). A job started during backward: the parameter's pinned place, kept until
         ``step()`` (after its previous host-to-device copy finished)."""
         if job.materialize:
             return self._slot_view(job, item)
@@ -272,15 +304,17 @@ class CudaTransport:
                 lowp_used = False
             else:
                 downcast = [it for it in job.items if it.kind != KIND_MP]
-                dtypes = [it.param.dtype for it in downcast]
-                offsets, nbytes = _staging_layout(downcast, dtypes)
-                slot, buf = self._h2d.take(nbytes)
                 by_item: dict[int, Tensor] = {}
-                for it, off, dtype in zip(downcast, offsets, dtypes):
-                    dst = _staged(buf, off, it.view.numel, dtype)
-                    dst.copy_(master(it.view))
-                    by_item[id(it)] = dst
-                # fused-mp items of a chunk started during backward: their pinned buffers.
+                slot = None  # a ring slot only for weights to downcast (none: all were written early)
+                if downcast:
+                    dtypes = [it.param.dtype for it in downcast]
+                    offsets, nbytes = _staging_layout(downcast, dtypes)
+                    slot, buf = self._h2d.take(nbytes)
+                    for it, off, dtype in zip(downcast, offsets, dtypes):
+                        dst = _staged(buf, off, it.view.numel, dtype)
+                        dst.copy_(master(it.view))
+                        by_item[id(it)] = dst
+                # fused-mp items of a chunk started during backward: their pinned places.
                 staged = [
                     by_item[id(it)] if it.kind != KIND_MP else self._lowp.view(it, for_write=False)
                     for it in job.items
@@ -295,7 +329,8 @@ class CudaTransport:
             for it, src in zip(job.items, staged):
                 ops.copy(it.param.detach().view(-1)[it.view.start : it.view.stop], src, stream)
             ops.record(end, stream)
-            self._h2d.used_by(slot, end)
+            if slot is not None:
+                self._h2d.used_by(slot, end)
             if lowp_used:
                 for it in job.items:
                     if it.kind == KIND_MP:
@@ -307,10 +342,33 @@ class CudaTransport:
         )
 
     def flush(self) -> Any:
-        """End of a step: wait for stray d2h copies; hand back the last h2d event (not waited)."""
+        """End of a step: wait for stray d2h copies; bring every ring slot to the largest chunk's
+        size and give the places of the fused-mp parameters met (that may start during backward)
+        one block, so later steps register nothing; hand back the last h2d event (not waited)."""
         self._d2h.sync()
+        with self._ops.context():
+            self._d2h.settle()
+            self._h2d.settle()
+            self._lowp.settle()
         last, self._last_h2d = self._last_h2d, None
         return last
 
+    def pinned_stats(self) -> tuple[int, int]:
+        """(pinned bytes held, blocks registered since the previous call): read at each step's end."""
+        made, self._counted = self.pinned.registrations - self._counted, self.pinned.registrations
+        return self.pinned.nbytes, made
+
     def forget(self) -> None:
-        """Nothing: the ring and the pinned buffers do not depend on the chunk layout."""
+        """The chunk layout changed (between steps): the ring's blocks, sized for the old chunks,
+        are given back after their last copies (the next step registers blocks for the new ones);
+        the places per parameter stay."""
+        with self._ops.context():
+            self._d2h.release()
+            self._h2d.release()
+
+    def close(self) -> None:
+        """The worker has stopped: wait for the last copies, then give every pinned block back."""
+        with self._ops.context():
+            self._d2h.release()
+            self._h2d.release()
+            self._lowp.release()

@@ -70,13 +70,20 @@ class HostTransport:
         """``copy(dsts, srcs)``: the weight copies of native items (``KernelSet.copy``; None:
         ``torch._foreach_copy_``)."""
         self._copy = copy if copy is not None else torch._foreach_copy_
-        self._lowp = LowpBuffers(pin=False)
+        self._lowp = LowpBuffers()
         self._scratch = Scratch()
         self._prepared: dict[int, _Prepared] = {}
 
     def forget(self) -> None:
         """Drop the prepared calls of the old chunk layout."""
         self._prepared.clear()
+
+    def pinned_stats(self) -> tuple[int, int]:
+        """Nothing pinned on the host."""
+        return 0, 0
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     @staticmethod
     def _reads_in_place(it: Item) -> bool:

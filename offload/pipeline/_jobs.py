@@ -131,3 +131,7 @@ class DrainResult:
     """CUDA: the event of the step's last host-to-device copy (not waited for), else None."""
     wait_s: float = 0.0
     """How long ``drain`` waited."""
+    pinned_bytes: int = 0
+    """CUDA: page-locked host bytes the transport holds at the step's end."""
+    pinned_registrations: int = 0
+    """CUDA: pinned blocks registered since the previous drain (0 once a layout's first step ran)."""

@@ -54,10 +54,17 @@ __all__ = ["Pipeline"]
 _LIVENESS_POLL_S = 1.0
 
 
-def _shutdown(q: queue.Queue[Any], thread: threading.Thread) -> None:
+def _shutdown(q: queue.Queue[Any], thread: threading.Thread, transport: Transport) -> None:
     if thread.is_alive():
         q.put(STOP)
         thread.join(timeout=10.0)
+    if thread.is_alive():  # still in a job: its pinned memory may be in use
+        logger.warning("the optimizer's worker thread did not stop within 10 s; its pinned memory is kept")
+        return
+    try:
+        transport.close()
+    except Exception:  # noqa: BLE001 - closing must not raise out of close() or a finalizer
+        logger.warning("releasing the transport's pinned memory failed", exc_info=True)
 
 
 class Pipeline:
@@ -79,7 +86,7 @@ class Pipeline:
             target=worker_main, args=(self._worker,), name=name, daemon=True
         )
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._q, self._thread)
+        self._finalizer = weakref.finalize(self, _shutdown, self._q, self._thread, transport)
         self.transport = transport
         self._caller_records: list[StageRecord] = []  # stages write_committed ran on the caller
 

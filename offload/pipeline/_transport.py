@@ -65,3 +65,11 @@ class Transport(Protocol):
     def forget(self) -> None:
         """Drop what was cached for the old chunk layout (between steps)."""
         ...
+
+    def pinned_stats(self) -> tuple[int, int]:
+        """At a step's end: (page-locked bytes held, blocks registered since the previous call)."""
+        ...
+
+    def close(self) -> None:
+        """The worker has stopped: release what the transport holds (pinned memory)."""
+        ...

@@ -210,7 +210,9 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001
             if self.error is None:
                 self.error = exc
-        barrier.result = DrainResult(records=self.records, error=self.error, last_h2d_event=last)
+        pinned, registered = self.transport.pinned_stats()
+        barrier.result = DrainResult(records=self.records, error=self.error, last_h2d_event=last,
+                                     pinned_bytes=pinned, pinned_registrations=registered)
         self.records, self.error = [], None
         self.stepped = set()
         barrier.done.set()

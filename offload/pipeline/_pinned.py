@@ -1,0 +1,232 @@
+"""The CUDA transport's page-locked host memory: a few blocks of exact size, counted.
+
+torch's pinned allocator (``torch.empty(..., pin_memory=True)``) rounds every request up to a
+power of two and keeps what it allocated for good: about 1.4x the bytes asked for on average, up
+to 2x (64 bytes of padding put an 8 MiB ring slot into a 16 MiB block), and one ``cudaHostAlloc``
+per request, which took minutes for a model's hundreds of per-parameter buffers. Here every block
+comes from :meth:`DeviceOps.pin <offload.pipeline._cuda_transport.DeviceOps>` (real: plain host
+memory registered with ``cudaHostRegister``, page-aligned, rounded up to a page only) and goes back
+through ``unpin`` after the last copy that touches it completed. :class:`PinnedPool` counts the
+bytes held and the registrations made, which each step reports (``StepStats.pinned_bytes``,
+``pinned_registrations``).
+
+Two users, both sized once per chunk layout:
+
+* :class:`Ring`: one block per slot, as large as the largest chunk's staging (grown, exactly, while
+  the first step of a layout meets larger chunks, and every slot at that step's end; released when
+  the layout changes).
+* :class:`LowpPlaces`: where a chunk started during backward keeps its low-precision weights until
+  ``step()`` writes them (fused-mp on bf16/fp16 parameters with ``overlap_backward``). One block
+  for every such parameter, made at the end of the first step in which the transport met them
+  (:meth:`LowpPlaces.note` on every update job, :meth:`LowpPlaces.settle` at the step's end), so
+  the early chunks of later steps register nothing; a parameter not foreseen (the kernel switched
+  to fused-mp) gets its place, with every other candidate's, in one more block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from offload.pipeline._jobs import ChunkJob
+from offload.state._items import KIND_MP, LOWP_DTYPES, Item
+from offload.state._slabs import HostSlabs
+
+__all__ = ["PIN_ALIGN", "LowpPlaces", "PinOps", "PinnedPool", "Ring"]
+
+#: Byte alignment of each place inside a pinned block (cache line; a multiple of every itemsize).
+PIN_ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // PIN_ALIGN) * PIN_ALIGN
+
+
+class PinOps(Protocol):
+    """The two device operations the pool needs (part of ``DeviceOps``)."""
+
+    def pin(self, nbytes: int) -> Tensor:
+        """A page-locked uint8 host tensor of ``nbytes`` bytes: one registration."""
+        ...
+
+    def unpin(self, buf: Tensor) -> None:
+        """Give back a tensor :meth:`pin` returned (no copy may touch it any more)."""
+        ...
+
+
+class PinnedPool:
+    """Every pinned block of one transport, with the bytes held and the registrations made."""
+
+    def __init__(self, ops: PinOps) -> None:
+        self._ops = ops
+        self.nbytes = 0
+        """Bytes of the blocks held now."""
+        self.registrations = 0
+        """Blocks registered so far (never decreases)."""
+
+    def new(self, nbytes: int) -> Tensor:
+        buf = self._ops.pin(max(nbytes, 1))
+        self.registrations += 1
+        self.nbytes += buf.numel()
+        return buf
+
+    def free(self, buf: Tensor) -> None:
+        self.nbytes -= buf.numel()
+        self._ops.unpin(buf)
+
+
+class Ring:
+    """``slots`` pinned blocks used in turn; each remembers the event of its last copy."""
+
+    def __init__(self, pool: PinnedPool, slots: int) -> None:
+        if slots < 2:
+            raise ValueError(f"staging slots={slots}: expected >= 2 (a copy and a kernel at once)")
+        self._pool = pool
+        self._bufs: list[Tensor | None] = [None] * slots
+        self._last: list[Any] = [None] * slots
+        self._next = 0
+        self._largest = 0
+
+    def take(self, nbytes: int) -> tuple[int, Tensor]:
+        """The next slot, after its last copy completed, holding at least ``nbytes`` bytes: a
+        smaller block is replaced by one as large as the largest request so far (so a layout
+        whose chunks grow registers each slot a few times in its first step, then never)."""
+        slot = self._next
+        self._next = (slot + 1) % len(self._bufs)
+        last = self._last[slot]
+        if last is not None:
+            last.synchronize()
+            self._last[slot] = None
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < nbytes:
+            self._largest = max(self._largest, nbytes)
+            if buf is not None:
+                self._bufs[slot] = None
+                self._pool.free(buf)
+            buf = self._bufs[slot] = self._pool.new(self._largest)
+        return slot, buf
+
+    def used_by(self, slot: int, event: Any) -> None:
+        self._last[slot] = event
+
+    def settle(self) -> None:
+        """At a step's end: every slot as large as the largest request so far, so a slot this step
+        did not reach registers nothing in a later step (waits for the last copy of a slot it
+        replaces: in the first step of a layout only)."""
+        if not self._largest:
+            return
+        for slot, buf in enumerate(self._bufs):
+            if buf is None or buf.numel() < self._largest:
+                last = self._last[slot]
+                if last is not None:
+                    last.synchronize()
+                    self._last[slot] = None
+                if buf is not None:
+                    self._bufs[slot] = None
+                    self._pool.free(buf)
+                self._bufs[slot] = self._pool.new(self._largest)
+
+    def sync(self) -> None:
+        for slot, ev in enumerate(self._last):
+            if ev is not None:
+                ev.synchronize()
+                self._last[slot] = None
+
+    def release(self) -> None:
+        """Wait for every slot's last copy, then give every block back (next take: new ones)."""
+        self.sync()
+        for slot, buf in enumerate(self._bufs):
+            if buf is not None:
+                self._bufs[slot] = None
+                self._pool.free(buf)
+        self._largest = 0
+
+
+class LowpPlaces:
+    """Per parameter (slot), a pinned place of its dtype for the low-precision weights a chunk
+    started during backward computes (see the module doc); each place remembers the event of its
+    last host-to-device copy, and :meth:`view` waits for it before handing the place out for
+    writing again."""
+
+    def __init__(self, pool: PinnedPool) -> None:
+        self._pool = pool
+        self._blocks: list[Tensor] = []
+        self._place: dict[int, Tensor] = {}
+        self._last: dict[int, Any] = {}
+        self._noted: dict[int, int] = {}  # chunk -> id of the item list noted for it
+        self._want: dict[int, tuple[int, torch.dtype]] = {}  # fused-mp items met, without a place
+        self._could: dict[int, tuple[int, torch.dtype]] = {}  # bf16/fp16 items met, without a place
+
+    def note(self, job: ChunkJob, slabs: HostSlabs) -> None:
+        """Remember the job's bf16/fp16 parameters that may start during backward (their slab
+        segment may speculate); once per chunk and item list, so a step's cost is one lookup."""
+        if self._noted.get(job.chunk) == id(job.items):
+            return
+        self._noted[job.chunk] = id(job.items)
+        slots, speculable = slabs.slots, slabs.speculable
+        for it in job.items:
+            slot, p = it.view.slot, it.param
+            if p.dtype not in LOWP_DTYPES or not speculable[slots[slot].segment] or self._fits(slot, p):
+                continue
+            self._could[slot] = (p.numel(), p.dtype)
+            if it.kind == KIND_MP:
+                self._want[slot] = (p.numel(), p.dtype)
+
+    def settle(self) -> None:
+        """At a step's end: one block for every fused-mp parameter noted without a place."""
+        if self._want:
+            self._allocate(self._want)
+
+    def view(self, it: Item, *, for_write: bool) -> Tensor:
+        """``it``'s elements of its parameter's place: to write (by an early kernel) or to read
+        (by the host-to-device copy in ``step()``, which needs the place that kernel wrote)."""
+        slot, p = it.view.slot, it.param
+        if not self._fits(slot, p):
+            if not for_write:
+                raise RuntimeError(f"parameter {slot} ({p.dtype}, {p.numel()} elements) has no pinned place "
+                                   "holding its new weights: expected a chunk started during backward to have "
+                                   "written them")
+            # not foreseen: a block for it and for every candidate
+            self._could[slot] = (p.numel(), p.dtype)
+            self._allocate(self._could)
+        if for_write:
+            last = self._last.pop(slot, None)
+            if last is not None:
+                last.synchronize()
+        return self._place[slot][it.view.start : it.view.stop]
+
+    def used_by(self, slot: int, event: Any) -> None:
+        self._last[slot] = event
+
+    @property
+    def places(self) -> int:
+        """Parameters with a place."""
+        return len(self._place)
+
+    def release(self) -> None:
+        """Wait for every place's last copy, then give every block back."""
+        for ev in self._last.values():
+            ev.synchronize()
+        self._last.clear()
+        self._place.clear()
+        self._noted.clear()
+        for buf in self._blocks:
+            self._pool.free(buf)
+        self._blocks = []
+
+    def _fits(self, slot: int, p: Tensor) -> bool:
+        place = self._place.get(slot)
+        return place is not None and place.dtype == p.dtype and place.numel() == p.numel()
+
+    def _allocate(self, need: dict[int, tuple[int, torch.dtype]]) -> None:
+        entries = sorted(need.items())
+        block = self._pool.new(sum(aligned(n * dt.itemsize) for _, (n, dt) in entries))
+        self._blocks.append(block)
+        off = 0
+        for slot, (n, dt) in entries:
+            self._place[slot] = block[off : off + n * dt.itemsize].view(dt)
+            off += aligned(n * dt.itemsize)
+            self._want.pop(slot, None)
+            self._could.pop(slot, None)

@@ -1,0 +1,127 @@
+"""Device operations for the CUDA transport without a GPU (``offload.pipeline._cuda_transport.DeviceOps``).
+
+Streams are threads that run their operations in order, like a CUDA stream on a copy engine;
+events complete when their stream reaches them. Gates (``gate=True``) make every copy that should
+overlap a kernel wait for that kernel to start (see ``test_cuda_schedule.py``). The ops count what
+a GPU would make costly: pinned blocks (registrations, bytes held) and host waits on events, by
+thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+
+
+class Log:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.entries: list[tuple[str, int, str]] = []
+        self.violations: list[str] = []
+        self._cond = threading.Condition()
+
+    def add(self, entry: tuple[str, int, str]) -> None:
+        with self._cond:
+            self.entries.append(entry)
+            self._cond.notify_all()
+
+    def wait_for(self, entry: tuple[str, int, str], who: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: entry in self.entries, timeout=self.timeout_s):
+                self.violations.append(f"{who} waited in vain for {entry}")
+
+    def index(self, entry: tuple[str, int, str]) -> int:
+        return self.entries.index(entry)
+
+
+class FakeEvent:
+    def __init__(self, label: Any, waits: list[tuple[str, Any]] | None = None) -> None:
+        self.label = label
+        self.done = threading.Event()
+        self._waits = waits
+
+    def synchronize(self) -> None:
+        if self._waits is not None:  # a host wait: which thread waited, for what
+            self._waits.append((threading.current_thread().name, self.label))
+        assert self.done.wait(30), f"event {self.label} never completed"
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 0.0
+
+
+class FakeStream:
+    """Runs its operations in order on its own thread, like a CUDA stream on a copy engine."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (op := self.q.get()) is not None:
+            op()
+
+
+class FakeOps:
+    """Device ops whose copies run asynchronously on fake streams; gates on transfer starts."""
+
+    def __init__(self, log: Log, num_chunks: int, *, gate: bool = True) -> None:
+        self.log, self.n, self.gate = log, num_chunks, gate
+        self.streams: list[FakeStream] = []
+        self.pinned: dict[int, int] = {}
+        """data_ptr -> bytes of every block pinned and not given back."""
+        self.registrations = 0
+        """Blocks pinned so far."""
+        self.host_waits: list[tuple[str, Any]] = []
+        """(thread name, event label) of every ``synchronize`` of an event these ops made."""
+
+    def stream(self) -> FakeStream:
+        s = FakeStream()
+        self.streams.append(s)
+        return s
+
+    def event(self, label: tuple[str, int, str]) -> FakeEvent:
+        return FakeEvent(label, self.host_waits)
+
+    def record(self, event: FakeEvent, stream: FakeStream) -> None:
+        def reached() -> None:
+            kind, chunk, phase = event.label
+            if phase == "start" and self.gate:  # the gate: the kernel this copy should overlap has started
+                kernel = chunk - 1 if kind == "d2h" else chunk + 1
+                if 0 <= kernel < self.n:
+                    self.log.wait_for(("kernel", kernel, "start"), f"{kind} of chunk {chunk}")
+            self.log.add(event.label)
+            event.done.set()
+
+        stream.q.put(reached)
+
+    def wait(self, stream: FakeStream, event: FakeEvent) -> None:
+        stream.q.put(event.synchronize)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream, *,
+             span: tuple[int, int] | None = None) -> None:
+        def run() -> None:  # in stream order, as on a device: a span is taken after the stream's waits
+            dst.copy_(src if span is None else src.reshape(-1)[span[0]:span[1]])
+
+        stream.q.put(run)
+
+    def pin(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.registrations += 1
+        self.pinned[buf.data_ptr()] = nbytes
+        return buf
+
+    def unpin(self, buf: torch.Tensor) -> None:
+        assert buf.data_ptr() in self.pinned, "unpin of a tensor pin() did not return"
+        del self.pinned[buf.data_ptr()]
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.q.put(None)

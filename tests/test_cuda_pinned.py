@@ -1,0 +1,183 @@
+"""The CUDA transport's pinned memory, counted through fake device ops (no GPU): a few blocks of
+exact size, registered in the first step of a chunk layout and never again (none per parameter),
+reported by each drain, within 1.1x of what the rings and the early chunks' places need, and all
+given back on close. The weights stay bitwise those of torch's AdamW on fp32 masters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from _fake_cuda import FakeOps, Log
+
+from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, new_step_tensor
+from offload.pipeline._cuda_transport import CudaTransport
+from offload.pipeline._jobs import ChunkJob, DrainResult
+from offload.pipeline._pinned import PIN_ALIGN
+from offload.pipeline._pipeline import Pipeline
+from offload.state._items import KIND_MP, KIND_TORCH, Item
+from offload.state._slabs import Chunk, HostSlabs, plan_chunks
+
+# bf16 parameters of uneven sizes (chunks of different staging sizes: the ring grows in the first
+# step) and one fp32 parameter (no low-precision place: its weights are downcast from the master)
+SIZES = [700, 1500, 64, 2100, 333, 900]
+FP32 = 4  # index of the fp32 parameter
+STEPS = 5  # the first without early chunks (the hooks count themselves in the first backward)
+HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // PIN_ALIGN) * PIN_ALIGN
+
+
+def _staging(chunk: Chunk, params: list[torch.Tensor]) -> int:
+    return sum(_aligned(v.numel * params[v.slot].element_size()) for v in chunk.views)
+
+
+def _need(chunks: tuple[Chunk, ...], params: list[torch.Tensor], *, plain: bool, slots: int = 2) -> int:
+    """Two rings of ``slots`` slots and a place per bf16 parameter. The gradients' ring as large
+    as the largest chunk's staging; the weights' ring too if a plain step ran in the layout
+    (``plain``), else as large as the largest chunk's fp32 weights (the bf16 ones go up from their
+    places)."""
+    d2h = max(_staging(c, params) for c in chunks)
+    fp32 = [Chunk(c.index, c.group, tuple(v for v in c.views if v.slot == FP32)) for c in chunks]
+    h2d = d2h if plain else max(_staging(c, params) for c in fp32)
+    places = sum(_aligned(p.numel() * p.element_size()) for p in params if p.dtype == torch.bfloat16)
+    return slots * (d2h + h2d) + places
+
+
+@dataclass
+class Run:
+    params: list[torch.Tensor]
+    expected: list[torch.Tensor]
+    chunks: tuple[Chunk, ...]
+    results: list[DrainResult] = field(default_factory=list)
+    write_waits: list[list[tuple[str, object]]] = field(default_factory=list)
+    """Per step with early chunks: the worker's host waits while the weights were written."""
+
+
+def _grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.numel(), generator=gen).to(p.dtype) for p in params]
+
+
+def _train(ops: FakeOps, *, chunk_numel: int, steps: int = STEPS, rechunk_at: int | None = None,
+           first_plain: bool = True) -> Run:
+    """``steps`` steps through the CUDA transport: the first runs every chunk in step(), the
+    others start every chunk during backward (kernel into the pinned places) and write the
+    weights in step(); ``rechunk_at``: the chunk layout halves before that step; not
+    ``first_plain``: the first step starts its chunks during backward too."""
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(n, generator=gen).to(torch.float32 if i == FP32 else torch.bfloat16)
+              for i, n in enumerate(SIZES)]
+    masters = [p.float().clone().requires_grad_(True) for p in params]
+    ref = torch.optim.AdamW(masters, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                            weight_decay=HYPER.weight_decay, fused=True)
+    slabs = HostSlabs([[p.shape for p in params]], speculable=None)
+    for i, p in enumerate(params):
+        slabs.flat("master", i).copy_(p.float())
+    chunks = plan_chunks(list(slabs.slots), chunk_numel)
+    transport = CudaTransport(torch.device("cpu"), slots=2, ops=ops)
+    pipe = Pipeline(slabs, transport, name="pinned-test", kernels=DEFAULT_KERNELS)
+    run = Run(params, [], chunks)
+    steps_t = [new_step_tensor() for _ in params]
+    try:
+        for step in range(steps):
+            if step == rechunk_at:
+                chunks = run.chunks = plan_chunks(list(slabs.slots), chunk_numel // 2)
+                pipe.forget_layout()
+            grads = _grads(step, params)
+            for m, g in zip(masters, grads):
+                m.grad = g.float()
+            ref.step()
+            items = {c.index: [Item(v, params[v.slot], grads[v.slot], steps_t[v.slot],
+                                    KIND_MP if params[v.slot].dtype == torch.bfloat16 else KIND_TORCH)
+                               for v in c.views] for c in chunks}
+            early = step > 0 or not first_plain
+            for c in chunks:  # during backward (early) or in step()
+                pipe.submit(ChunkJob(chunk=c.index, items=items[c.index], hyper=HYPER, threads=1, update=True,
+                                     materialize=not early))
+            if early:
+                run.results.append(pipe.drain())  # the early kernels ran (step() judges them)
+                assert run.results[-1].error is None, run.results[-1].error
+                mark = len(ops.host_waits)
+                for c in chunks:  # step(): the committed chunks' weights go up
+                    pipe.submit(ChunkJob(chunk=c.index, items=items[c.index], hyper=HYPER, threads=1,
+                                         update=False, materialize=True))
+            result = pipe.drain()
+            assert result.error is None, result.error
+            if early:
+                run.write_waits.append(ops.host_waits[mark:])
+            result.last_h2d_event.synchronize()
+            run.results.append(result)
+            for i, (p, m) in enumerate(zip(params, masters)):
+                assert torch.equal(p, m.detach().to(p.dtype)), f"step {step}: parameter {i} differs from torch's AdamW"
+    finally:
+        pipe.close()
+        ops.close()
+    return run
+
+
+@pytest.fixture
+def native(kernel) -> None:
+    """Fused-mp (the native kernel) updates the bf16 parameters: their early weights need places."""
+
+
+def test_registrations_only_in_the_first_step_and_bytes_as_needed(native) -> None:
+    ops = FakeOps(Log(10.0), 0, gate=False)
+    run = _train(ops, chunk_numel=2048)
+    regs = [r.pinned_registrations for r in run.results]  # two drains per step with early chunks
+    assert regs[0] > 0 and regs[1:] == [0] * (len(regs) - 1), f"registrations per drain {regs}: expected some, then 0"
+    assert sum(regs) == ops.registrations
+    need = _need(run.chunks, run.params, plain=True)
+    for r in run.results:
+        assert need <= r.pinned_bytes <= 1.1 * need, (r.pinned_bytes, need)
+    # a few blocks: one per ring slot and one for every early place, not one per parameter
+    assert ops.registrations <= 2 * 2 + 1 + 2, ops.registrations
+    assert not ops.pinned, "close() left pinned blocks registered"
+
+
+def test_a_new_chunk_layout_registers_its_ring_once(native) -> None:
+    ops = FakeOps(Log(10.0), 0, gate=False)
+    run = _train(ops, chunk_numel=4096, steps=6, rechunk_at=3)
+    regs = [r.pinned_registrations for r in run.results]  # drains: 1 for step 0, then 2 per step
+    assert regs[0] > 0 and regs[1:5] == [0] * 4 and sum(regs[5:7]) > 0 and regs[7:] == [0] * 4, regs
+    need = _need(run.chunks, run.params, plain=False)  # the layout of the last steps: smaller chunks
+    assert need <= run.results[-1].pinned_bytes <= 1.1 * need, (run.results[-1].pinned_bytes, need)
+    assert not ops.pinned
+
+
+def test_committed_weight_writes_take_no_ring_slot_when_nothing_is_downcast(native) -> None:
+    """A committed early chunk of bf16 parameters only copies its pinned places up: its weight
+    write neither takes an h2d ring slot nor waits on the host for that slot's previous copy."""
+    ops = FakeOps(Log(10.0), 0, gate=False)
+    run = _train(ops, chunk_numel=1024, steps=4)
+    with_fp32 = [c.index for c in run.chunks if any(v.slot == FP32 for v in c.views)]
+    assert 0 < len(with_fp32) < len(run.chunks)
+    assert len(run.write_waits) == 3
+    for waits in run.write_waits:
+        worker = [label for thread, label in waits if thread == "pinned-test"]
+        # a ring slot is taken (and its previous copy waited for) only for the fp32 weights
+        assert len(worker) <= len(with_fp32), worker
+
+
+def test_early_chunks_in_a_layout_s_first_step_register_a_block_per_chunk_then_none(native) -> None:
+    """Early chunks before any step the transport saw (a layout whose hooks were counted
+    already): a chunk whose places are missing gets one block for all of them (not one per
+    parameter); the next steps' early chunks find their places."""
+    ops = FakeOps(Log(10.0), 0, gate=False)
+    run = _train(ops, chunk_numel=2048, first_plain=False)
+    regs = [r.pinned_registrations for r in run.results]  # two drains per step
+    assert 0 < regs[0] + regs[1] <= 2 * 2 + len(run.chunks) and regs[2:] == [0] * (len(regs) - 2), regs
+    assert not ops.pinned
+
+
+def test_a_place_read_before_it_was_written_is_an_error() -> None:
+    from offload.pipeline._pinned import LowpPlaces, PinnedPool
+    from offload.state._slabs import View
+
+    places = LowpPlaces(PinnedPool(FakeOps(Log(1.0), 0)))
+    item = Item(View(3, 0, 10, whole=True), torch.zeros(10, dtype=torch.bfloat16), None, new_step_tensor(), KIND_MP)
+    with pytest.raises(RuntimeError, match="parameter 3 .* has no pinned place holding its new weights"):
+        places.view(item, for_write=False)
