@@ -138,7 +138,8 @@ class Launcher:
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.settings.threads or 1,
                        update=True, materialize=False, into_next=True, done=threading.Event(),
                        ready_event=ready_event(layout.registry.device))
-        self.speculation.launch(chunk, job, grads, records, state)
+        self.speculation.launch(chunk, job, grads, records, state,
+                                host_weights=pipeline.transport.host_weights)
         pipeline.submit(job)
 
     # ------------------------------------------------------------ step()

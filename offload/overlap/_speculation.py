@@ -162,7 +162,8 @@ class Speculation:
 
     # -------------------------------------------------------------- launch (backward hook)
     def launch(self, chunk: Chunk, job: ChunkJob, grads: Mapping[int, Tensor],
-               records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]]) -> None:
+               records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]], *,
+               host_weights: bool) -> None:
         """On the launching thread, before ``job`` is submitted: the step counters the early
         kernels count (copies: ``optimizer.state`` keeps the committed count until
         :meth:`publish_steps`), and the worker's checksums (:meth:`_before_kernel`)."""
@@ -195,7 +196,7 @@ class Speculation:
         spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in job.items
                       if grads[it.view.slot].device.type != "cuda" or it.kind != KIND_TORCH]
         spec.weighted = {(it.view.slot, it.view.start, it.view.stop) for it in job.items
-                         if it.grad is not None and follows_weights(it)}
+                         if it.grad is not None and follows_weights(it, host_weights)}
         self._launched[chunk.index] = spec
         job.before_kernel = lambda job, spec=spec, chunk=chunk: self._before_kernel(job, spec, chunk)
 

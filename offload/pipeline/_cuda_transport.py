@@ -208,6 +208,7 @@ class CudaTransport:
         #: Jobs whose gradient copies the worker issues ahead of the current chunk's kernel.
         self.lookahead = slots - 1
         self.caller_writes = False  # the h2d ring and streams belong to the worker
+        self.host_weights = False  # the parameters are on the device (a .data edit is not followed)
         self._d2h_stream = self._ops.stream()
         self._h2d_stream = self._ops.stream()
         self.pinned = PinnedPool(self._ops)

@@ -65,6 +65,8 @@ class HostTransport:
     caller_writes: bool = True
     """A committed chunk's weight copy (its per-parameter buffer, or its master, into the
     parameter) may run on the thread calling ``step()``."""
+    host_weights: bool = True
+    """The parameters are host tensors: the kernels compare the masters with them."""
 
     def __init__(self, copy: Any = None) -> None:
         """``copy(dsts, srcs)``: the weight copies of native items (``KernelSet.copy``; None:
@@ -136,7 +138,7 @@ class HostTransport:
             ):
                 return _Prepared(items=items, direct=False, calls=[], index=[], partial=[], whole=[], steps=[])
         calls = build_calls(job, lists.slabs, lists, [grad_operand(it) for it in items],
-                            param_operand, None, kernels)
+                            param_operand, None, kernels, host_weights=True)
         # The templates must not keep this step's gradients alive: their place is filled per step.
         calls = [(kind, fn, (args[0], [], *args[2:])) for kind, fn, args in calls]
         kinds = sorted({it.kind for it in items})

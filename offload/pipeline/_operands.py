@@ -126,6 +126,8 @@ def build_calls(
     lowp_out: Callable[[Item], Tensor],
     f32_out: Callable[[Item], Tensor | None] | None,
     kernels: KernelSet,
+    *,
+    host_weights: bool,
 ) -> list[Call]:
     """The kernel calls of ``job``, one per kind of item it holds (usually one).
 
@@ -140,8 +142,9 @@ def build_calls(
     (``into=``); torch's kernel, which updates in place, gets the second generation's views after
     a copy of the committed state into them.
 
-    Host items of a low-precision parameter (:func:`follows_weights`) first compare their masters
-    with the live weights (an edit through ``.data``: ``offload.state._edits``): the native kernel
+    With ``host_weights`` (the transport's: the parameters are host tensors), items of a
+    low-precision parameter (:func:`follows_weights`) first compare their masters with the live
+    weights (an edit through ``.data``: ``offload.state._edits``): the native kernel
     in its pass (``follow=True`` where it writes the weights itself, else ``seen=``), torch's
     kernel by :func:`offload.kernels._adamw.follow_weights` before it runs.
     """
@@ -176,7 +179,7 @@ def build_calls(
             fn: Any = kernels.mixed_precision_adamw
             if into:
                 fn = functools.partial(fn, into=into)
-            if follows_weights(its[0]):  # (a chunk's parameters share one device)
+            if follows_weights(its[0], host_weights):
                 fn = (functools.partial(fn, follow=True) if job.materialize
                       else functools.partial(fn, seen=[param_operand(it) for it in its]))
             calls.append((kind, fn, (outs, gs, masters, slab["exp_avg"], slab["exp_avg_sq"], steps)))
@@ -187,7 +190,7 @@ def build_calls(
                         if kind == KIND_F32 and f32_out is not None else [])
             if f32_outs and all(o is not None for o in f32_outs):
                 fn = functools.partial(kernels.native_adamw_f32, outs=f32_outs)
-            follow = [i for i, it in enumerate(its) if kind == KIND_TORCH and follows_weights(it)]
+            follow = [i for i, it in enumerate(its) if kind == KIND_TORCH and follows_weights(it, host_weights)]
             if follow:
                 fn = _follow_first(fn, [masters[i].view(-1) for i in follow], [param_view(its[i]) for i in follow])
             if into:

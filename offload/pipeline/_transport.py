@@ -33,6 +33,10 @@ class Transport(Protocol):
     """The weights of a committed early chunk may be written by the thread that calls ``step()``
     (``Pipeline.write_committed``) while the worker still runs later chunks' kernels: the host
     transport's copies touch nothing the worker's jobs of other chunks use."""
+    host_weights: bool
+    """The parameters are host tensors the kernels may read: a low-precision parameter's master is
+    compared with its live weight in the kernel's pass (an edit through ``.data``,
+    ``offload.state._items.follows_weights``). False on CUDA: the weights are on the device."""
 
     def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
         """On the submitting thread: optionally set ``job.calls``/``job.call_steps`` ahead."""

@@ -176,7 +176,7 @@ class Worker:
             transport = self.transport
             calls = build_calls(
                 job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it),
-                lambda it: transport.f32_out(job, it), self.kernels,
+                lambda it: transport.f32_out(job, it), self.kernels, host_weights=transport.host_weights,
             )
         if steps_of is None:
             steps_of = call_steps(job.items, calls)

@@ -65,11 +65,12 @@ class Item:
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def follows_weights(it: Item) -> bool:
+def follows_weights(it: Item, host_weights: bool) -> bool:
     """Whether the item's kernel compares its fp32 master with the live weight (an edit through
     ``.data`` that no version counter shows, ``offload.state._edits``): a low-precision parameter
-    on the host, whose master is separate. (A CUDA parameter's weights are not on the host.)"""
-    return it.param.dtype in LOWP_DTYPES and it.param.device.type == "cpu"
+    (its master is separate) whose weights the kernel can read, those of a transport with
+    ``host_weights`` (``offload.pipeline._transport.Transport``; a CUDA model's are on the device)."""
+    return host_weights and it.param.dtype in LOWP_DTYPES
 
 
 def item_kind(kernel: str, param_dtype: torch.dtype, grad_dtype: torch.dtype | None) -> ItemKind:
