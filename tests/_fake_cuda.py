@@ -78,6 +78,8 @@ class FakeOps:
         """Blocks pinned so far."""
         self.host_waits: list[tuple[str, Any]] = []
         """(thread name, event label) of every ``synchronize`` of an event these ops made."""
+        self.copy_calls: list[int] = []
+        """Per call of :meth:`copies`: how many copies it queued."""
 
     def stream(self) -> FakeStream:
         s = FakeStream()
@@ -102,10 +104,13 @@ class FakeOps:
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
         stream.q.put(event.synchronize)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream, *,
-             span: tuple[int, int] | None = None) -> None:
+    def copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: FakeStream, *,
+               spans: list[tuple[int, int]] | None = None) -> None:
+        self.copy_calls.append(len(dsts))
+
         def run() -> None:  # in stream order, as on a device: a span is taken after the stream's waits
-            dst.copy_(src if span is None else src.reshape(-1)[span[0]:span[1]])
+            for i, (dst, src) in enumerate(zip(dsts, srcs)):
+                dst.copy_(src if spans is None else src.reshape(-1)[spans[i][0]:spans[i][1]])
 
         stream.q.put(run)
 

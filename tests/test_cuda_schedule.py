@@ -75,8 +75,8 @@ def _run(kind: int, *, lookahead: int | None = None, timeout_s: float = 10.0,
         transport.lookahead = lookahead
     # Hold the worker at its first copy until every job is queued (as step() queues them at once).
     queued = threading.Event()
-    real_copy = ops.copy
-    ops.copy = lambda dst, src, stream, **kw: (queued.wait(30), real_copy(dst, src, stream, **kw))[1]  # type: ignore[method-assign]
+    real_copies = ops.copies
+    ops.copies = lambda dsts, srcs, stream, **kw: (queued.wait(30), real_copies(dsts, srcs, stream, **kw))[1]  # type: ignore[method-assign]
     pipe = Pipeline(slabs, transport, name="schedule-test", kernels=kernels)
     try:
         hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
@@ -191,13 +191,13 @@ def test_a_non_contiguous_gradient_is_read_after_the_launch_event_on_the_copy_st
     pipe = Pipeline(slabs, transport, name="ready-event-test", kernels=DEFAULT_KERNELS)
     ready = FakeEvent(("ready", 0, "end"))
     issued = threading.Event()  # the worker has issued the gradient's copy
-    real_copy = ops.copy
+    real_copies = ops.copies
 
-    def copy(dst: torch.Tensor, src: torch.Tensor, stream: FakeStream, **kw: Any) -> None:
-        real_copy(dst, src, stream, **kw)
+    def copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: FakeStream, **kw: Any) -> None:
+        real_copies(dsts, srcs, stream, **kw)
         issued.set()
 
-    ops.copy = copy  # type: ignore[method-assign]
+    ops.copies = copies  # type: ignore[method-assign]
     try:
         hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
         (view,) = chunk.views

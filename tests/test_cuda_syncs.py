@@ -3,7 +3,8 @@ device ops (no GPU): chunks started from a backward hook's thread and the jobs a
 ``step()`` make no host wait on a device event and call nothing that syncs on a device tensor
 (``.item()``, ``.cpu()``, ``.tolist()``, ``torch.tensor(..., device=...)``, ...). The worker waits
 only for its own copies (a chunk's gradients before its kernel, a ring slot's previous copy
-before reusing it), a bounded number per chunk."""
+before reusing it), a bounded number per chunk, and queues each chunk's copies of one direction
+in one call (one stream context, not one per tensor)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,6 @@ def test_hooks_and_step_make_no_host_device_sync_and_the_worker_waits_only_for_i
     # per job: its gradients' arrival and at most one ring slot's previous copy (plus the
     # step's end: stray gradient copies and the ring brought to size)
     assert len(worker) <= 2 * jobs + 4 * 2 * 2, (len(worker), jobs)
+    # one call per chunk and direction, whatever its number of tensors
+    per_chunk = [len(c.views) for c in chunks]
+    assert ops.copy_calls == per_chunk * 8, ops.copy_calls

@@ -70,10 +70,12 @@ class DeviceOps(Protocol):
 
     def wait(self, stream: Any, event: Any) -> None: ...
 
-    def copy(self, dst: Tensor, src: Tensor, stream: Any, *, span: tuple[int, int] | None = None) -> None:
-        """``dst.copy_(src)`` on ``stream``; ``span``: elements ``start:stop`` of ``src`` flattened,
-        taken on the stream (after its waits), so the dense copy a non-contiguous ``src`` needs
-        reads the gradient the stream waited for and lives until the copy ran."""
+    def copies(self, dsts: list[Tensor], srcs: list[Tensor], stream: Any, *,
+               spans: list[tuple[int, int]] | None = None) -> None:
+        """``dsts[i].copy_(srcs[i])`` for every ``i``, in order, on ``stream`` (one call per chunk and
+        direction); ``spans[i]``: elements ``start:stop`` of ``srcs[i]`` flattened, taken on the
+        stream (after its waits), so the dense copy a non-contiguous source needs reads the
+        gradient the stream waited for and lives until the copy ran."""
         ...
 
     def pin(self, nbytes: int) -> Tensor:
@@ -127,11 +129,16 @@ class TorchCudaOps:
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def copy(self, dst: Tensor, src: Tensor, stream: Any, *, span: tuple[int, int] | None = None) -> None:
+    def copies(self, dsts: list[Tensor], srcs: list[Tensor], stream: Any, *,
+               spans: list[tuple[int, int]] | None = None) -> None:
+        # One stream context per chunk, and the copies from C++ (torch's foreach copy falls back to
+        # a loop of copy_ across devices): no Python per copy but the spans' views.
+        if not dsts:  # (torch's foreach ops refuse empty lists)
+            return
         with torch.cuda.stream(stream):
-            if span is not None:  # made on this stream: ordered after its waits, kept until the copy ran
-                src = src.detach().reshape(-1)[span[0]:span[1]]
-            dst.copy_(src, non_blocking=True)
+            if spans is not None:  # made on this stream: ordered after its waits, kept until the copies ran
+                srcs = [s.detach().reshape(-1)[a:b] for s, (a, b) in zip(srcs, spans)]
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     def pin(self, nbytes: int) -> Tensor:
         page = mmap.PAGESIZE
@@ -234,11 +241,9 @@ class CudaTransport:
             if job.ready_event is not None:
                 ops.wait(stream, job.ready_event)
             ops.record(start, stream)
-            staged = []
-            for it, off, dtype in zip(job.items, offsets, dtypes):
-                dst = _staged(buf, off, it.view.numel, dtype)
-                ops.copy(dst, it.grad, stream, span=(it.view.start, it.view.stop))  # type: ignore[arg-type]
-                staged.append(dst)
+            staged = [_staged(buf, off, it.view.numel, dtype) for it, off, dtype in zip(job.items, offsets, dtypes)]
+            ops.copies(staged, [it.grad for it in job.items], stream,  # type: ignore[misc]
+                       spans=[(it.view.start, it.view.stop) for it in job.items])
             ops.record(end, stream)
             self._d2h.used_by(slot, end)
         job.transfer = (staged, start, end, t_issue)
@@ -327,8 +332,7 @@ class CudaTransport:
             if job.write_event is not None:
                 ops.wait(stream, job.write_event)
             ops.record(start, stream)
-            for it, src in zip(job.items, staged):
-                ops.copy(it.param.detach().view(-1)[it.view.start : it.view.stop], src, stream)
+            ops.copies([it.param.detach().view(-1)[it.view.start : it.view.stop] for it in job.items], staged, stream)
             ops.record(end, stream)
             if slot is not None:
                 self._h2d.used_by(slot, end)
