@@ -5,7 +5,8 @@
 #   2. python -m bench.bandwidth --device cuda (50M parameters, fp32 and bf16, 2 thread counts),
 #   3. python -m bench.device_checks (python -m bench.device_checks --list says what each asserts):
 #      races (in-place gradient changes queued behind a GPU sleep, step() without a sync, A -> B
-#      -> A), commits asserted, host-device syncs counted in an overlapped backward and a clip,
+#      -> A), commits asserted, weights edited through .data followed (bf16/fp16, overlap on and
+#      off), host-device syncs counted in an overlapped backward and a clip,
 #      GradScaler fp16 with overflow steps, peak GPU memory of a 256M-element parameter's
 #      backward + clip + step, a ~1B bf16 model's backward and step with and without overlap;
 #      then FSDP2 with overlap and DDP with attach_ddp under NCCL (torchrun, 1 process),
@@ -36,7 +37,7 @@ TRAIN="-m bench.train --device cuda --model-size 125m --batch-size 8 --seq-len 5
 STEPS=(
   "pytest|130|-m pytest -q -rs -p no:cacheprovider -k cuda $CUDA_TESTS --junitxml $OUT/pytest.xml"
   "bandwidth|45|-m bench.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 1 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
-  "checks|150|-m bench.device_checks --device cuda races commits syncs scaler memory timing"
+  "checks|150|-m bench.device_checks --device cuda races commits data_edits syncs scaler memory timing"
   "checks-dist|50|-m torch.distributed.run --nproc-per-node 1 -m bench.device_checks --device cuda dist"
   "train-overlap-clip|45|$TRAIN --overlap-backward --clip-grad-norm 1.0 --summary-json $OUT/train-overlap-clip.json"
   "train-overlap-clip-amp|40|$TRAIN --overlap-backward --clip-grad-norm 1.0 --amp fp16 --summary-json $OUT/train-overlap-clip-amp.json"

@@ -136,6 +136,47 @@ def check_commits(device: str) -> dict[str, Any]:
     return out
 
 
+def check_data_edits(device: str) -> dict[str, Any]:
+    """Weights edited through ``.data`` (WGAN's ``p.data.clamp_()``: no version counter the optimizer
+    sees), after ``step()`` and once between backward and ``step()``: bitwise the same loop with the
+    edit made under ``no_grad`` (which the version counters show), bf16 and fp16, overlap off and
+    on. On CUDA the device checksums of the written weights find it (``offload.state._device_edits``),
+    on the host the kernel's comparison."""
+    from offload import CPUOffloadAdamW, OffloadSettings
+
+    out: dict[str, Any] = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for overlap in (False, True):
+            models = []
+            for how in ("no_grad", "data"):
+                model = _model(device, dtype)
+                opt = CPUOffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_backward=overlap,
+                                      settings=OffloadSettings(threads=2, chunk_numel=1 << 15))
+
+                def clamp(model: nn.Module = model, how: str = how) -> None:
+                    for p in model.parameters():
+                        if how == "data":
+                            p.data.clamp_(-0.03, 0.03)
+                        else:
+                            with torch.no_grad():
+                                p.clamp_(-0.03, 0.03)
+
+                for step in range(5):
+                    opt.zero_grad()
+                    model(_batch(device, dtype, step)).float().square().mean().backward()
+                    if step == 3:
+                        clamp()  # between backward and step(): early chunks must not be kept
+                    opt.step()
+                    clamp()
+                models.append(model)
+                opt.close()
+            bad = [name for (name, a), b in zip(models[0].named_parameters(), models[1].parameters())
+                   if not torch.equal(a.detach().cpu().view(torch.int16), b.detach().cpu().view(torch.int16))]
+            out[f"{dtype}-overlap={overlap}"] = {"differs": bad[:5]}
+            assert not bad, f"{dtype} overlap={overlap}: a .data edit was lost in {bad[:5]}"
+    return out
+
+
 def check_syncs(device: str) -> dict[str, Any]:
     """Host-device syncs during an overlapped backward (expected none: hooks only enqueue) and
     during ``opt.clip_grad_norm_`` (counted), with ``torch.cuda.set_sync_debug_mode("warn")``."""
@@ -305,6 +346,7 @@ def check_dist(device: str) -> dict[str, Any]:
 CHECKS: dict[str, Callable[[str], dict[str, Any]]] = {
     "races": check_races,
     "commits": check_commits,
+    "data_edits": check_data_edits,
     "syncs": check_syncs,
     "scaler": check_scaler,
     "memory": check_memory,

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -488,12 +488,13 @@ class CPUOffloadAdamW(Optimizer):
         event = ready_event(self._layout.registry.device)
         try:
             grads = collect_grads(self._layout, self.state)
-            late = early.late_edits() if early is not None else []
+            unseen = self._layout.device_weights.changed(self._layout.records, grads)  # CUDA: .data edits
+            late = sorted({*early.late_edits(), *unseen}) if early is not None else []
             if late or self._layout.recheck_masters:
                 self._abandon_early("step() (weights edited after backward started chunks)")
             # Edits of parameters no early chunk holds (the others were just abandoned): before the
             # early chunks are judged, since a committed chunk's weights are written at once.
-            self._follow_edits(grads)
+            self._follow_edits(grads, unseen)
             committed, speculated, out_of_place = early.start_step(
                 hyper_now=hyper_now, late=late, threads=threads, event=event) if early is not None else ({}, 0, set())
         except BaseException:
@@ -515,6 +516,7 @@ class CPUOffloadAdamW(Optimizer):
         if result.error is not None:
             raise result.error
         record(layout.records, grads)  # our writes bumped the versions
+        layout.device_weights.record(layout.records, grads)  # (CUDA, after the copies: no sync)
         t1 = time.perf_counter()
         self._stats = StatsBuilder(
             result.records, t0, step_s=t1 - t0, drain_s=result.wait_s, threads=threads,
@@ -522,15 +524,18 @@ class CPUOffloadAdamW(Optimizer):
             kernel="fused-mp" if sub.native else "torch", speculated_chunks=speculated,
             committed_chunks=len(committed), speculation_paused=early is not None and early.paused)
 
-    def _follow_edits(self, grads: dict[int, Tensor]) -> None:
-        """Parameters edited since our last write: their masters follow them (``offload.state._edits``);
-        masters loaded by ``load_state_dict`` are checked against their parameters."""
+    def _follow_edits(self, grads: dict[int, Tensor], unseen: Sequence[int] = ()) -> None:
+        """Parameters edited since our last write: their masters follow them (``offload.state._edits``;
+        ``unseen``: device weights whose content changed, ``offload.state._device_edits``); masters
+        loaded by ``load_state_dict`` are checked against their parameters."""
         layout = self._layout
         if layout.recheck_masters:
             slots, layout.recheck_masters = layout.recheck_masters, set()
             if drop_equal_masters(layout.records, layout.slabs, slots):
                 self._relayout()
         self._sync_edits(grads)
+        if unseen:
+            reseed(self._layout.records, self._layout.slabs, (), also=unseen)
 
     def _sync_edits(self, slots: Iterable[int]) -> None:
         """The edited parameters among ``slots``: their masters follow them, and their state

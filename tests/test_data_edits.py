@@ -20,6 +20,8 @@ from test_weight_edits import _check, _EditAwareReference
 from offload import CPUOffloadAdamW, OffloadSettings
 from offload.kernels._adamw import Hyper, follow_weights, mixed_precision_adamw_
 from offload.kernels._grad_stats import checksums_reference
+from offload.state._device_edits import DeviceWeightSums
+from offload.state._params import ParamRegistry
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 
@@ -183,3 +185,22 @@ def test_kernel_names_a_seen_tensor_of_the_wrong_size() -> None:
                                                                       weight_decay=0.0, eps=1e-8),
                                seen=[weight[:63]])
     assert float(step) == 0.0  # refused before anything was written
+
+
+# ---------------------------------------------------------------- CUDA models: by device checksums
+def test_device_weight_sums_find_a_data_edit_and_nothing_else() -> None:
+    """The CUDA path's watch (offload.state._device_edits), run on host tensors: after the step
+    wrote the weights their checksums are recorded; a .data edit of one weight is found at the next
+    step, an untouched weight is not, and a weight never recorded is not compared."""
+    model = make_model(torch.bfloat16)
+    records = ParamRegistry(param_groups(model)).records
+    sums = DeviceWeightSums(watched=lambda t: True)
+    slots = [r.slot for r in records]
+    sums.record(records, slots[:-1])
+    assert sums.changed(records, slots) == []
+    records[2].param.data.mul_(0.5)
+    records[-1].param.data.mul_(0.5)  # never recorded: nothing to compare with
+    assert sums.changed(records, slots) == [2]
+    sums.record(records, [2])  # the step wrote it again
+    assert sums.changed(records, slots) == []
+    assert DeviceWeightSums().changed(records, slots) == []  # host tensors are not watched by default

@@ -16,10 +16,10 @@ from bench import device_checks
 REPO = Path(__file__).absolute().parents[1]
 
 
-def test_races_and_commits_hold_on_the_host(capsys) -> None:
-    assert device_checks.main(["--device", "cpu", "races", "commits"]) == 0
+def test_races_commits_and_data_edits_hold_on_the_host(capsys) -> None:
+    assert device_checks.main(["--device", "cpu", "races", "commits", "data_edits"]) == 0
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["check"] for r in results] == ["races", "commits"] and all(r["ok"] for r in results)
+    assert [r["check"] for r in results] == ["races", "commits", "data_edits"] and all(r["ok"] for r in results)
     commits = results[1]
     assert all(s == c > 0 for s, c in commits["torch.float32"]["speculated/committed"])
 

@@ -138,7 +138,7 @@ class HostTransport:
             ):
                 return _Prepared(items=items, direct=False, calls=[], index=[], partial=[], whole=[], steps=[])
         calls = build_calls(job, lists.slabs, lists, [grad_operand(it) for it in items],
-                            param_operand, None, kernels, host_weights=True)
+                            param_operand, None, kernels, host_weights=self.host_weights)
         # The templates must not keep this step's gradients alive: their place is filled per step.
         calls = [(kind, fn, (args[0], [], *args[2:])) for kind, fn, args in calls]
         kinds = sorted({it.kind for it in items})

@@ -22,6 +22,12 @@ extra precision (they restart from the low-precision value); unchanged elements 
 loading the same weights back (e.g. model then optimizer checkpoint, in either order) costs
 nothing. The moments (``exp_avg``, ``exp_avg_sq``) and ``step`` are kept, as torch keeps them.
 
+Edits these counters cannot see (through ``p.data``, which has a counter of its own) are found
+by content: on the host by the kernel, which compares every master with its live weight in its
+pass (``offload.kernels._adamw.mixed_precision_adamw_``, ``seen=``); on CUDA by device checksums
+of the weights written (``offload.state._device_edits``), whose slots :func:`reseed` takes as
+``also``.
+
 A CPU fp32 parameter that is its own master (no master slab place, see offload.state._slabs) has
 nothing to re-seed; the optimizer re-makes its state entry (``.data`` may be new storage) and,
 if it is no longer fp32, first gives it a master seeded from the fp32 storage it had
@@ -82,12 +88,15 @@ def check_edited_dtype(rec: ParamRecord) -> None:
     check_dtype(f"{rec.name} (its .data was replaced since the last step)", rec.local())
 
 
-def reseed(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int]) -> list[int]:
-    """Re-seed the masters of the edited parameters among ``slots`` (see the module doc).
+def reseed(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int], *,
+           also: Iterable[int] = ()) -> list[int]:
+    """Re-seed the masters of the edited parameters among ``slots`` (see the module doc), and of
+    ``also`` (edited by content, whatever their stamps: ``offload.state._device_edits``).
 
     Returns the slots re-seeded; they are recorded as agreeing with their masters.
     """
     found = edited(records, slots)
+    found += [s for s in also if s not in found]
     for slot in found:  # before any write (also from a backward hook: overlap_backward)
         check_edited_dtype(records[slot])
     for slot in found:

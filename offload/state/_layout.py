@@ -29,6 +29,7 @@ from typing import Any, Callable
 from torch import Tensor
 
 from offload.kernels._adamw import new_step_tensor
+from offload.state._device_edits import DeviceWeightSums
 from offload.state._dtensor import local
 from offload.state._items import ItemCache
 from offload.state._masters import init_state, own_master_flags, state_entry
@@ -84,6 +85,8 @@ class HostLayout:
     """The Items of every chunk, reused from step to step."""
     recheck_masters: set[int] = field(default_factory=set)
     """Slots given a master by ``load_state_dict``: re-checked at the next step."""
+    device_weights: DeviceWeightSums = field(default_factory=DeviceWeightSums)
+    """The device checksums of the weights last written (CUDA: ``.data`` edits found by content)."""
 
     @classmethod
     def build(cls, param_groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], *,
