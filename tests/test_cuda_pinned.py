@@ -5,6 +5,10 @@ given back on close. The weights stay bitwise those of torch's AdamW on fp32 mas
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import gc
+import mmap
 from dataclasses import dataclass, field
 
 import pytest
@@ -181,3 +185,72 @@ def test_a_place_read_before_it_was_written_is_an_error() -> None:
     item = Item(View(3, 0, 10, whole=True), torch.zeros(10, dtype=torch.bfloat16), None, new_step_tensor(), KIND_MP)
     with pytest.raises(RuntimeError, match="parameter 3 .* has no pinned place holding its new weights"):
         places.view(item, for_write=False)
+
+
+class _Cudart:
+    """``torch.cuda.cudart()``'s two calls the real ops make, recorded (``fail``: what to return)."""
+
+    class cudaError(enum.IntEnum):  # noqa: N801 - torch's name
+        success = 0
+        invalid_value = 1
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.fail: dict[str, _Cudart.cudaError] = {}
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int):  # noqa: N802 - torch's name
+        self.calls.append(("register", ptr, size, flags))
+        return self.fail.get("register", self.cudaError.success)
+
+    def cudaHostUnregister(self, ptr: int):  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return self.fail.get("unregister", self.cudaError.success)
+
+    def cudaGetErrorString(self, err) -> str:  # noqa: N802
+        return f"error {err.name}"
+
+
+@pytest.fixture
+def cudart(monkeypatch) -> _Cudart:
+    """TorchCudaOps' pinning on the CPU: torch's cudart and device guard replaced (torch's names)."""
+    fake = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return fake
+
+
+def test_real_ops_register_whole_page_aligned_pages_and_unregister_them(cudart) -> None:
+    from offload.pipeline._cuda_transport import TorchCudaOps
+
+    ops = TorchCudaOps(torch.device("cuda", 0))
+    page = mmap.PAGESIZE
+    buf = ops.pin(3 * page + 5)
+    ((kind, ptr, size, flags),) = cudart.calls
+    assert (kind, flags) == ("register", 0) and ptr % page == 0 and size == 4 * page
+    assert buf.data_ptr() == ptr and buf.numel() == size and buf.dtype == torch.uint8
+    buf[:] = 7  # the memory is ours to write
+    ops.unpin(buf)
+    assert cudart.calls[-1] == ("unregister", ptr)
+    with pytest.raises(ValueError, match="unpin of a tensor at 0x[0-9a-f]+: expected one that pin"):
+        ops.unpin(buf)
+
+
+def test_real_ops_name_a_failed_unregistration(cudart) -> None:
+    from offload.pipeline._cuda_transport import TorchCudaOps
+
+    ops = TorchCudaOps(torch.device("cuda", 0))
+    buf = ops.pin(100)
+    cudart.fail["unregister"] = _Cudart.cudaError.invalid_value
+    with pytest.raises(RuntimeError, match=r"cudaHostUnregister of the block at 0x[0-9a-f]+ failed: "
+                                           r"error invalid_value \(1\); expected success"):
+        ops.unpin(buf)
+
+
+def test_real_ops_collected_with_blocks_unregister_them(cudart) -> None:
+    from offload.pipeline._cuda_transport import TorchCudaOps
+
+    ops = TorchCudaOps(torch.device("cuda", 0))
+    ptrs = [ops.pin(n).data_ptr() for n in (10, 20000)]
+    del ops
+    gc.collect()
+    assert sorted(c[1] for c in cudart.calls if c[0] == "unregister") == sorted(ptrs)

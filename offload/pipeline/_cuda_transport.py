@@ -90,12 +90,16 @@ class DeviceOps(Protocol):
 
 
 def _unregister_all(blocks: dict[int, tuple[Tensor, bool]]) -> None:
-    """Backstop of a :class:`TorchCudaOps` collected with blocks still registered: unregister
-    them before their memory can be freed (the dict holds it until then)."""
-    cudart = torch.cuda.cudart()
-    for ptr, (_, registered) in list(blocks.items()):
-        if registered:
-            cudart.cudaHostUnregister(ptr)
+    """Backstop of a :class:`TorchCudaOps` collected with blocks still registered (its transport
+    was not closed): unregister them before their memory can be freed (the dict holds it until
+    then)."""
+    try:
+        cudart = torch.cuda.cudart()
+        for ptr, (_, registered) in list(blocks.items()):
+            if registered:
+                cudart.cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - a finalizer must not raise
+        logger.debug("unregistering pinned blocks at collection failed", exc_info=True)
     blocks.clear()
 
 
@@ -154,7 +158,7 @@ class TorchCudaOps:
                 err = cudart.cudaHostRegister(buf.data_ptr(), size, 0)
             if err == cudart.cudaError.success:
                 self._blocks[buf.data_ptr()] = (raw, True)
-                return buf[:nbytes]
+                return buf  # all of it: the bytes reported are the bytes registered
             self._register = False
             logger.warning(
                 "cudaHostRegister of %d bytes failed: %s (%d); pinned staging falls back to torch's "
@@ -162,7 +166,7 @@ class TorchCudaOps:
                 size, cudart.cudaGetErrorString(err), int(err))
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
         self._blocks[buf.data_ptr()] = (buf, False)
-        return buf[:nbytes]
+        return buf
 
     def unpin(self, buf: Tensor) -> None:
         ptr = buf.data_ptr()
