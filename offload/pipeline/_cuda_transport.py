@@ -199,6 +199,12 @@ def _staged(buf: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
     return buf[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
+def _downcast(dsts: list[Tensor], srcs: list[Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` (masters into the weights' dtype, on the host) in one call."""
+    if dsts:  # (torch's foreach ops refuse empty lists)
+        torch._foreach_copy_(dsts, srcs)
+
+
 class CudaTransport:
     """Parameters on one CUDA device (see the module doc for the schedule).
 
@@ -303,12 +309,9 @@ class CudaTransport:
         with ops.context():
             if job.staging is not None:  # the kernel of this job wrote its native items' weights
                 written = {id(it) for it in job.items if it.kind} if job.kernel_ran else set()
-                staged = []
-                for it in job.items:
-                    dst = self._slot_view(job, it)
-                    if id(it) not in written:
-                        dst.copy_(master(it.view))
-                    staged.append(dst)
+                staged = [self._slot_view(job, it) for it in job.items]
+                _downcast([dst for it, dst in zip(job.items, staged) if id(it) not in written],
+                          [master(it.view) for it in job.items if id(it) not in written])
                 slot = job.staging[0]
                 job.staging = None
                 lowp_used = False
@@ -320,10 +323,9 @@ class CudaTransport:
                     dtypes = [it.param.dtype for it in downcast]
                     offsets, nbytes = _staging_layout(downcast, dtypes)
                     slot, buf = self._h2d.take(nbytes)
-                    for it, off, dtype in zip(downcast, offsets, dtypes):
-                        dst = _staged(buf, off, it.view.numel, dtype)
-                        dst.copy_(master(it.view))
-                        by_item[id(it)] = dst
+                    dsts = [_staged(buf, off, it.view.numel, dtype) for it, off, dtype in zip(downcast, offsets, dtypes)]
+                    _downcast(dsts, [master(it.view) for it in downcast])
+                    by_item = {id(it): dst for it, dst in zip(downcast, dsts)}
                 # fused-mp items of a chunk started during backward: their pinned places.
                 staged = [
                     by_item[id(it)] if it.kind != KIND_MP else self._lowp.view(it, for_write=False)
