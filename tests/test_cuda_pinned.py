@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import logging
 import mmap
 from dataclasses import dataclass, field
 
@@ -254,3 +255,13 @@ def test_real_ops_collected_with_blocks_unregister_them(cudart) -> None:
     del ops
     gc.collect()
     assert sorted(c[1] for c in cudart.calls if c[0] == "unregister") == sorted(ptrs)
+
+
+def test_a_step_that_registers_says_what_the_pinned_memory_is_for(native, caplog) -> None:
+    ops = FakeOps(Log(10.0), 0, gate=False)
+    with caplog.at_level(logging.INFO, logger="offload.pipeline._cuda_transport"):
+        run = _train(ops, chunk_numel=2048, steps=3)
+    lines = [r.getMessage() for r in caplog.records if "pinned host memory" in r.getMessage()]
+    assert len(lines) == 1, lines  # the first step only
+    assert f"early weights of {len(SIZES) - 1} parameters" in lines[0] and "gradient ring" in lines[0]
+    assert f"{run.results[0].pinned_bytes / 2**20:.1f} MiB of pinned host memory" in lines[0]

@@ -365,8 +365,14 @@ class CudaTransport:
         return last
 
     def pinned_stats(self) -> tuple[int, int]:
-        """(pinned bytes held, blocks registered since the previous call): read at each step's end."""
+        """(pinned bytes held, blocks registered since the previous call): read at each step's end;
+        a step that registered blocks says what the memory is for, once, in the log."""
         made, self._counted = self.pinned.registrations - self._counted, self.pinned.registrations
+        if made:
+            logger.info("CUDA transport: %.1f MiB of pinned host memory in %d registrations (%d this step): "
+                        "gradient ring %.1f MiB, weight ring %.1f MiB, early weights of %d parameters %.1f MiB",
+                        self.pinned.nbytes / 2**20, self.pinned.registrations, made, self._d2h.nbytes / 2**20,
+                        self._h2d.nbytes / 2**20, self._lowp.places, self._lowp.nbytes / 2**20)
         return self.pinned.nbytes, made
 
     def forget(self) -> None:

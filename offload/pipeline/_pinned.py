@@ -111,6 +111,11 @@ class Ring:
     def used_by(self, slot: int, event: Any) -> None:
         self._last[slot] = event
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slots' blocks."""
+        return sum(b.numel() for b in self._bufs if b is not None)
+
     def settle(self) -> None:
         """At a step's end: every slot as large as the largest request so far, so a slot this step
         did not reach registers nothing in a later step (waits for the last copy of a slot it
@@ -204,6 +209,11 @@ class LowpPlaces:
     def places(self) -> int:
         """Parameters with a place."""
         return len(self._place)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks holding the places."""
+        return sum(b.numel() for b in self._blocks)
 
     def release(self) -> None:
         """Wait for every place's last copy, then give every block back."""
