@@ -59,6 +59,8 @@ class Run:
     chunks: tuple[Chunk, ...]
     results: list[DrainResult] = field(default_factory=list)
     write_waits: list[list[tuple[str, object]]] = field(default_factory=list)
+    forget_waits: int = 0
+    """Host waits while the layout was forgotten (rechunk)."""
     """Per step with early chunks: the worker's host waits while the weights were written."""
 
 
@@ -91,7 +93,9 @@ def _train(ops: FakeOps, *, chunk_numel: int, steps: int = STEPS, rechunk_at: in
         for step in range(steps):
             if step == rechunk_at:
                 chunks = run.chunks = plan_chunks(list(slabs.slots), chunk_numel // 2)
+                before = len(ops.host_waits)
                 pipe.forget_layout()
+                run.forget_waits = len(ops.host_waits) - before
             grads = _grads(step, params)
             for m, g in zip(masters, grads):
                 m.grad = g.float()
@@ -148,6 +152,7 @@ def test_a_new_chunk_layout_registers_its_ring_once(native) -> None:
     run = _train(ops, chunk_numel=4096, steps=6, rechunk_at=3)
     regs = [r.pinned_registrations for r in run.results]  # drains: 1 for step 0, then 2 per step
     assert regs[0] > 0 and regs[1:5] == [0] * 4 and sum(regs[5:7]) > 0 and regs[7:] == [0] * 4, regs
+    assert run.forget_waits == 0  # the old blocks are replaced by the worker, after their last copies
     need = _need(run.chunks, run.params, plain=False)  # the layout of the last steps: smaller chunks
     assert need <= run.results[-1].pinned_bytes <= 1.1 * need, (run.results[-1].pinned_bytes, need)
     assert not ops.pinned

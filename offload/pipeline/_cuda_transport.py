@@ -377,11 +377,10 @@ class CudaTransport:
 
     def forget(self) -> None:
         """The chunk layout changed (between steps): the ring's blocks, sized for the old chunks,
-        are given back after their last copies (the next step registers blocks for the new ones);
-        the places per parameter stay."""
-        with self._ops.context():
-            self._d2h.release()
-            self._h2d.release()
+        are replaced in the next step by blocks for the new ones (by the worker, after each
+        block's last copy: nothing waits here); the places per parameter stay."""
+        self._d2h.renew()
+        self._h2d.renew()
 
     def close(self) -> None:
         """The worker has stopped: wait for the last copies, then give every pinned block back."""

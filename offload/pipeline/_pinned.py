@@ -13,8 +13,8 @@ bytes held and the registrations made, which each step reports (``StepStats.pinn
 Two users, both sized once per chunk layout:
 
 * :class:`Ring`: one block per slot, as large as the largest chunk's staging (grown, exactly, while
-  the first step of a layout meets larger chunks, and every slot at that step's end; released when
-  the layout changes).
+  the first step of a layout meets larger chunks, and every slot at that step's end; replaced in
+  the first step of a new layout).
 * :class:`LowpPlaces`: where a chunk started during backward keeps its low-precision weights until
   ``step()`` writes them (fused-mp on bf16/fp16 parameters with ``overlap_backward``). One block
   for every such parameter, made at the end of the first step in which the transport met them
@@ -86,6 +86,7 @@ class Ring:
         self._pool = pool
         self._bufs: list[Tensor | None] = [None] * slots
         self._last: list[Any] = [None] * slots
+        self._renew = [False] * slots  # sized for an old chunk layout: replaced at its next use
         self._next = 0
         self._largest = 0
 
@@ -100,13 +101,20 @@ class Ring:
             last.synchronize()
             self._last[slot] = None
         buf = self._bufs[slot]
-        if buf is None or buf.numel() < nbytes:
+        if buf is None or buf.numel() < nbytes or self._renew[slot]:
             self._largest = max(self._largest, nbytes)
-            if buf is not None:
-                self._bufs[slot] = None
-                self._pool.free(buf)
-            buf = self._bufs[slot] = self._pool.new(self._largest)
+            buf = self._replace(slot)
         return slot, buf
+
+    def _replace(self, slot: int) -> Tensor:
+        """A new block of the largest size for ``slot``, whose last copy completed."""
+        old = self._bufs[slot]
+        if old is not None:
+            self._bufs[slot] = None
+            self._pool.free(old)
+        self._renew[slot] = False
+        buf = self._bufs[slot] = self._pool.new(self._largest)
+        return buf
 
     def used_by(self, slot: int, event: Any) -> None:
         self._last[slot] = event
@@ -123,15 +131,18 @@ class Ring:
         if not self._largest:
             return
         for slot, buf in enumerate(self._bufs):
-            if buf is None or buf.numel() < self._largest:
+            if buf is None or buf.numel() < self._largest or self._renew[slot]:
                 last = self._last[slot]
                 if last is not None:
                     last.synchronize()
                     self._last[slot] = None
-                if buf is not None:
-                    self._bufs[slot] = None
-                    self._pool.free(buf)
-                self._bufs[slot] = self._pool.new(self._largest)
+                self._replace(slot)
+
+    def renew(self) -> None:
+        """The chunk layout changed: every slot is replaced, at its next use or a step's end, by a
+        block sized for the new chunks (on the worker, after the slot's last copy)."""
+        self._renew = [True] * len(self._bufs)
+        self._largest = 0
 
     def sync(self) -> None:
         for slot, ev in enumerate(self._last):
