@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from offload.state._dtensor import local
 from offload.state._params import ParamRecord
 from offload.state._slabs import Chunk
 
@@ -135,12 +134,13 @@ class GradHooks:
             return
         grads: dict[int, Tensor] = {}
         for slot in {v.slot for v in chunk.views}:
-            p = self._records[slot].param
+            rec = self._records[slot]
             g = self._source.get(slot)
             if g is None:
-                g = None if p.grad is None else local(p.grad)  # FSDP2: the reduce-scattered shard
+                g = rec.param.grad  # FSDP2: the reduce-scattered shard (grad_of takes it)
             if g is None or g.is_sparse:
                 return  # not launchable early; step() runs it
+            g = rec.grad_of(g)  # (channels_last: in the parameter's memory order)
             grads[slot] = g
         start_early(chunk, grads)
 

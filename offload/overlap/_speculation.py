@@ -54,7 +54,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from offload.state._dtensor import local as _local
 from offload.state._edits import stamp
 from offload.state._items import KIND_TORCH, ItemKind, follows_weights
 from offload.pipeline._jobs import ChunkJob
@@ -278,7 +277,7 @@ class Speculation:
         reading = GradReading()
         for s in sorted({s for spec in launched.values() for s in spec.slots}):
             p = records[s].param
-            g = None if p.grad is None else _local(p.grad)
+            g = None if p.grad is None else records[s].grad_of(p.grad)
             spec_g = next(spec.grads[s] for spec in launched.values() if s in spec.grads)
             if g is None or g.shape != spec_g.shape or g.dtype != spec_g.dtype or g.device != spec_g.device:
                 reading.changed.add(s)
@@ -336,7 +335,7 @@ class Speculation:
         sums = self._checksums([_view_of(reading.grads[s], a, b) for s, a, b in keys])
         idx = [i for i, k in enumerate(keys) if k in weighted]
         if idx:
-            flat = {s: _local(records[s].param).detach().reshape(-1) for s in {keys[i][0] for i in idx}}
+            flat = {s: records[s].local().detach().reshape(-1) for s in {keys[i][0] for i in idx}}
             sums[idx] += self._checksums([flat[keys[i][0]][keys[i][1]:keys[i][2]] for i in idx])
         return sums.tolist()
 

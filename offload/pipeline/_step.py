@@ -20,7 +20,6 @@ from torch import Tensor
 
 from offload.pipeline._jobs import ChunkJob
 from offload.kernels._adamw import Hyper
-from offload.state._dtensor import local
 from offload.state._params import check_grad, raise_bad_grad
 from offload.pipeline._pipeline import Pipeline
 from offload.state._layout import HostLayout
@@ -124,7 +123,7 @@ def collect_grads(layout: HostLayout, state: Mapping[Tensor, dict[str, Any]], *,
         slot = rec.slot
         if rec.layout is not None:  # a DTensor: its gradient must have its placements (not Partial)
             check_grad(rec, param.grad)
-        p, g = rec.local(), local(param.grad)
+        p, g = rec.local(), rec.grad_of(param.grad)
         # .data may have been replaced since construction (contiguity was checked there)
         if g.is_sparse or not p.is_contiguous() or g.device != p.device or g.shape != p.shape:
             raise_bad_grad(slot, p, g)

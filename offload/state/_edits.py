@@ -100,7 +100,7 @@ def reseed(records: Sequence[ParamRecord], slabs: HostSlabs, slots: Iterable[int
     for slot in found:  # before any write (also from a backward hook: overlap_backward)
         check_edited_dtype(records[slot])
     for slot in found:
-        p = local(records[slot].param)
+        p = records[slot].local()  # (channels_last: in memory order, as the master)
         if p.numel() != slabs.slots[slot].numel:
             raise RuntimeError(
                 f"parameter {slot} now has shape {tuple(p.shape)}: expected "
@@ -166,7 +166,7 @@ def adopt_entries(layout: HostLayout, state: dict[Tensor, dict[str, Any]], slots
             if part is None:
                 raise ValueError(f"{what} has shape {tuple(value.shape)}: expected the parameter's shape "
                                  f"{tuple(rec.param.shape)} (or its local shard {tuple(rec.local().shape)})")
-            view.view(-1).copy_(part)
+            rec.dense(view).view(-1).copy_(part)  # (channels_last: the view has the parameter's strides)
         if "step" not in st:
             raise ValueError(f"optimizer.state[{rec.name}] has no 'step': expected the step tensor with "
                              "the moments (as torch's AdamW)")

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HostLayout", "Relaid", "SlabAllocator"]
 
 SlabAllocator = Callable[..., HostSlabs]
-"""``allocate(shapes, own_master, *, speculable)``: the slabs for the groups' local shapes
+"""``allocate(shapes, own_master, *, speculable, strides=None)``: the slabs for the groups' local shapes
 (``HostSlabs``, or ``NumaPlacement.allocate`` for slabs whose pages are first touched on the
 worker)."""
 
@@ -109,8 +109,11 @@ class HostLayout:
         records = registry.records
         own = own_master_flags(param_groups, records, device_type=registry.device.type,
                                overlap_backward=overlap_backward)
+        strides = [[None if local(p).is_contiguous() else local(p).stride() for p in g["params"]]
+                   for g in param_groups]  # channels_last: the state takes the parameter's strides
         slabs = allocate([[local(p).shape for p in g["params"]] for g in param_groups], own,
-                         speculable=speculable if overlap_backward else 0)
+                         speculable=speculable if overlap_backward else 0,
+                         strides=strides)
         recheck: set[int] = set()
         steps: dict[int, Tensor] = {}
         sources: dict[int, Source] = {}

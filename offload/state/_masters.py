@@ -73,7 +73,7 @@ def state_entry(slabs: HostSlabs, rec: ParamRecord, step: Tensor) -> dict[str, T
         "step": step,
         "exp_avg": slabs.shaped("exp_avg", rec.slot),
         "exp_avg_sq": slabs.shaped("exp_avg_sq", rec.slot),
-        "master_param": rec.local().detach() if own else slabs.shaped("master", rec.slot),
+        "master_param": rec.param_tensor().detach() if own else slabs.shaped("master", rec.slot),
     }
 
 
@@ -117,13 +117,14 @@ def loaded_seeds(records: Sequence[ParamRecord], slabs: HostSlabs,
         slot: value["master_param"]
         for slot, value in entries
         if slabs.slots[slot].own_master and "master_param" in value
-        and not torch.equal(value["master_param"].detach().reshape(-1).to(torch.float32),
+        and not torch.equal(records[slot].dense(value["master_param"].detach()).reshape(-1).to(torch.float32),
                             records[slot].local().detach().reshape(-1))
     }
 
 
 def load_master(slabs: HostSlabs, slot: int, master: Tensor) -> None:
-    """A loaded ``master_param`` into the master slab. A parameter that is its own master keeps
+    """A loaded ``master_param`` (in the order of ``ParamRecord.local``: ``ParamRecord.dense``)
+    into the master slab. A parameter that is its own master keeps
     its value: its master is the model's weight, restored with the model (``load_state_dict``
     gave a master place to every such parameter whose loaded master differs from it)."""
     if not slabs.slots[slot].own_master:

@@ -24,7 +24,7 @@ from torch import Tensor
 from offload.state._dtensor import ShardLayout, check_grad_layout, layout_of, local
 
 __all__ = ["SUPPORTED_DTYPES", "ParamRecord", "ParamRegistry", "check_dtype", "check_grad", "check_params",
-           "param_names", "raise_bad_grad"]
+           "dense_perm", "param_names", "raise_bad_grad"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -33,7 +33,7 @@ class ParamRecord:
     """What the optimizer knows about one parameter (mutable: updated as the run goes)."""
 
     __slots__ = ("param", "layout", "slot", "name", "step", "views", "real_master", "stamp", "hooks_fired",
-                 "hooks_expected")
+                 "hooks_expected", "perm")
 
     def __init__(self, param: Tensor, layout: ShardLayout | None, slot: int) -> None:
         self.param = param
@@ -59,14 +59,50 @@ class ParamRecord:
         """Post-accumulate-grad hook firings in this backward (offload.overlap._hooks)."""
         self.hooks_expected = 0
         """Firings per backward learned from the last calibration (offload.overlap._hooks)."""
+        self.perm = dense_perm(param) if layout is None else None
+        """None for a contiguous parameter; for one that covers its memory in another order
+        (``channels_last``), the order of its dimensions in memory (:func:`dense_perm`): the step
+        works on ``param.permute(perm)``, a contiguous view of the same storage (:meth:`local`)."""
 
     def local(self) -> Tensor:
         """The tensor the step reads and writes: the parameter itself, or its local shard
-        (looked up at every use: FSDP2 replaces a shard's local tensor at lazy init and load)."""
+        (looked up at every use: FSDP2 replaces a shard's local tensor at lazy init and load); a
+        ``channels_last`` parameter as its dimensions lie in memory (a contiguous view, ``perm``),
+        so that a flat view of it is its memory, which every kernel and slab works in."""
+        if self.perm is not None:
+            return self.param.permute(self.perm)
         return self.param if self.layout is None else local(self.param)
+
+    def param_tensor(self) -> Tensor:
+        """The parameter as the user sees it: itself, or its local shard (not permuted)."""
+        return self.param if self.layout is None else local(self.param)
+
+    def dense(self, t: Tensor) -> Tensor:
+        """``t``, shaped like the parameter (a gradient, a state tensor, a loaded master), in the
+        order :meth:`local` has: ``t.reshape(-1)`` then matches the slabs element for element."""
+        return t if self.perm is None else t.permute(self.perm)
+
+    def grad_of(self, grad: Tensor) -> Tensor:
+        """The parameter's gradient (or this rank's shard of it) in the order of :meth:`local`."""
+        g = local(grad)
+        return g if self.perm is None else g.permute(self.perm)
 
     def __repr__(self) -> str:
         return f"ParamRecord(slot={self.slot}, shape={tuple(self.param.shape)}, sharded={self.layout is not None})"
+
+
+def dense_perm(t: Tensor) -> tuple[int, ...] | None:
+    """None where ``t`` is contiguous; the order of its dimensions in memory (outermost first)
+    where it covers one dense block in another order (``channels_last``, a transposed
+    parameter: ``t.permute(perm)`` is then contiguous); ``ValueError`` where it does not (gaps,
+    overlaps, stride 0)."""
+    if t.is_contiguous():
+        return None
+    perm = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+    if not t.permute(perm).is_contiguous():
+        raise ValueError(f"(shape {tuple(t.shape)}, strides {t.stride()}) does not cover one dense block of "
+                         "memory: expected a contiguous tensor or a permutation of one (channels_last)")
+    return perm
 
 
 def param_names(param_groups: Sequence[dict[str, Any]]) -> list[str]:
@@ -108,11 +144,15 @@ def check_params(params: list[Tensor], names: list[str]) -> tuple[torch.device, 
                 f"parameter {i} is on {p.device} but parameter 0 is on {device}: expected "
                 "every parameter on one device"
             )
-        if not p.is_contiguous():
-            where = "" if layouts[i] is None else (
-                f", the local tensor of a DTensor with placements {layouts[i].placements!r}")  # type: ignore[union-attr]
-            raise ValueError(f"{names[i]} (shape {tuple(p.shape)}, strides {p.stride()}{where}) is not "
-                             "contiguous: expected a contiguous tensor (the optimizer writes it through a flat view)")
+        if layouts[i] is not None and not p.is_contiguous():
+            raise ValueError(f"{names[i]} (shape {tuple(p.shape)}, strides {p.stride()}, the local tensor of a "
+                             f"DTensor with placements {layouts[i].placements!r}) is not contiguous: expected a "  # type: ignore[union-attr]
+                             "contiguous local tensor (the optimizer writes it through a flat view)")
+        if layouts[i] is None:
+            try:
+                dense_perm(p)
+            except ValueError as e:
+                raise ValueError(f"{names[i]} {e}") from None
     if device.type not in ("cpu", "cuda"):
         if device.type == "meta":  # deferred init: no values yet, so no masters to seed
             raise ValueError("parameters are on the meta device (deferred initialisation): build CPUOffloadAdamW "
@@ -140,9 +180,10 @@ def raise_bad_grad(slot: int, p: Tensor, g: Tensor) -> None:
         )
     if not p.is_contiguous():  # checked at construction; .data may have been replaced
         raise RuntimeError(
-            f"parameter {slot} (shape {tuple(p.shape)}, strides {p.stride()}) is not "
-            "contiguous: expected a contiguous parameter (the optimizer writes it in place "
-            "through a flat view; was its .data replaced, e.g. by a memory-format change?)"
+            f"parameter {slot} (as the optimizer reads it: shape {tuple(p.shape)}, strides {p.stride()}) "
+            "no longer lies in memory as it did when the optimizer was built: expected its memory "
+            "format of then (the optimizer writes it in place through a flat view; was its .data "
+            "replaced by a tensor of another memory format?)"
         )
     raise RuntimeError(
         f"parameter {slot} ({tuple(p.shape)} on {p.device}) has a gradient of shape "

@@ -134,7 +134,8 @@ def local_part(t: Tensor, rec: ParamRecord, what: str) -> Tensor | None:
     """``t`` (a state tensor) as the flat local part of ``rec``'s parameter: itself where it has
     the local size, this rank's local part where it is the whole tensor of a DTensor
     parameter; None where it is neither (a shard of another layout)."""
-    t = local(t).detach().reshape(-1)
+    t = local(t).detach()
+    t = (rec.dense(t) if t.shape == rec.param.shape else t).reshape(-1)
     shard = rec.local()
     if t.numel() == shard.numel():
         return t
@@ -173,7 +174,7 @@ def copy_sources(old: HostSlabs, new: HostSlabs, records: Sequence[ParamRecord],
                     # bf16 and has lost those bits)
                     held = state[rec.param].get("master_param")
                     fp32 = isinstance(held, Tensor) and held.dtype == torch.float32
-                    master = held if fp32 and held.numel() == rec.local().numel() else rec.local()
+                    master = rec.dense(held) if fp32 and held.numel() == rec.local().numel() else rec.local()
                 new.flat("master", slot).copy_(master.detach().reshape(-1))
             steps[slot] = state[rec.param]["step"]
             continue

@@ -72,6 +72,11 @@ class ParamSlot:
     """Offset in its segment's master slab; -1 when the parameter is its own master."""
     segment: int = 0
     """The segment of the slabs it lives in (offsets count from the segment's start)."""
+    stride: tuple[int, ...] | None = None
+    """None: its state is laid out as a contiguous tensor of ``shape``; else these strides (the
+    parameter's, ``channels_last``): its place holds the elements in the parameter's memory order,
+    and :meth:`HostSlabs.shaped` shows them with the parameter's shape and strides, as
+    ``torch.zeros_like(p)`` makes torch's AdamW state."""
 
     @property
     def own_master(self) -> bool:
@@ -175,6 +180,7 @@ class HostSlabs:
     def __init__(
         self, shapes_per_group: list[list[torch.Size]], own_master: list[list[bool]] | None = None,
         *, zero: bool = True, speculable: int | None = 0,
+        strides: list[list[tuple[int, ...] | None]] | None = None,
     ) -> None:
         numels = [[int(torch.Size(shape).numel()) for shape in shapes] for shapes in shapes_per_group]
         starts = _speculable_starts(numels, speculable)
@@ -191,8 +197,9 @@ class HostSlabs:
                 offset = moffset = 0
                 for i in range(lo, hi):
                     own = bool(own_master[g][i]) if own_master is not None else False
+                    stride = strides[g][i] if strides is not None else None
                     slots.append(ParamSlot(len(slots), g, offset, numels[g][i], torch.Size(shapes[i]),
-                                           -1 if own else moffset, segment))
+                                           -1 if own else moffset, segment, stride))
                     offset = _round_up(offset + numels[g][i], _ALIGN)
                     if not own:
                         moffset = _round_up(moffset + numels[g][i], _ALIGN)
@@ -259,8 +266,13 @@ class HostSlabs:
         return self._slabs[s.segment][kind][base : base + s.numel]
 
     def shaped(self, kind: SlabKind, slot: int) -> Tensor:
-        """The parameter ``slot`` in slab ``kind``, shaped like the parameter (a view)."""
-        return self.flat(kind, slot).view(self.slots[slot].shape)
+        """The parameter ``slot`` in slab ``kind``, shaped like the parameter (a view; with its
+        strides where it is not contiguous: ``ParamSlot.stride``)."""
+        s = self.slots[slot]
+        flat = self.flat(kind, slot)
+        if s.stride is None:
+            return flat.view(s.shape)
+        return flat.as_strided(s.shape, s.stride, flat.storage_offset())
 
     def forget_views(self) -> None:
         """Drop the cached views (after the chunk layout changed; they are remade on demand)."""

@@ -154,9 +154,10 @@ def load_state(entries: LoadedState, layout: HostLayout) -> defaultdict[Tensor, 
     with torch.no_grad():
         for slot, value in entries:
             rec = records[slot]
-            load_master(slabs, slot, value.get("master_param", rec.local()))
-            slabs.flat("exp_avg", slot).copy_(value["exp_avg"].detach().reshape(-1))
-            slabs.flat("exp_avg_sq", slot).copy_(value["exp_avg_sq"].detach().reshape(-1))
+            load_master(slabs, slot, rec.dense(value["master_param"].detach()) if "master_param" in value
+                        else rec.local())
+            slabs.flat("exp_avg", slot).copy_(rec.dense(value["exp_avg"].detach()).reshape(-1))
+            slabs.flat("exp_avg_sq", slot).copy_(rec.dense(value["exp_avg_sq"].detach()).reshape(-1))
             step = value["step"]
             step = (
                 step.detach().to("cpu", torch.float32).reshape(()).clone()
