@@ -522,7 +522,8 @@ class CPUOffloadAdamW(Optimizer):
             result.records, t0, step_s=t1 - t0, drain_s=result.wait_s, threads=threads,
             chunk_numel=self._settings.chunk_numel, num_chunks=sub.chunks, numel=sub.numel,
             kernel="fused-mp" if sub.native else "torch", speculated_chunks=speculated,
-            committed_chunks=len(committed), speculation_paused=early is not None and early.paused)
+            committed_chunks=len(committed), speculation_paused=early is not None and early.paused,
+            pinned_bytes=result.pinned_bytes, pinned_registrations=result.pinned_registrations)
 
     def _follow_edits(self, grads: dict[int, Tensor], unseen: Sequence[int] = ()) -> None:
         """Parameters edited since our last write: their masters follow them (``offload.state._edits``;
