@@ -599,7 +599,7 @@ def test_starved_masks_are_said_out_loud_once_per_node(caplog: pytest.LogCapture
     assert len(warnings) == 1, warnings
     assert all(p.starved == warnings[0] for p in plans) and all(p.threads == 1 for p in plans)
     for figure in ("8 local rank(s)", "2 CPU(s)", "2 physical core(s)", "64 physical cores, 128 CPUs",
-                   "0.25 of a physical core per rank", "srun --cpus-per-task", "numactl"):
+                   "0.25 of a physical core per rank", "srun --cpus-per-task", "torchrun --numa-binding", "numactl"):
         assert figure in warnings[0], figure
     small = plan_cpu_threads(masks=[{0, 1, 2, 3}], local_rank=0, topology=topo, cpu_count=128)
     assert small.starved is not None and "4 of the machine's 128 CPUs" in small.starved

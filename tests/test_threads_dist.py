@@ -117,3 +117,30 @@ def test_two_gloo_ranks_exchange_masks_and_agree(tmp_path: Path) -> None:
     # Two CPUs split between two ranks: one thread each, whether the masks are shared or not.
     assert results[0]["host"]["local_threads"] == [1, 1]
     assert "2 shared with other local ranks" in results[0]["host"]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_the_trainer_says_starved_cpus_once_per_node_not_once_per_rank(tmp_path: Path) -> None:
+    """Two torchrun ranks of ``bench.train`` pinned to one CPU (half a physical core each): the
+    CPU-starvation WARNING appears once, from local rank 0, with its figures, though both ranks
+    plan their threads twice (the trainer's own plan and the tuned optimizer's); the run finishes."""
+    from _dist_util import run_torchrun
+
+    cpu = min(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OFFLOAD_AUTOTUNE_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "bench.train", "--model-size", "tiny", "--device", "cpu", "--batch-size", "2", "--seq-len", "16",
+           "--optim-cpu-offload", "--autotune", "--cache", str(tmp_path / "cache.json"), "--steps", "2"]
+    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=300,
+                        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))  # the workers inherit it
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "CPU starvation" in line]
+    assert len(lines) == 1, "\n".join(lines) or out[-3000:]
+    assert "WARNING" in lines[0]
+    for figure in ("2 local rank(s) have 1 CPU(s)", "(1 physical core(s);", "0.5 of a physical core per rank",
+                   "srun --cpus-per-task", "numactl"):
+        assert figure in lines[0], (figure, lines[0])

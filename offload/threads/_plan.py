@@ -108,8 +108,8 @@ def starvation(*, alloc: Allocation, local_world_size: int, cpu_count: int, phys
             f"({float(alloc.counted_units):g} physical core(s); the machine has {physical_cores} physical cores, "
             f"{cpu_count} CPUs): {what}. The CPU optimizer step is bound by memory bandwidth and runs many "
             "times slower so (a reported 8-rank job given 2 CPUs stepped in 1227 s instead of 15.5 s). "
-            "Give each rank its cores: e.g. srun --cpus-per-task=N, a launcher that does not pin the ranks "
-            "to a few CPUs, or numactl --physcpubind per rank")
+            "Give each rank its cores: srun --cpus-per-task=N (Slurm), torchrun --numa-binding=exclusive "
+            "(or no cpuset of a few CPUs around torchrun), or numactl --physcpubind per rank")
 
 
 def _check_threads(value: object, what: str) -> int:
