@@ -18,7 +18,8 @@ One run directory holds:
 The rows are whatever the tuner passes; the documented shape is ``{"step": int, "phase": str,
 "candidate": {knob: value}, "ranks": {rank: {stage: seconds}}, "node_time_s": float,
 "decision": str | None}``, where ``step`` counts training steps from 1, as the trainer's console
-and ``tuning.png`` do (the Chrome trace's steps are the same numbers). Values are made JSON-safe
+and ``tuning.png`` do (the Chrome trace's steps are the same numbers); the lock-in row also has
+``probe_cost_s`` and ``probe_cost_pct_of_1000_steps``. Values are made JSON-safe
 (NaN and infinities become null).
 
 The writer with ``rank=0`` writes the names above; a writer created with another rank writes

@@ -413,19 +413,21 @@ class OnlineTuner:
         assert self._trace is not None
         decision = directive.decision
         number = step + 1  # the trace counts training steps from 1, as the trainer's console does
-        self._trace.add_step(
-            {
-                "step": number,
-                "phase": phase,
-                "state": state,
-                "candidate": setting,
-                "node_time_s": node_time,
-                "ranks": {rank: {"time_s": row[1], **row[2]} for rank, row in enumerate(rows)},
-                "next": directive.setting,
-                "decision": f"locked {self.space.describe(decision.winner)}" if decision else None,
-                "clock_s": self._clock(),
-            }
-        )
+        row_out: dict[str, Any] = {
+            "step": number,
+            "phase": phase,
+            "state": state,
+            "candidate": setting,
+            "node_time_s": node_time,
+            "ranks": {rank: {"time_s": row[1], **row[2]} for rank, row in enumerate(rows)},
+            "next": directive.setting,
+            "decision": f"locked {self.space.describe(decision.winner)}" if decision else None,
+            "clock_s": self._clock(),
+        }
+        if decision is not None:  # the lock-in row states what probing cost, as summary.json does
+            row_out["probe_cost_s"] = decision.probe_cost_s
+            row_out["probe_cost_pct_of_1000_steps"] = decision.probe_cost_pct
+        self._trace.add_step(row_out)
         for rank, row in enumerate(rows):
             if row[3]:
                 self._trace.add_spans(rank, number, row[3])

@@ -548,6 +548,10 @@ def test_trace_gets_one_row_per_probe_step_and_the_summary():
     assert row["step"] == 1 and row["phase"] == "warmup" and row["candidate"] == BASELINE
     assert row["node_time_s"] == row["ranks"][0]["time_s"] and "step_s" in row["ranks"][0]
     assert trace.rows[-1]["decision"] == "locked threads=4 chunk_numel=4194304"
+    # The lock-in row, and only it, states the probing cost, the same figures as the summary.
+    assert trace.rows[-1]["probe_cost_s"] == s["probe_cost_s"] > 0
+    assert trace.rows[-1]["probe_cost_pct_of_1000_steps"] == s["probe_cost_pct_of_1000_steps"] > 0
+    assert not any("probe_cost_s" in row for row in trace.rows[:-1])
     assert [t["state"] for t in trace.summaries] == ["locked"] and trace.summaries[0]["winner"] == s["winner"]
 
 
