@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from autotune import AutotuneConfig
 from offload._settings import OffloadSettings
 from offload.state._groups import check_hyper, scalar
 from offload.threads._plan import ThreadPlan
 
-__all__ = ["adamw_defaults", "check_arguments", "check_limit"]
+__all__ = ["adamw_defaults", "check_arguments", "check_limit", "check_state_dtype"]
 
 
 def check_arguments(*, autotune: Any, settings: Any, plan: Any) -> AutotuneConfig | None:
@@ -39,6 +41,16 @@ def adamw_defaults(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[
     defaults.update({"capturable": False, "differentiable": False, "fused": None})
     check_hyper("", defaults)
     return defaults
+
+
+def check_state_dtype(state_dtype: Any, registry: Any) -> None:
+    """``state_dtype``: torch.float32 or torch.bfloat16; bfloat16 not yet with DTensor parameters."""
+    if state_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype={state_dtype!r}: expected torch.float32 or torch.bfloat16 (the moments' "
+                         "dtype in host memory)")
+    if state_dtype == torch.bfloat16 and registry.sharded:
+        raise ValueError("state_dtype=torch.bfloat16 with DTensor (FSDP2, tensor parallel) parameters: not "
+                         "supported yet (not tested there); use torch.float32")
 
 
 def check_limit(limit: Any, overlap_backward: bool) -> int | None:

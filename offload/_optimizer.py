@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from autotune import OnlineTuner
-from offload._arguments import adamw_defaults, check_arguments, check_limit
+from offload._arguments import adamw_defaults, check_arguments, check_limit, check_state_dtype
 from offload._clip import ClipRequest, NonFiniteNorm, amp_arguments, clip_request
 from offload._settings import OffloadSettings
 from offload._stats import StepStats
@@ -93,6 +93,12 @@ class CPUOffloadAdamW(Optimizer):
             elements may start during backward (the others run in ``step()``), which bounds the
             second generation to 12 bytes per such element; None (default): no bound; 0:
             nothing starts early.
+        state_dtype: the dtype of ``exp_avg`` and ``exp_avg_sq`` in host memory: ``torch.float32``
+            (default) or ``torch.bfloat16``, which moves 20 instead of 28 bytes per parameter per
+            step of a bf16 model and holds 8 instead of 12: each step upcasts the moments, runs
+            the fp32 update exactly as with fp32 moments and rounds them to nearest-even as it
+            stores them (the master stays fp32; ``docs/optimizer.md``). Not yet for DTensor
+            (FSDP2) parameters.
         amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.
@@ -120,6 +126,7 @@ class CPUOffloadAdamW(Optimizer):
         settings: OffloadSettings | None = None,
         overlap_backward: bool = False,
         speculation_limit: int | None = None,
+        state_dtype: torch.dtype = torch.float32,
         amsgrad: bool = False,
         maximize: bool = False,
         capturable: bool = False,
@@ -143,13 +150,14 @@ class CPUOffloadAdamW(Optimizer):
         # One record per parameter (DTensor (FSDP2) parameters: the slabs hold this rank's shard).
         registry = ParamRegistry(self.param_groups)
         limit = check_limit(speculation_limit, overlap_backward)
+        check_state_dtype(state_dtype, registry)
         self._numa: NumaPlacement | None = None
         if settings.bind_numa:  # bind first, then allocate untouched
             self._numa = NumaPlacement.bind(registry.device, numa_binder)
         self._layout = HostLayout.build(
             self.param_groups, self.state, registry=registry, chunk_numel=settings.chunk_numel,
             overlap_backward=overlap_backward, allocate=HostSlabs if self._numa is None else self._numa.allocate,
-            speculable=limit).layout
+            speculable=limit, state_dtype=state_dtype).layout
 
         # A tuned optimizer's thread plan, kernel vote and tuner share one node agreement.
         plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
@@ -238,7 +246,7 @@ class CPUOffloadAdamW(Optimizer):
         relaid = HostLayout.build(self.param_groups, self.state, previous=self._layout, seeds=seeds,
                                   chunk_numel=self._settings.chunk_numel,
                                   overlap_backward=self._layout.overlap_backward,
-                                  speculable=self._layout.speculable)
+                                  speculable=self._layout.speculable, state_dtype=self._layout.state_dtype)
         self.state.clear()
         self.state.update(relaid.entries)
         record(relaid.layout.records, relaid.migrated)  # their masters were just seeded from them

@@ -211,7 +211,8 @@ def fused_adamw_(
     hyper: Hyper,
     grad_dtypes: Sequence[torch.dtype] = (),
 ) -> None:
-    """One decoupled-weight-decay Adam update of host fp32 tensors, in place.
+    """One decoupled-weight-decay Adam update of host fp32 tensors, in place (bf16 moments: upcast,
+    updated in fp32, rounded to nearest-even as they are stored back: ``state_dtype``).
 
     ``state_steps[i]`` is the step tensor of the parameter ``params[i]`` is a view of; a chunk may
     hold several views of one parameter across calls, so only ``steps_to_increment`` (each
@@ -244,6 +245,11 @@ def fused_adamw_(
     lr = hyper.lr
     if isinstance(lr, Tensor) and lr.device.type != "cpu":
         lr = lr.to("cpu")
+    stored = None
+    if exp_avgs and exp_avgs[0].dtype != torch.float32:  # bf16 moments: the fp32 update, then rounded
+        stored = (list(exp_avgs), list(exp_avg_sqs))
+        exp_avgs = [m.to(torch.float32) for m in exp_avgs]
+        exp_avg_sqs = [m.to(torch.float32) for m in exp_avg_sqs]
     torch._fused_adamw_(
         list(params),
         list(grads),
@@ -261,6 +267,9 @@ def fused_adamw_(
         grad_scale=grad_scale,
         found_inf=None,  # 1 was handled above; 0 changes nothing (no _foreach_sub_ needed)
     )
+    if stored is not None:  # rounded to nearest-even, as the native kernels store them
+        torch._foreach_copy_(stored[0], list(exp_avgs))
+        torch._foreach_copy_(stored[1], list(exp_avg_sqs))
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from offload.kernels._adamw import new_step_tensor
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HostLayout", "Relaid", "SlabAllocator"]
 
 SlabAllocator = Callable[..., HostSlabs]
-"""``allocate(shapes, own_master, *, speculable, strides=None)``: the slabs for the groups' local shapes
+"""``allocate(shapes, own_master, *, speculable, strides=None, moments=float32)``: the slabs for the groups' local shapes
 (``HostSlabs``, or ``NumaPlacement.allocate`` for slabs whose pages are first touched on the
 worker)."""
 
@@ -81,6 +82,8 @@ class HostLayout:
     speculable: int | None = 0
     """Elements that may speculate (``HostSlabs``' argument: the last parameters' places, 0: none,
     None: all); a relayout keeps it."""
+    state_dtype: torch.dtype = torch.float32
+    """The moments' dtype (``CPUOffloadAdamW(state_dtype=)``); a relayout keeps it."""
     items: ItemCache = field(default_factory=ItemCache)
     """The Items of every chunk, reused from step to step."""
     recheck_masters: set[int] = field(default_factory=set)
@@ -92,7 +95,8 @@ class HostLayout:
     def build(cls, param_groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], *,
               chunk_numel: int, overlap_backward: bool, previous: HostLayout | None = None,
               seeds: Mapping[int, Tensor] = NO_SEEDS, registry: ParamRegistry | None = None,
-              allocate: SlabAllocator = HostSlabs, speculable: int | None = 0) -> Relaid:
+              allocate: SlabAllocator = HostSlabs, speculable: int | None = 0,
+              state_dtype: torch.dtype = torch.float32) -> Relaid:
         """The layout of ``param_groups``, with ``previous``'s state carried over (the module doc).
 
         ``seeds``: the fp32 values of slots that were their own master and now get a master place;
@@ -113,7 +117,7 @@ class HostLayout:
                    for g in param_groups]  # channels_last: the state takes the parameter's strides
         slabs = allocate([[local(p).shape for p in g["params"]] for g in param_groups], own,
                          speculable=speculable if overlap_backward else 0,
-                         strides=strides)
+                         strides=strides, moments=state_dtype)
         recheck: set[int] = set()
         steps: dict[int, Tensor] = {}
         sources: dict[int, Source] = {}
@@ -124,7 +128,7 @@ class HostLayout:
             steps = copy_sources(previous.slabs, slabs, records, sources, state, seeds)
         layout = cls(registry=registry, slabs=slabs, chunks=plan_chunks(list(slabs.slots), chunk_numel),
                      bound=BoundParams(param_groups), overlap_backward=overlap_backward, recheck_masters=recheck,
-                     speculable=speculable)
+                     speculable=speculable, state_dtype=state_dtype)
         entries = {records[s].param: {**state[records[s].param], **layout.entry(s, st)} for s, st in steps.items()}
         return Relaid(layout, entries, [s for s in steps if sources[s].old_slot is None])
 

@@ -55,9 +55,10 @@ class NumaPlacement:
         return placement
 
     def allocate(self, shapes: list[list[torch.Size]], own_master: list[list[bool]], *,
-                 speculable: int | None = 0, strides: list[list[tuple[int, ...] | None]] | None = None) -> HostSlabs:
+                 speculable: int | None = 0, strides: list[list[tuple[int, ...] | None]] | None = None,
+                 moments: torch.dtype = torch.float32) -> HostSlabs:
         """The slabs, allocated untouched (their pages land where :meth:`first_touch` runs)."""
-        slabs = HostSlabs(shapes, own_master, zero=False, speculable=speculable, strides=strides)
+        slabs = HostSlabs(shapes, own_master, zero=False, speculable=speculable, strides=strides, moments=moments)
         self.zeroed_at_allocation = False
         self.order.append("allocate")
         return slabs

@@ -171,6 +171,8 @@ class HostSlabs:
     """The fp32 slabs of every param group, and views into them.
 
     ``own_master[g][i]``: parameter ``i`` of group ``g`` is its own master (no master slab place).
+    ``moments``: the dtype of ``exp_avg`` and ``exp_avg_sq`` (``state_dtype``: float32, or bfloat16,
+    4 bytes per parameter less); masters are float32.
     ``speculable``: elements that may be updated out of place during backward (the last ones in
     param_groups order, whose gradients usually arrive first): 0, none (no second generation);
     None, all; else the last whole parameters that fit in that many (each group split into a
@@ -180,7 +182,7 @@ class HostSlabs:
     def __init__(
         self, shapes_per_group: list[list[torch.Size]], own_master: list[list[bool]] | None = None,
         *, zero: bool = True, speculable: int | None = 0,
-        strides: list[list[tuple[int, ...] | None]] | None = None,
+        strides: list[list[tuple[int, ...] | None]] | None = None, moments: torch.dtype = torch.float32,
     ) -> None:
         numels = [[int(torch.Size(shape).numel()) for shape in shapes] for shapes in shapes_per_group]
         starts = _speculable_starts(numels, speculable)
@@ -205,8 +207,8 @@ class HostSlabs:
                         moffset = _round_up(moffset + numels[g][i], _ALIGN)
                 self._slabs.append({
                     "master": new(moffset, dtype=torch.float32),
-                    "exp_avg": new(offset, dtype=torch.float32),
-                    "exp_avg_sq": new(offset, dtype=torch.float32),
+                    "exp_avg": new(offset, dtype=moments),
+                    "exp_avg_sq": new(offset, dtype=moments),
                 })
                 self.speculable.append(lo >= starts[g] and hi > lo)
         self.slots: tuple[ParamSlot, ...] = tuple(slots)

@@ -27,6 +27,7 @@ their parameter lacks get a master place first (``offload.state._masters``).
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from copy import deepcopy
@@ -43,6 +44,8 @@ from offload.state._masters import load_master
 from offload.state._params import ParamRecord, ParamRegistry
 from offload.state._layout import HostLayout
 from offload.state._slabs import HostSlabs
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LoadedState", "as_dtensor_state", "check_loaded", "load_state", "merged_groups", "standalone",
            "torch_shaped"]
@@ -151,6 +154,11 @@ def load_state(entries: LoadedState, layout: HostLayout) -> defaultdict[Tensor, 
     ``optimizer.state``."""
     records, slabs = layout.records, layout.slabs
     new_state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+    wider = sum(1 for _, value in entries
+                if value["exp_avg"].dtype.itemsize > layout.state_dtype.itemsize)
+    if wider:  # (the other way, bf16 moments into float32 ones, is exact)
+        logger.info("CPUOffloadAdamW: %d parameters' loaded moments rounded to %s (state_dtype) to nearest-even",
+                    wider, layout.state_dtype)
     with torch.no_grad():
         for slot, value in entries:
             rec = records[slot]

@@ -224,13 +224,16 @@ inline void put(float* p, const fVec& v) {
 // Where one span's state is read and where its new state goes: the same addresses for an update
 // in place; for a speculation's out-of-place update (`into`), the committed generation is read
 // and the next one written (the same bytes moved as in place).
+// `M`: the moments' type, float or c10::BFloat16 (state_dtype=torch.bfloat16: the update runs in
+// fp32 on the upcast moments, which are rounded to nearest-even as they are stored).
+template <typename M>
 struct StatePtrs {
   const float* master_in;
-  const float* exp_avg_in;
-  const float* exp_avg_sq_in;
+  const M* exp_avg_in;
+  const M* exp_avg_sq_in;
   float* master_out;
-  float* exp_avg_out;
-  float* exp_avg_sq_out;
+  M* exp_avg_out;
+  M* exp_avg_sq_out;
 
   StatePtrs at(int64_t d) const {
     return {master_in + d, exp_avg_in + d, exp_avg_sq_in + d,
@@ -238,23 +241,46 @@ struct StatePtrs {
   }
 };
 
+// One float vector of moments at `p` (bf16: upcast, exact).
+template <typename M>
+inline fVec load_moments(const M* p) {
+  if constexpr (std::is_same_v<M, float>) {
+    return fVec::loadu(p);
+  } else {
+    fVec v;
+    at::vec::load_to_float<M>(p, v);
+    return v;
+  }
+}
+
+// Stores one float vector of moments at `p` (bf16: rounded to nearest-even, as Tensor.to();
+// plain stores: non-temporal ones need 64-byte pieces, a bf16 vector of moments is half of one).
+template <bool NT, typename M>
+inline void put_moments(M* p, const fVec& v) {
+  if constexpr (std::is_same_v<M, float>) {
+    put<NT>(p, v);
+  } else {
+    at::vec::convert_from_float<M>(v, v).store(p, fVec::size());
+  }
+}
+
 // One AdamW update on the fp32 lanes of one vector at `s`; stores the moments and returns the new
 // master.
-template <bool NT = false>
-inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs& s, const VecCoeffs& k) {
+template <bool NT = false, typename M = float>
+inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs<M>& s, const VecCoeffs& k) {
   if (k.do_decay) {
     param = param * k.decay;
   }
-  fVec exp_avg = fVec::loadu(s.exp_avg_in);
+  fVec exp_avg = load_moments(s.exp_avg_in);
   // exp_avg.lerp_(grad, 1 - beta1) as torch writes it: fma(w, g - m, m) for a small weight w,
   // else fma(w - 1, g - m, g) (torch selects with a uniform blendv; a branch is the same).
   const fVec base = k.lerp_small ? exp_avg : grad;
   exp_avg = at::vec::fmadd(k.lerp_coeff, grad - exp_avg, base);
 
   const fVec c2_grad = k.c2 * grad;
-  const fVec exp_avg_sq = at::vec::fmadd(c2_grad, grad, fVec::loadu(s.exp_avg_sq_in) * k.beta2);
-  put<NT>(s.exp_avg_out, exp_avg);
-  put<NT>(s.exp_avg_sq_out, exp_avg_sq);
+  const fVec exp_avg_sq = at::vec::fmadd(c2_grad, grad, load_moments(s.exp_avg_sq_in) * k.beta2);
+  put_moments<NT>(s.exp_avg_out, exp_avg);
+  put_moments<NT>(s.exp_avg_sq_out, exp_avg_sq);
 
   const fVec denom = (exp_avg_sq.sqrt() / k.bias_correction2_sqrt) + k.eps;
   return param + k.neg_step_size * exp_avg / denom;
@@ -262,12 +288,13 @@ inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs& s, const VecCoeffs
 
 // One element of the scalar tail. `in_block`: the element lies in the first multiple of
 // kTailBlock tail elements (torch's vectorised tail loop), which fuses exp_avg_sq differently.
-inline float adamw_scalar(float param, float grad_val, const StatePtrs& s, bool in_block,
+template <typename M>
+inline float adamw_scalar(float param, float grad_val, const StatePtrs<M>& s, bool in_block,
                           const Coeffs& c) {
   if (c.weight_decay != 0.f) {
     param = param * float(1 - c.lr * c.weight_decay);
   }
-  float exp_avg = *s.exp_avg_in;
+  float exp_avg = static_cast<float>(*s.exp_avg_in);
   const float lerp_weight = float(c.exp_avg_grad_coefficient);
   if (std::abs(lerp_weight) < float(0.5)) {
     exp_avg = madd(lerp_weight, grad_val - exp_avg, exp_avg);
@@ -275,15 +302,15 @@ inline float adamw_scalar(float param, float grad_val, const StatePtrs& s, bool 
     // grad - (grad - exp_avg) * (1 - w) == fma(w - 1, grad - exp_avg, grad) exactly.
     exp_avg = madd(lerp_weight - float(1), grad_val - exp_avg, grad_val);
   }
-  *s.exp_avg_out = exp_avg;
+  *s.exp_avg_out = static_cast<M>(exp_avg);  // bf16: nearest-even
   const float c2_grad = float(c.exp_avg_sq_grad_coefficient) * grad_val;
-  float exp_avg_sq = *s.exp_avg_sq_in;
+  float exp_avg_sq = static_cast<float>(*s.exp_avg_sq_in);
   if (in_block) {
     exp_avg_sq = madd(c2_grad, grad_val, exp_avg_sq * float(c.beta2));
   } else {
     exp_avg_sq = madd(exp_avg_sq, float(c.beta2), c2_grad * grad_val);
   }
-  *s.exp_avg_sq_out = exp_avg_sq;
+  *s.exp_avg_sq_out = static_cast<M>(exp_avg_sq);
   const float denom = std::sqrt(exp_avg_sq) / float(c.bias_correction2_sqrt) + float(c.eps);
   return param - float(c.step_size) * exp_avg / denom;
 }
@@ -326,8 +353,8 @@ struct WordSums;
 // `p.data.clamp_()`) first takes the weight's value as its master, exactly as
 // offload/state/_edits.py's reseed (compared as values: +0 == -0, a NaN never equal); with `Sum`
 // the weight's words go into `sums` too, from the same loads.
-template <typename param_t, typename grad_t, bool NT = false, bool Sum = false>
-void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, int64_t size,
+template <typename param_t, typename grad_t, bool NT = false, bool Sum = false, typename M = float>
+void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs<M>& st, int64_t size,
                 const Coeffs& c, bool stream, const GradXform& x,
                 WordSums<grad_t>* sums = nullptr, const param_t* seen = nullptr) {
   using pVec = at::vec::Vectorized<param_t>;
@@ -347,7 +374,7 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
       at::vec::load_to_float<grad_t>(grad + d, g0, g1);
     }
     if (x.any()) xform_pair<grad_t>(g0, g1, x);
-    const StatePtrs s0 = st.at(d), s1 = st.at(d + kW);
+    const StatePtrs<M> s0 = st.at(d), s1 = st.at(d + kW);
     fVec m0 = fVec::loadu(s0.master_in), m1 = fVec::loadu(s1.master_in);
     if (seen != nullptr) {
       const pVec w = pVec::loadu(seen + d);
@@ -390,7 +417,7 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
       at::vec::load_to_float<grad_t>(grad + d, g0);
     }
     if (x.any()) xform_one<grad_t>(g0, x);
-    const StatePtrs s0 = st.at(d);
+    const StatePtrs<M> s0 = st.at(d);
     fVec m0 = fVec::loadu(s0.master_in);
     if (seen != nullptr) {
       const pVec w = pVec::loadu(seen + d, kW);  // the other lanes are zero words
@@ -409,7 +436,7 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
     if constexpr (Sum) sums->add_words(&gv, d, 1);
     const float g = x.any() ? xform_scalar<grad_t>(static_cast<float>(gv), x)
                             : static_cast<float>(gv);
-    const StatePtrs s = st.at(d);
+    const StatePtrs<M> s = st.at(d);
     float m = *s.master_in;
     if (seen != nullptr) {
       const param_t w = seen[d];
@@ -429,8 +456,8 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs& st, in
 // the split into vector body and scalar tail is torch's (one float vector at a time, the last
 // size % fVec::size() scalar). Traffic: 4 (grad) + 8 + 8 + 8 = 28 bytes per parameter, the same
 // as torch's fused kernel, in place or out of place.
-template <bool NT = false, bool Sum = false>
-void adamw_span_f32(const float* grad, const StatePtrs& st, float* out, int64_t size,
+template <bool NT = false, bool Sum = false, typename M = float>
+void adamw_span_f32(const float* grad, const StatePtrs<M>& st, float* out, int64_t size,
                     const Coeffs& c, const GradXform& x, WordSums<float>* sums = nullptr) {
   constexpr int64_t kW = fVec::size();
   const VecCoeffs k(c);
@@ -439,7 +466,7 @@ void adamw_span_f32(const float* grad, const StatePtrs& st, float* out, int64_t 
     fVec g = fVec::loadu(grad + d);
     if constexpr (Sum) sums->add_vec(g, d);  // the words of the very load the update uses
     if (x.any()) xform_one<float>(g, x);
-    const StatePtrs s = st.at(d);
+    const StatePtrs<M> s = st.at(d);
     const fVec p = adamw_vec<NT>(fVec::loadu(s.master_in), g, s, k);
     put<NT>(s.master_out, p);
     if (out != nullptr) p.store(out + d);
@@ -449,7 +476,7 @@ void adamw_span_f32(const float* grad, const StatePtrs& st, float* out, int64_t 
     const float gv = grad[d];
     if constexpr (Sum) sums->add_words(&gv, d, 1);
     const float g = x.any() ? xform_scalar<float>(gv, x) : gv;
-    const StatePtrs s = st.at(d);
+    const StatePtrs<M> s = st.at(d);
     const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c);
     *s.master_out = p;
     if (out != nullptr) out[d] = p;
@@ -887,7 +914,7 @@ struct WordSums {
 // multiple of kUnit, a lane boundary, so the pieces' sums add up, modulo 2^64, to the checksum of
 // the whole tensor).
 struct Speculate {
-  std::vector<float*> into;  // 3 per tensor (master, exp_avg, exp_avg_sq), or empty
+  std::vector<void*> into;  // 3 per tensor (master fp32, exp_avg and exp_avg_sq: the moments' type), or empty
   std::unique_ptr<std::atomic<uint64_t>[]> sums;  // per tensor, or null
 
   bool any() const { return !into.empty() || sums != nullptr; }
@@ -897,17 +924,19 @@ static_assert(kStatsBlock % kUnit == 0, "a speculation piece must end on a unit 
 
 // Where tensor i's state is read and written (StatePtrs): in place, or out of place into the
 // speculation's next generation.
-inline StatePtrs state_ptrs(const Speculate* s, size_t i, float* master, float* exp_avg,
-                            float* exp_avg_sq) {
+template <typename M>
+inline StatePtrs<M> state_ptrs(const Speculate* s, size_t i, float* master, M* exp_avg, M* exp_avg_sq) {
   if (s == nullptr || s->into.empty()) {
     return {master, exp_avg, exp_avg_sq, master, exp_avg, exp_avg_sq};
   }
-  return {master, exp_avg, exp_avg_sq, s->into[3 * i], s->into[3 * i + 1], s->into[3 * i + 2]};
+  return {master, exp_avg, exp_avg_sq, static_cast<float*>(s->into[3 * i]),
+          static_cast<M*>(s->into[3 * i + 1]), static_cast<M*>(s->into[3 * i + 2])};
 }
 
 // The new state of a span may be streamed: it goes to another buffer than the one read (out of
 // place), and every vector store is aligned (the span starts on a 64-byte boundary of all three).
-inline bool streamable(const StatePtrs& s) {
+template <typename M>
+inline bool streamable(const StatePtrs<M>& s) {
   constexpr uintptr_t kAlign = 64;
   return s.master_out != s.master_in && reinterpret_cast<uintptr_t>(s.master_out) % kAlign == 0 &&
          reinterpret_cast<uintptr_t>(s.exp_avg_out) % kAlign == 0 &&
@@ -1025,7 +1054,7 @@ Span span_of(const at::Tensor& t, const char* name) {
 
 // ---- entry point ----------------------------------------------------------------------------
 
-template <typename param_t, typename grad_t>
+template <typename param_t, typename grad_t, typename M>
 void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
          const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<Coeffs>& coeffs,
@@ -1034,38 +1063,51 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
   std::vector<param_t*> p_lp(n);
   std::vector<const param_t*> w_lp(n, nullptr);
   std::vector<const grad_t*> g_lp(n);
-  std::vector<float*> m32(n), ea(n), eas(n);
+  std::vector<float*> m32(n);
+  std::vector<M*> ea(n), eas(n);
   std::vector<int64_t> numel(n);
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     p_lp[i] = params_lowp[i].mutable_data_ptr<param_t>();
     g_lp[i] = grads_lowp[i].const_data_ptr<grad_t>();
     m32[i] = masters[i].mutable_data_ptr<float>();
-    ea[i] = exp_avgs[i].mutable_data_ptr<float>();
-    eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
+    ea[i] = exp_avgs[i].mutable_data_ptr<M>();
+    eas[i] = exp_avg_sqs[i].mutable_data_ptr<M>();
     numel[i] = masters[i].numel();
     total += numel[i];
     if (!seen.empty()) w_lp[i] = seen[i].const_data_ptr<param_t>();
   }
   const bool stream = total >= kStreamMinElements;
   for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-    const StatePtrs st = state_ptrs(spec, i, m32[i], ea[i], eas[i]);
+    const StatePtrs<M> st = state_ptrs<M>(spec, i, m32[i], ea[i], eas[i]);
     const bool nt = streamable(st.at(lo));
     speculated<grad_t>(spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<grad_t>* sums) {
       const grad_t* g = g_lp[i] + a;
       const param_t* w = w_lp[i] == nullptr ? nullptr : w_lp[i] + a;
       if (sums != nullptr && nt) {
-        adamw_span<param_t, grad_t, true, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
+        adamw_span<param_t, grad_t, true, true, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
       } else if (sums != nullptr) {
-        adamw_span<param_t, grad_t, false, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
+        adamw_span<param_t, grad_t, false, true, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
       } else if (nt) {
-        adamw_span<param_t, grad_t, true>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
+        adamw_span<param_t, grad_t, true, false, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
       } else {
-        adamw_span<param_t, grad_t>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
+        adamw_span<param_t, grad_t, false, false, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
       }
     });
     if (nt) fence_streams();
   });
+}
+
+// The moments' dtype of a call: torch.float32, or torch.bfloat16 (state_dtype=torch.bfloat16),
+// the same for every exp_avg and exp_avg_sq (checked with the tensors).
+at::ScalarType moments_dtype(const char* fn, const std::vector<at::Tensor>& exp_avgs) {
+  if (exp_avgs.empty() || !exp_avgs[0].defined()) return at::kFloat;
+  const at::ScalarType t = exp_avgs[0].scalar_type();
+  if (t != at::kFloat && t != at::kBFloat16) {
+    fail_type(std::string(fn) + ": exp_avgs[0] has dtype " + dtype_name(t) +
+              ": expected torch.float32 or torch.bfloat16 (the same for every moment of the call)");
+  }
+  return t;
 }
 
 // Checks the five tensor lists (everything but the steps); returns the parameter and gradient
@@ -1099,13 +1141,14 @@ std::pair<at::ScalarType, at::ScalarType> check_lists(
                 ": expected torch.bfloat16 or torch.float16 (the same for the whole list)");
     }
   }
+  const at::ScalarType m_dtype = moments_dtype(fn, exp_avgs);
   for (size_t i = 0; i < n; ++i) {
     if (!masters[i].defined()) fail_value(std::string(fn) + ": masters[" + std::to_string(i) +
                                           "] is an undefined tensor");
     const int64_t numel = masters[i].numel();
     check_tensor(fn, masters[i], "masters", i, numel, at::kFloat);
-    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
-    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
+    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, m_dtype);
+    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, m_dtype);
     check_tensor(fn, params_lowp[i], "params_lowp", i, numel, p_dtype);
     check_tensor(fn, grads_lowp[i], "grads_lowp", i, numel, g_dtype);
     check_no_overlap(fn, {span_of(params_lowp[i], "params_lowp"), span_of(grads_lowp[i], "grads_lowp"),
@@ -1184,12 +1227,12 @@ Speculate make_speculate(const char* fn, const std::vector<at::Tensor>& grads,
       const int64_t numel = masters[i].numel();
       for (size_t k = 0; k < 3; ++k) {
         const at::Tensor& t = into[3 * i + k];
-        check_tensor(fn, t, "into", 3 * i + k, numel, at::kFloat);
+        check_tensor(fn, t, "into", 3 * i + k, numel, k == 0 ? at::kFloat : exp_avgs[i].scalar_type());
         check_no_overlap(fn, {span_of(t, "into"), span_of(grads[i], "grads"),
                               span_of(masters[i], "masters"), span_of(exp_avgs[i], "exp_avgs"),
                               span_of(exp_avg_sqs[i], "exp_avg_sqs")},
                          i);
-        spec.into[3 * i + k] = t.mutable_data_ptr<float>();
+        spec.into[3 * i + k] = t.mutable_data_ptr();
       }
     }
   }
@@ -1220,6 +1263,27 @@ void finish_speculate(Speculate& spec, const std::vector<at::Tensor>& into,
 }
 
 // The update itself, with the GIL released.
+template <typename M>
+void update_as(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
+               const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
+               const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
+               at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs, const GradXform& x,
+               const Speculate* spec, const std::vector<at::Tensor>& seen) {
+  if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
+    run<c10::BFloat16, c10::BFloat16, M>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs,
+                                         coeffs, x, spec, seen);
+  } else if (p_dtype == at::kBFloat16) {
+    run<c10::BFloat16, c10::Half, M>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
+                                     x, spec, seen);
+  } else if (g_dtype == at::kBFloat16) {
+    run<c10::Half, c10::BFloat16, M>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
+                                     x, spec, seen);
+  } else {
+    run<c10::Half, c10::Half, M>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs, x,
+                                 spec, seen);
+  }
+}
+
 void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
             const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
             const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
@@ -1228,18 +1292,12 @@ void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Te
             const std::vector<at::Tensor>& seen = {}) {
   if (masters.empty()) return;
   pybind11::gil_scoped_release no_gil;
-  if (p_dtype == at::kBFloat16 && g_dtype == at::kBFloat16) {
-    run<c10::BFloat16, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs,
-                                      coeffs, x, spec, seen);
-  } else if (p_dtype == at::kBFloat16) {
-    run<c10::BFloat16, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
-                                  x, spec, seen);
-  } else if (g_dtype == at::kBFloat16) {
-    run<c10::Half, c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs,
-                                  x, spec, seen);
+  if (exp_avgs[0].scalar_type() == at::kBFloat16) {
+    update_as<c10::BFloat16>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype,
+                             coeffs, x, spec, seen);
   } else {
-    run<c10::Half, c10::Half>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, coeffs, x,
-                              spec, seen);
+    update_as<float>(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
+                     x, spec, seen);
   }
 }
 
@@ -1368,6 +1426,45 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
   finish_speculate(spec, into, checksums, masters.size());
 }
 
+// adamw_f32_steps_'s update (moments of type M), with the GIL released.
+template <typename M>
+void run_f32(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+             const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+             const std::vector<at::Tensor>& outs, const std::vector<Coeffs>& coeffs, const GradXform& x,
+             const Speculate& spec) {
+  const size_t n = params.size();
+  std::vector<float*> pp(n), op(n);
+  std::vector<M*> ea(n), eas(n);
+  std::vector<const float*> gp(n);
+  std::vector<int64_t> numel(n);
+  for (size_t i = 0; i < n; ++i) {
+    pp[i] = params[i].mutable_data_ptr<float>();
+    gp[i] = grads[i].const_data_ptr<float>();
+    ea[i] = exp_avgs[i].mutable_data_ptr<M>();
+    eas[i] = exp_avg_sqs[i].mutable_data_ptr<M>();
+    op[i] = outs.empty() ? nullptr : outs[i].mutable_data_ptr<float>();
+    numel[i] = params[i].numel();
+  }
+  for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
+    const StatePtrs<M> st = state_ptrs<M>(&spec, i, pp[i], ea[i], eas[i]);
+    const bool nt = streamable(st.at(lo));
+    speculated<float>(&spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<float>* sums) {
+      const float* g = gp[i] + a;
+      float* out = op[i] == nullptr ? nullptr : op[i] + a;
+      if (sums != nullptr && nt) {
+        adamw_span_f32<true, true, M>(g, st.at(a), out, b - a, coeffs[i], x, sums);
+      } else if (sums != nullptr) {
+        adamw_span_f32<false, true, M>(g, st.at(a), out, b - a, coeffs[i], x, sums);
+      } else if (nt) {
+        adamw_span_f32<true, false, M>(g, st.at(a), out, b - a, coeffs[i], x);
+      } else {
+        adamw_span_f32<false, false, M>(g, st.at(a), out, b - a, coeffs[i], x);
+      }
+    });
+    if (nt) fence_streams();
+  });
+}
+
 // fp32 parameters (each its own master) with fp32 gradients, torch's step bookkeeping as in
 // fused_mp_adamw_steps_. `outs`: empty, or one fp32 tensor per parameter that receives a copy of
 // the updated parameter. Every check runs before the first write.
@@ -1394,6 +1491,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
       fail_value(msg.str());
     }
   }
+  const at::ScalarType m_dtype = moments_dtype(fn, exp_avgs);
   for (size_t i = 0; i < n; ++i) {
     if (!params[i].defined()) {
       fail_value(std::string(fn) + ": params[" + std::to_string(i) + "] is an undefined tensor");
@@ -1401,8 +1499,8 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
     const int64_t numel = params[i].numel();
     check_tensor(fn, params[i], "params", i, numel, at::kFloat);
     check_tensor(fn, grads[i], "grads", i, numel, at::kFloat);
-    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, at::kFloat);
-    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, at::kFloat);
+    check_tensor(fn, exp_avgs[i], "exp_avgs", i, numel, m_dtype);
+    check_tensor(fn, exp_avg_sqs[i], "exp_avg_sqs", i, numel, m_dtype);
     if (with_out) check_tensor(fn, outs[i], "outs", i, numel, at::kFloat);
     check_no_overlap(fn, {span_of(params[i], "params"), span_of(grads[i], "grads"),
                           span_of(exp_avgs[i], "exp_avgs"), span_of(exp_avg_sqs[i], "exp_avg_sqs"),
@@ -1423,38 +1521,14 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
     finish_speculate(spec, into, checksums, n);
     return;
   }
-  std::vector<float*> pp(n), ea(n), eas(n), op(n);
-  std::vector<const float*> gp(n);
-  std::vector<int64_t> numel(n);
-  for (size_t i = 0; i < n; ++i) {
-    pp[i] = params[i].mutable_data_ptr<float>();
-    gp[i] = grads[i].const_data_ptr<float>();
-    ea[i] = exp_avgs[i].mutable_data_ptr<float>();
-    eas[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
-    op[i] = with_out ? outs[i].mutable_data_ptr<float>() : nullptr;
-    numel[i] = params[i].numel();
-  }
   const GradXform x = make_xform(grad_scale, grad_coef);
   {
     pybind11::gil_scoped_release no_gil;
-    for_each_span(numel, [&](size_t i, int64_t lo, int64_t hi) {
-      const StatePtrs st = state_ptrs(&spec, i, pp[i], ea[i], eas[i]);
-      const bool nt = streamable(st.at(lo));
-      speculated<float>(&spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<float>* sums) {
-        const float* g = gp[i] + a;
-        float* out = op[i] == nullptr ? nullptr : op[i] + a;
-        if (sums != nullptr && nt) {
-          adamw_span_f32<true, true>(g, st.at(a), out, b - a, coeffs[i], x, sums);
-        } else if (sums != nullptr) {
-          adamw_span_f32<false, true>(g, st.at(a), out, b - a, coeffs[i], x, sums);
-        } else if (nt) {
-          adamw_span_f32<true>(g, st.at(a), out, b - a, coeffs[i], x);
-        } else {
-          adamw_span_f32(g, st.at(a), out, b - a, coeffs[i], x);
-        }
-      });
-      if (nt) fence_streams();
-    });
+    if (m_dtype == at::kBFloat16) {
+      run_f32<c10::BFloat16>(params, grads, exp_avgs, exp_avg_sqs, outs, coeffs, x, spec);
+    } else {
+      run_f32<float>(params, grads, exp_avgs, exp_avg_sqs, outs, coeffs, x, spec);
+    }
   }
   finish_speculate(spec, into, checksums, n);
 }
