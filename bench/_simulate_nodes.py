@@ -1,8 +1,9 @@
 """The simulated nodes of ``python -m bench.simulate``: hardware, each local rank's mask, workload.
 
-The first three, :data:`REQUIRED_NODES` (two sockets of 60 cores with NUMA-bound or shared masks,
-one 16-core socket), are the nodes the regret targets are judged on and ``--quick`` runs; the
-others widen the picture (exclusive masks, overlap with backward, 2 ranks).
+The targets are judged on every node. The first three, :data:`REQUIRED_NODES` (two sockets of 60
+cores with NUMA-bound or shared masks, one 16-core socket), are the ones ``--quick`` runs; the
+others widen the picture (exclusive masks, overlap with backward, 2 ranks, a smaller 2-socket
+node whose 8 ranks share one mask, ranks whose cores span both sockets).
 """
 
 from __future__ import annotations
@@ -29,14 +30,32 @@ def _two_socket(masks: str, *, overlap: bool = False) -> Node:
             for r in range(8)
         )
         text = "8 ranks, each with its own 15 cores + SMT siblings (30 CPUs), 4 per socket"
+    elif masks == "cyclic":
+        # Slurm's default block:cyclic distribution: each rank's 15 cores alternate between the
+        # sockets (8 on one, 7 on the other), so every rank's memory and threads span both.
+        order = [(j % 2, j // 2) for j in range(2 * hw.cores_per_socket)]
+        ranks = tuple(
+            frozenset(hw.cpu(s, c, t) for s, c in order[r * 15:(r + 1) * 15] for t in range(2)) for r in range(8)
+        )
+        text = "8 ranks, each with 15 cores + SMT siblings spread over both sockets (Slurm's cyclic distribution)"
     else:
-        raise ValueError(f"masks={masks!r}: expected 'numa', 'shared' or 'exclusive'")
+        raise ValueError(f"masks={masks!r}: expected 'numa', 'shared', 'exclusive' or 'cyclic'")
     wl = Workload(params=2_000_000_000, overlap_backward=overlap)
     name = f"2s60c-smt2-8r-{masks}" + ("-overlap" if overlap else "")
     if overlap:
         text += "; optimizer step overlapped with backward (objective: iteration time)"
     return Node(name=name, hardware=hw, masks=ranks, workload=wl,
                 description=f"2 sockets x 60 cores x SMT2 (240 CPUs, 2 NUMA domains); {text}; 2e9 params per rank")
+
+
+def _small_two_socket_shared() -> Node:
+    """A smaller 2-socket node (2 x 32 cores, SMT2, 200 GB/s per socket) whose 8 ranks share one mask."""
+    hw = Hardware(sockets=2, cores_per_socket=32, smt=2, domain_bw_gbs=200.0)
+    wl = Workload(params=1_000_000_000)
+    return Node(name="2s32c-smt2-8r-shared", hardware=hw, masks=(frozenset(range(hw.logical_cpus)),) * 8,
+                workload=wl,
+                description="2 sockets x 32 cores x SMT2 (128 CPUs, 2 NUMA domains of 200 GB/s); 8 ranks on one "
+                            "shared mask of all 128 CPUs; 1e9 params per rank")
 
 
 def _one_socket(ranks: int = 1) -> Node:
@@ -56,8 +75,10 @@ NODES: dict[str, Callable[[], Node]] = {
     "2s60c-smt2-8r-exclusive": lambda: _two_socket("exclusive"),
     "2s60c-smt2-8r-numa-overlap": lambda: _two_socket("numa", overlap=True),
     "1s16c-smt2-2r": lambda: _one_socket(2),
+    "2s32c-smt2-8r-shared": _small_two_socket_shared,
+    "2s60c-smt2-8r-cyclic": lambda: _two_socket("cyclic"),
 }
-#: The nodes the regret targets are judged on (and the only ones --quick and the what-if variants run).
+#: The nodes ``--quick`` runs (the targets are judged on every node of a run).
 REQUIRED_NODES = ("2s60c-smt2-8r-numa", "2s60c-smt2-8r-shared", "1s16c-smt2-1r")
 
 

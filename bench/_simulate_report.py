@@ -19,6 +19,10 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f} %"
 
 
+def _flips(n: dict[str, Any]) -> str:
+    return _pct(n["flip_rate"]) if "flip_rate" in n else "-"  # results of older versions lack it
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """The Markdown report of a simulation ``result``."""
     cfg = result["config"]
@@ -31,26 +35,30 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"- tuner: `autotune.OnlineTuner` with the default `AutotuneConfig` (probe budget {cfg['probe_steps']} steps, "
         f"{cfg['warmup_steps']} warm-up + {cfg['measure_steps']} measured per candidate, "
         f"{cfg['finalists']} finalists x "
-        f"{cfg['final_rounds']} rounds, min gain {cfg['min_gain']:g}, Optuna seed {cfg['seed']}); "
+        f"{cfg['final_rounds']} rounds, min gain {cfg['min_gain']:g}, noise factor {cfg['noise_factor']:g}, "
+        f"Optuna seed {cfg['seed']}); "
         "one tuner per simulated local rank, agreeing through `autotune.InProcessAgreement`",
         "- only the measurement is simulated: search space, static plan and thread caps come from the real "
         "`plan_cpu_threads` and `offload_search_space` on each node's topology and masks",
-        f"- targets: median regret <= {_pct(targets['median_regret'])}, p95 <= {_pct(targets['p95_regret'])} within the "
-        "default probe budget",
+        f"- targets, on every node: median regret <= {_pct(targets['median_regret'])}, p95 <= "
+        f"{_pct(targets['p95_regret'])}, median probe steps <= {targets.get('median_probe_steps', '-')} (within "
+        "the default probe budget)",
         "",
         "Regret = (true time of the locked-in winner - true best of the space) / true best, true = the model "
-        "without noise. Probe overhead = extra step-equivalents the probing steps cost over running the true best.",
+        "without noise. Probe overhead = extra step-equivalents the probing steps cost over running the true best. "
+        "Winner flips = the share of seeds that locked in another candidate than the most frequent winner.",
         "",
         "| node | ranks | seeds | candidates | regret median | regret p95 | regret max | probe steps (median/max) "
-        "| probe overhead (steps) | static plan regret | static rule oversubscribes | static rule / tuner | targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|",
+        "| probe overhead (steps) | winner flips | static plan regret | static rule oversubscribes | static rule / tuner "
+        "| targets |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|",
     ]
     for n in result["nodes"]:
         sr = n["static_rule"]
         lines.append(
             f"| {n['node']} | {n['ranks']} | {n['seeds']} | {n['n_candidates']} | {_pct(n['regret']['median'])} "
             f"| {_pct(n['regret']['p95'])} | {_pct(n['regret']['max'])} | {n['probe_steps']['median']:g} / "
-            f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_pct(n['baseline_regret'])} "
+            f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_flips(n)} | {_pct(n['baseline_regret'])} "
             f"| {'yes' if sr['oversubscribed'] else 'no'} ({sum(sr['threads'])} threads) "
             f"| {n['tuner_vs_static_median']:.2f}x | {'met' if n['meets_targets'] else '**not met**'} |"
         )
@@ -155,6 +163,7 @@ def summary_line(n: dict[str, Any]) -> str:
     return (
         f"{n['node']:<28} seeds {n['seeds']:>3}  regret median {_pct(n['regret']['median']):>8}  p95 "
         f"{_pct(n['regret']['p95']):>8}  probe steps {n['probe_steps']['median']:g}/{n['probe_steps']['max']}  "
+        f"flips {_flips(n):>8}  "
         f"static rule {'oversubscribes' if n['static_rule']['oversubscribed'] else 'ok'} "
         f"({n['static_rule']['vs_best']:.2f}x best)  {'met' if n['meets_targets'] else 'NOT MET'}  "
         f"[{n['elapsed_s']:.1f} s]"

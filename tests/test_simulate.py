@@ -277,6 +277,38 @@ def test_quick_simulation_runs_and_reports(tmp_path) -> None:
             assert r["regret"] == pytest.approx(n["truth_s"][key] / best - 1)
     md = (tmp_path / "simulated_nodes.md").read_text()
     assert "| node |" in md and "regret" in md and "## The model" in md
+    for n in data["nodes"]:  # the share of seeds whose winner is not the most frequent one
+        counts = list(n["winners"].values())
+        assert n["flip_rate"] == pytest.approx(1 - max(counts) / sum(counts))
+    assert "winner flips" in md and data["targets"]["median_probe_steps"] == 32
+
+
+def test_the_two_socket_shapes_the_issue_names() -> None:
+    """A smaller 2-socket node whose 8 ranks share one mask, and one whose ranks' cores span both
+    sockets (Slurm's cyclic distribution): each rank's 15 cores are 8 on one socket, 7 on the other."""
+    shared = simulate.build_node("2s32c-smt2-8r-shared")
+    assert shared.ranks == 8 and len(set(shared.masks)) == 1 and len(shared.masks[0]) == 128
+    assert [p.planned_threads for p in simulate.plan_node(shared)] == [8] * 8  # 64 cores / 8 ranks
+    cyclic = simulate.build_node("2s60c-smt2-8r-cyclic")
+    hw = cyclic.hardware
+    for mask in cyclic.masks:
+        per_socket = sorted(len({hw.core_of(c) for c in mask if hw.socket_of(c) == s}) for s in range(2))
+        assert per_socket == [7, 8] and len(mask) == 30
+    assert not set.intersection(*(set(m) for m in cyclic.masks))  # disjoint
+    assert [p.planned_threads for p in simulate.plan_node(cyclic)] == [15] * 8
+
+
+def test_ranks_given_different_noise_lock_in_the_same_winner() -> None:
+    """Every rank of a simulated node sees its own noise (per-rank jitter and spikes), and the
+    timings are reduced across the ranks (the node's time is their max) before any decision:
+    every rank locks in rank 0's winner (``run_seed`` raises if any differs)."""
+    node = simulate.build_node("2s60c-smt2-8r-cyclic")
+    plans = simulate.plan_node(node)
+    space, baseline, caps = simulate.tuning_inputs(node, plans)
+    loud = NoiseModel(rank_sigma=0.08, spike_prob=0.1)
+    for seed in range(3):
+        out = simulate.run_seed(node, space, baseline, caps, seed, noise=loud)
+        assert out["winner"] in space.candidates()
 
 
 def test_in_process_agreement_decides_exactly_as_real_gloo() -> None:
