@@ -194,6 +194,7 @@ def build_summary(args: argparse.Namespace, info: Any, device: torch.device, n_p
                      + (" + tune_step_threads" if hasattr(opt, "wrapped") else ""),
         "fsdp_cpu_offload": bool(args.fsdp_cpu_offload),
         "overlap_backward": bool(args.overlap_backward),
+        "optim_state_dtype": getattr(args, "optim_state_dtype", "fp32"),
         "fsdp": bool(args.fsdp),
         "fsdp_param_dtype": args.fsdp_param_dtype,
         "clip_grad_norm": getattr(args, "clip_grad_norm", None),

@@ -138,6 +138,7 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
     return CPUOffloadAdamW(
         groups, lr=args.lr, betas=betas, eps=1e-8, weight_decay=args.weight_decay,
         settings=settings, overlap_backward=args.overlap_backward,
+        state_dtype=torch.bfloat16 if args.optim_state_dtype == "bf16" else torch.float32,
         **tune_kwargs,
     )
 

@@ -43,14 +43,11 @@ def adamw_defaults(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[
     return defaults
 
 
-def check_state_dtype(state_dtype: Any, registry: Any) -> None:
-    """``state_dtype``: torch.float32 or torch.bfloat16; bfloat16 not yet with DTensor parameters."""
+def check_state_dtype(state_dtype: Any) -> None:
+    """``state_dtype``: torch.float32 or torch.bfloat16."""
     if state_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"state_dtype={state_dtype!r}: expected torch.float32 or torch.bfloat16 (the moments' "
                          "dtype in host memory)")
-    if state_dtype == torch.bfloat16 and registry.sharded:
-        raise ValueError("state_dtype=torch.bfloat16 with DTensor (FSDP2, tensor parallel) parameters: not "
-                         "supported yet (not tested there); use torch.float32")
 
 
 def check_limit(limit: Any, overlap_backward: bool) -> int | None:

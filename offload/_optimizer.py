@@ -97,8 +97,7 @@ class CPUOffloadAdamW(Optimizer):
             (default) or ``torch.bfloat16``, which moves 20 instead of 28 bytes per parameter per
             step of a bf16 model and holds 8 instead of 12: each step upcasts the moments, runs
             the fp32 update exactly as with fp32 moments and rounds them to nearest-even as it
-            stores them (the master stays fp32; ``docs/optimizer.md``). Not yet for DTensor
-            (FSDP2) parameters.
+            stores them (the master stays fp32; ``docs/optimizer.md``).
         amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.
@@ -150,7 +149,7 @@ class CPUOffloadAdamW(Optimizer):
         # One record per parameter (DTensor (FSDP2) parameters: the slabs hold this rank's shard).
         registry = ParamRegistry(self.param_groups)
         limit = check_limit(speculation_limit, overlap_backward)
-        check_state_dtype(state_dtype, registry)
+        check_state_dtype(state_dtype)
         self._numa: NumaPlacement | None = None
         if settings.bind_numa:  # bind first, then allocate untouched
             self._numa = NumaPlacement.bind(registry.device, numa_binder)

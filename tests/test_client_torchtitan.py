@@ -178,12 +178,29 @@ def test_fsdp2_container_clips_and_checkpoints_through_dcp_like_stock_adamw(tmp_
         assert r.value["resumed_equal"] == {"ours<-ours": True, "ours<-stock": True, "stock<-ours": True}, r.value
 
 
-@pytest.mark.parametrize("implementation", ["foreach", "for-loop", "fused_opt_states_bf16"])
+def test_recipe_maps_fused_opt_states_bf16_to_bf16_moments() -> None:
+    """torchtitan's ``fused_opt_states_bf16`` passes ``fused=True, foreach=False`` (the same kwargs
+    as ``"fused"``) and registers a pre-hook that makes the moments bf16 only on
+    ``torch.optim.Adam/AdamW`` instances: the recipe maps it to ``state_dtype=torch.bfloat16`` (it
+    was refused while CPUOffloadAdamW kept fp32 moments only), keeping the caller's other kwargs."""
+    config = default_adamw(lr=1e-2)
+    config.implementation = "fused_opt_states_bf16"
+    config.optimizer_factory_kwargs_by_name = {"AdamW": {"overlap_backward": True}}
+    model = _model()
+    container = OffloadOptimizersContainer(config, model_parts=[model])
+    model(torch.randn(16, 8)).square().mean().backward()
+    container.step()
+    opt = container.optimizers[0]
+    assert opt._overlap is not None
+    assert all(st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.bfloat16
+               for st in opt.state.values())
+    assert config.implementation == "fused_opt_states_bf16"  # the caller's config is left as it was
+    opt.close()
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "for-loop"])
 def test_recipe_refuses_what_it_cannot_match(implementation: str) -> None:
-    """review: torchtitan's ``fused_opt_states_bf16`` passes ``fused=True, foreach=False`` (the
-    same kwargs as ``"fused"``) and registers a pre-hook that makes the moments bf16 only on
-    ``torch.optim.Adam/AdamW`` instances: CPUOffloadAdamW silently trains with fp32 moments,
-    not stock's bf16 ones. Like ``"foreach"``/``"for-loop"``, it must be refused."""
+    """``"foreach"``/``"for-loop"`` pass ``fused=False``: refused (CPUOffloadAdamW runs its own kernels)."""
     config = default_adamw(lr=1e-2)
     config.implementation = implementation
     with pytest.raises(ValueError):

@@ -241,26 +241,43 @@ struct StatePtrs {
   }
 };
 
-// One float vector of moments at `p` (bf16: upcast, exact).
+// One float vector of moments at `p` (bf16: upcast, exact; one half-width load).
 template <typename M>
 inline fVec load_moments(const M* p) {
   if constexpr (std::is_same_v<M, float>) {
     return fVec::loadu(p);
   } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512 v;
+    at::vec::cvtbf16_fp32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), v);
+    return fVec(v);
+#elif defined(CPU_CAPABILITY_AVX2)
+    __m256 v;
+    at::vec::cvtbf16_fp32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), v);
+    return fVec(v);
+#else
     fVec v;
     at::vec::load_to_float<M>(p, v);
     return v;
+#endif
   }
 }
 
-// Stores one float vector of moments at `p` (bf16: rounded to nearest-even, as Tensor.to();
-// plain stores: non-temporal ones need 64-byte pieces, a bf16 vector of moments is half of one).
+// Stores one float vector of moments at `p` (bf16: rounded to nearest-even, as Tensor.to(), by
+// at::vec's one-vector conversion: one half-width store; plain stores: non-temporal ones need
+// 64-byte pieces, a bf16 vector of moments is half of one).
 template <bool NT, typename M>
 inline void put_moments(M* p, const fVec& v) {
   if constexpr (std::is_same_v<M, float>) {
     put<NT>(p, v);
   } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_bf16(__m256(v)));
+#else
     at::vec::convert_from_float<M>(v, v).store(p, fVec::size());
+#endif
   }
 }
 
