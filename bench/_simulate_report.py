@@ -23,6 +23,11 @@ def _flips(n: dict[str, Any]) -> str:
     return _pct(n["flip_rate"]) if "flip_rate" in n else "-"  # results of older versions lack it
 
 
+def _oracle(n: dict[str, Any]) -> str:
+    o = n.get("oracle")  # results of older versions lack it
+    return f"{_pct(o['median']['p95'])} / {_pct(o['mean']['p95'])}" if o else "-"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """The Markdown report of a simulation ``result``."""
     cfg = result["config"]
@@ -46,19 +51,24 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         "Regret = (true time of the locked-in winner - true best of the space) / true best, true = the model "
         "without noise. Probe overhead = extra step-equivalents the probing steps cost over running the true best. "
-        "Winner flips = the share of seeds that locked in another candidate than the most frequent winner.",
+        "Winner flips = the share of seeds that locked in another candidate than the most frequent winner. "
+        "Oracle p95 = the p95 regret of an oracle told the 3 truly fastest candidates that spends the target's "
+        "median probe steps on them alone (one warm-up each, the rest measured; spikes dropped as the tuner drops "
+        "them), picking by median / by mean (`bench._simulate_oracle`): a floor for any tuner with that budget "
+        "under this noise.",
         "",
         "| node | ranks | seeds | candidates | regret median | regret p95 | regret max | probe steps (median/max) "
-        "| probe overhead (steps) | winner flips | static plan regret | static rule oversubscribes | static rule / tuner "
-        "| targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|",
+        "| probe overhead (steps) | winner flips | oracle p95 (median / mean) | static plan regret "
+        "| static rule oversubscribes | static rule / tuner | targets |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|---|",
     ]
     for n in result["nodes"]:
         sr = n["static_rule"]
         lines.append(
             f"| {n['node']} | {n['ranks']} | {n['seeds']} | {n['n_candidates']} | {_pct(n['regret']['median'])} "
             f"| {_pct(n['regret']['p95'])} | {_pct(n['regret']['max'])} | {n['probe_steps']['median']:g} / "
-            f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_flips(n)} | {_pct(n['baseline_regret'])} "
+            f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_flips(n)} | {_oracle(n)} "
+            f"| {_pct(n['baseline_regret'])} "
             f"| {'yes' if sr['oversubscribed'] else 'no'} ({sum(sr['threads'])} threads) "
             f"| {n['tuner_vs_static_median']:.2f}x | {'met' if n['meets_targets'] else '**not met**'} |"
         )

@@ -49,6 +49,7 @@ import numpy as np
 from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
 from bench._args import PATH_RULE, HelpFormatter, output_dir, resolve_out_dir
 from bench._simulate_nodes import NODES, REQUIRED_NODES, build_node
+from bench._simulate_oracle import oracle_bound
 from bench._simulate_report import model_text, render_markdown, summary_line
 from bench._stepmodel import Node, NoiseModel
 from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
@@ -348,8 +349,10 @@ def simulate_node(
     seed_per_run: bool = False,
     keep_runs: bool = True,
     noise: NoiseModel | None = None,
+    oracle: bool = True,
 ) -> dict[str, Any]:
-    """``seeds`` tuning sessions on node ``name`` and their regret statistics."""
+    """``seeds`` tuning sessions on node ``name`` and their regret statistics (``oracle``: with the
+    oracle bound of :mod:`bench._simulate_oracle` at the target's median probe steps)."""
     config = config or AutotuneConfig(use_cache=False)
     node = build_node(name)
     plans = plan_node(node)
@@ -428,6 +431,8 @@ def simulate_node(
         "tuner_vs_static_median": statistics.median(static_true / r["winner_true_s"] for r in runs),
         "winners": dict(sorted(winners.items(), key=lambda kv: -kv[1])),
         "flip_rate": flip_rate,
+        "oracle": oracle_bound(node, candidates, lambda c: _capped(c, caps), steps=TARGET_MEDIAN_PROBE_STEPS,
+                               noise=noise) if oracle else None,
         "meets_targets": (
             statistics.median(regrets) <= TARGET_MEDIAN_REGRET and _quantile(regrets, 0.95) <= TARGET_P95_REGRET
             and statistics.median(probes) <= TARGET_MEDIAN_PROBE_STEPS
@@ -455,7 +460,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 logger.info("what-if %s: %s over %d seeds", key, name, args.what_if_seeds)
                 res = simulate_node(name, args.what_if_seeds, first_seed=args.first_seed, config=cfg,
                                     seed_per_run=bool(overrides.get("seed_per_run")), keep_runs=False,
-                                    noise=noise)
+                                    noise=noise, oracle=False)
                 rows.append({k: res[k] for k in ("node", "seeds", "regret", "probe_steps", "kept_baseline_rate",
                                                  "best_measured_rate", "flip_rate", "meets_targets", "elapsed_s")})
             variants.append({"variant": key, "description": text, "config": asdict(cfg),

@@ -316,3 +316,22 @@ def test_in_process_agreement_decides_exactly_as_real_gloo() -> None:
     take identical decisions from the same model times."""
     check = simulate.gloo_check("1s16c-smt2-2r", [0])
     assert check["all_identical"], check
+
+
+def test_the_oracle_bound_is_a_floor_that_more_samples_or_less_noise_lower() -> None:
+    """The oracle (told the 3 fastest candidates, every probe step spent on them): without noise it
+    always picks the best; with the model's noise more steps never raise its regret."""
+    from bench._simulate_oracle import oracle_bound
+
+    node = simulate.build_node("2s60c-smt2-8r-exclusive")
+    plans = simulate.plan_node(node)
+    space, _, caps = simulate.tuning_inputs(node, plans)
+    threads_of = lambda c: [min(int(c["threads"]), x) for x in caps]  # noqa: E731 - as bench.simulate caps them
+    quiet = NoiseModel(node_sigma=0.0, rank_sigma=0.0, spike_prob=0.0)
+    calm = oracle_bound(node, space.candidates(), threads_of, steps=12, noise=quiet, seeds=20)
+    assert calm["median"]["p95"] == calm["mean"]["p95"] == calm["median"]["above_2pct"] == 0.0
+    assert calm["contenders"] == 3 and calm["samples_each"] == 3
+    short = oracle_bound(node, space.candidates(), threads_of, steps=12, seeds=300)
+    long = oracle_bound(node, space.candidates(), threads_of, steps=60, seeds=300)
+    assert short["median"]["above_2pct"] > long["median"]["above_2pct"]
+    assert oracle_bound(node, space.candidates(), threads_of, steps=12, seeds=300) == short  # seeded
