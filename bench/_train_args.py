@@ -104,6 +104,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--optim-state-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="the moments' dtype in host memory (CPUOffloadAdamW(state_dtype=)): bf16 moves 20 "
                         "instead of 28 bytes per parameter per step of a bf16 model, rounded to nearest-even")
+    p.add_argument("--optim-state-rounding", choices=("nearest", "stochastic"), default="nearest",
+                   help="with --optim-state-dtype bf16: how the moments are rounded (state_rounding; "
+                        "stochastic: seeded by --seed)")
     p.add_argument("--overlap-backward", action="store_true",
                    help="start each chunk's update during backward (one process, or several with --fsdp)")
     p.add_argument("--autotune", action="store_true", help="tune threads and chunk size online")
@@ -158,6 +161,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                             ("--optim-state-dtype bf16", args.optim_state_dtype != "fp32")):
             if value:
                 p.error(f"{flag} configures the offloaded optimizer: add --optim-cpu-offload")
+    if args.optim_state_rounding != "nearest" and args.optim_state_dtype != "bf16":
+        p.error("--optim-state-rounding stochastic rounds bf16 moments: add --optim-state-dtype bf16")
     if args.amp is not None:
         for flag, value in (("--dtype bf16", args.dtype != "fp32"), ("--fsdp-param-dtype", args.fsdp_param_dtype),
                             ("--fsdp-cpu-offload", args.fsdp_cpu_offload)):

@@ -195,6 +195,7 @@ def build_summary(args: argparse.Namespace, info: Any, device: torch.device, n_p
         "fsdp_cpu_offload": bool(args.fsdp_cpu_offload),
         "overlap_backward": bool(args.overlap_backward),
         "optim_state_dtype": getattr(args, "optim_state_dtype", "fp32"),
+        "optim_state_rounding": getattr(args, "optim_state_rounding", "nearest"),
         "fsdp": bool(args.fsdp),
         "fsdp_param_dtype": args.fsdp_param_dtype,
         "clip_grad_norm": getattr(args, "clip_grad_norm", None),

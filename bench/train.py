@@ -139,6 +139,7 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
         groups, lr=args.lr, betas=betas, eps=1e-8, weight_decay=args.weight_decay,
         settings=settings, overlap_backward=args.overlap_backward,
         state_dtype=torch.bfloat16 if args.optim_state_dtype == "bf16" else torch.float32,
+        state_rounding=args.optim_state_rounding, state_rounding_seed=args.seed,
         **tune_kwargs,
     )
 

@@ -43,11 +43,23 @@ def adamw_defaults(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[
     return defaults
 
 
-def check_state_dtype(state_dtype: Any) -> None:
-    """``state_dtype``: torch.float32 or torch.bfloat16."""
+def check_state_dtype(state_dtype: Any, rounding: Any = "nearest", seed: Any = 0) -> int | None:
+    """``state_dtype``: torch.float32 or torch.bfloat16; ``rounding``: "nearest", or "stochastic"
+    with bf16 moments and an int ``seed`` in [0, 2**63). Returns the seed of stochastic rounding,
+    or None."""
     if state_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"state_dtype={state_dtype!r}: expected torch.float32 or torch.bfloat16 (the moments' "
                          "dtype in host memory)")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"state_rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    if rounding == "nearest":
+        return None
+    if state_dtype != torch.bfloat16:
+        raise ValueError("state_rounding='stochastic' rounds bf16 moments: expected state_dtype=torch.bfloat16, "
+                         f"got {state_dtype}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise ValueError(f"state_rounding_seed={seed!r}: expected an int in [0, 2**63)")
+    return seed
 
 
 def check_limit(limit: Any, overlap_backward: bool) -> int | None:

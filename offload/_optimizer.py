@@ -98,6 +98,11 @@ class CPUOffloadAdamW(Optimizer):
             step of a bf16 model and holds 8 instead of 12: each step upcasts the moments, runs
             the fp32 update exactly as with fp32 moments and rounds them to nearest-even as it
             stores them (the master stays fp32; ``docs/optimizer.md``).
+        state_rounding, state_rounding_seed: with bf16 moments, ``"nearest"`` (default: to nearest-
+            even) or ``"stochastic"``: rounded up with the probability of the dropped fraction, from
+            random bits keyed on ``state_rounding_seed``, the step, the parameter and the element,
+            so the bits are the same for any thread count, chunk size and overlap
+            (``offload.kernels._rounding``).
         amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.
@@ -126,6 +131,8 @@ class CPUOffloadAdamW(Optimizer):
         overlap_backward: bool = False,
         speculation_limit: int | None = None,
         state_dtype: torch.dtype = torch.float32,
+        state_rounding: str = "nearest",
+        state_rounding_seed: int = 0,
         amsgrad: bool = False,
         maximize: bool = False,
         capturable: bool = False,
@@ -149,14 +156,14 @@ class CPUOffloadAdamW(Optimizer):
         # One record per parameter (DTensor (FSDP2) parameters: the slabs hold this rank's shard).
         registry = ParamRegistry(self.param_groups)
         limit = check_limit(speculation_limit, overlap_backward)
-        check_state_dtype(state_dtype)
+        rounding_seed = check_state_dtype(state_dtype, state_rounding, state_rounding_seed)
         self._numa: NumaPlacement | None = None
         if settings.bind_numa:  # bind first, then allocate untouched
             self._numa = NumaPlacement.bind(registry.device, numa_binder)
         self._layout = HostLayout.build(
             self.param_groups, self.state, registry=registry, chunk_numel=settings.chunk_numel,
             overlap_backward=overlap_backward, allocate=HostSlabs if self._numa is None else self._numa.allocate,
-            speculable=limit, state_dtype=state_dtype).layout
+            speculable=limit, state_dtype=state_dtype, rounding_seed=rounding_seed).layout
 
         # A tuned optimizer's thread plan, kernel vote and tuner share one node agreement.
         plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
@@ -245,7 +252,8 @@ class CPUOffloadAdamW(Optimizer):
         relaid = HostLayout.build(self.param_groups, self.state, previous=self._layout, seeds=seeds,
                                   chunk_numel=self._settings.chunk_numel,
                                   overlap_backward=self._layout.overlap_backward,
-                                  speculable=self._layout.speculable, state_dtype=self._layout.state_dtype)
+                                  speculable=self._layout.speculable, state_dtype=self._layout.state_dtype,
+                                  rounding_seed=self._layout.rounding_seed)
         self.state.clear()
         self.state.update(relaid.entries)
         record(relaid.layout.records, relaid.migrated)  # their masters were just seeded from them

@@ -188,3 +188,101 @@ def test_checkpoints_move_between_fp32_and_bf16_moments(caplog: pytest.LogCaptur
 def test_a_state_dtype_other_than_fp32_or_bf16_is_refused() -> None:
     with pytest.raises(ValueError, match=r"state_dtype=torch.float16: expected torch.float32 or torch.bfloat16"):
         CPUOffloadAdamW(_model(torch.float32).parameters(), state_dtype=torch.float16)
+
+
+# ---------------------------------------------------------------- stochastic rounding
+def _splitmix64(x: int) -> int:
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def _bits(seed: int, step: int, slot: int, n: int) -> "np.ndarray":
+    """The documented random bits of elements 0..n-1 of parameter ``slot`` at ``step``: numpy
+    uint32 arithmetic (wrapping products), written apart from the library's."""
+    import numpy as np
+
+    key = _splitmix64(seed ^ _splitmix64(((step << 32) ^ slot) & ((1 << 64) - 1))) & 0xFFFFFFFF
+    x = np.arange(n, dtype=np.uint32) ^ np.uint32(key)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x85EBCA6B)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(0xC2B2AE35)
+        x ^= x >> np.uint32(16)
+    return x
+
+
+def _stochastic(values: torch.Tensor, r16: "np.ndarray") -> torch.Tensor:
+    import numpy as np
+
+    b = values.reshape(-1).numpy().view(np.uint32).astype(np.uint64)
+    t = torch.from_numpy((((b + r16.astype(np.uint64)) & 0xFFFF0000).astype(np.uint32)).view(np.float32))
+    return torch.where(torch.isnan(values.reshape(-1)), values.reshape(-1), t).reshape(values.shape)
+
+
+class StochasticReference(Bf16MomentsReference):
+    """The stated reference with ``state_rounding="stochastic"``: moments of parameter ``slot``
+    (its position in the optimizer's parameters) rounded with the documented bits."""
+
+    def __init__(self, model: torch.nn.Module, seed: int) -> None:
+        super().__init__(model)
+        self.seed = seed
+
+    def step(self) -> None:
+        for p in self.params:
+            self.master[p].grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for slot, p in enumerate(self.params):
+                st = self.opt.state[self.master[p]]
+                h = _bits(self.seed, int(st["step"]), slot, p.numel())
+                st["exp_avg"].copy_(_stochastic(st["exp_avg"], h & 0xFFFF))
+                st["exp_avg_sq"].copy_(_stochastic(st["exp_avg_sq"], (h >> 16) & 0xFFFF))
+                p.copy_(self.master[p])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("overlap", [False, True], ids=["off", "overlap"])
+@pytest.mark.parametrize(("kernel", "threads", "chunk_numel"),
+                         [("fused-mp", 2, 1024), ("fused-mp", 1, 4096), ("torch", 2, 1024)])
+def test_stochastic_rounding_is_the_documented_function_bitwise(dtype, overlap, kernel, threads, chunk_numel) -> None:
+    ref_model, model = _model(dtype), _model(dtype)
+    ref = StochasticReference(ref_model, seed=7)
+    opt = _ours(model, overlap_backward=overlap, kernel=kernel, threads=threads, chunk_numel=chunk_numel,
+                state_rounding="stochastic", state_rounding_seed=7)
+    _train(ref_model, ref, dtype)
+    _train(model, opt, dtype)
+    _check(model, opt, ref_model, ref)
+    opt.close()
+
+
+def test_stochastic_rounding_differs_from_nearest_and_is_unbiased() -> None:
+    """The same loop with nearest and with stochastic rounding gives other moments; and rounding
+    one value many times averages to it (within 1% of a bf16 step: 2**20 draws)."""
+    from offload.kernels._rounding import round_moments_, sr_key
+
+    runs = []
+    for rounding in ("nearest", "stochastic"):
+        model = _model(torch.bfloat16)
+        opt = _ours(model, state_rounding=rounding)
+        _train(model, opt, torch.bfloat16, range(3))
+        runs.append([opt.state[p]["exp_avg"].clone() for p in model.parameters()])
+        opt.close()
+    assert any(not torch.equal(a, b) for a, b in zip(*runs))
+    x = torch.full((1 << 20,), 1.0 + 3 * 2.0 ** -10)  # between two bf16 numbers: 1 + 2**-7 * (0.375)
+    ea, eas = torch.empty(x.numel(), dtype=torch.bfloat16), torch.empty(x.numel(), dtype=torch.bfloat16)
+    round_moments_(ea, eas, x, x, key=sr_key(3, 1.0, 0), start=0)
+    ulp = 2.0 ** -7
+    for t in (ea, eas):
+        assert set(t.float().unique().tolist()) == {1.0, 1.0 + ulp}
+        assert abs(t.float().mean().item() - x[0].item()) < 0.01 * ulp
+
+
+def test_stochastic_rounding_needs_bf16_moments() -> None:
+    with pytest.raises(ValueError, match=r"state_rounding='stochastic' rounds bf16 moments"):
+        CPUOffloadAdamW(_model(torch.float32).parameters(), state_rounding="stochastic")
+    with pytest.raises(ValueError, match=r"state_rounding='up': expected 'nearest' or 'stochastic'"):
+        CPUOffloadAdamW(_model(torch.float32).parameters(), state_dtype=torch.bfloat16, state_rounding="up")

@@ -51,7 +51,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from offload.kernels._rounding import round_moments_, sr_key
 from offload.kernels._fused_mp import (
+    Rounding,
     call_f32_unchecked,
     call_steps_unchecked,
     check_hyper,
@@ -210,6 +212,7 @@ def fused_adamw_(
     steps_to_increment: Sequence[Tensor],
     hyper: Hyper,
     grad_dtypes: Sequence[torch.dtype] = (),
+    rounding: Rounding | None = None,
 ) -> None:
     """One decoupled-weight-decay Adam update of host fp32 tensors, in place (bf16 moments: upcast,
     updated in fp32, rounded to nearest-even as they are stored back: ``state_dtype``).
@@ -267,7 +270,12 @@ def fused_adamw_(
         grad_scale=grad_scale,
         found_inf=None,  # 1 was handled above; 0 changes nothing (no _foreach_sub_ needed)
     )
-    if stored is not None:  # rounded to nearest-even, as the native kernels store them
+    if stored is not None and rounding is not None:  # stochastically, as the native kernels
+        seed, slots, starts = rounding
+        for i, (ea, eas) in enumerate(zip(*stored)):
+            round_moments_(ea, eas, exp_avgs[i], exp_avg_sqs[i],
+                           key=sr_key(seed, float(state_steps[i]), slots[i]), start=starts[i])
+    elif stored is not None:  # rounded to nearest-even, as the native kernels store them
         torch._foreach_copy_(stored[0], list(exp_avgs))
         torch._foreach_copy_(stored[1], list(exp_avg_sqs))
 
@@ -312,9 +320,11 @@ def native_adamw_f32_(
     outs: Sequence[Tensor] = (),
     into: Sequence[Tensor] = (),
     checksums: Tensor | None = None,
+    rounding: Rounding | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
-    """:func:`fused_adamw_`'s update of fp32 tensors by the native kernel, in one call per chunk.
+    """:func:`fused_adamw_`'s update of fp32 tensors by the native kernel, in one call per chunk
+    (``rounding``: bf16 moments rounded stochastically, ``offload.kernels._rounding``).
 
     ``params[i]`` is updated in place (it is its own master: a parameter of a CPU model, or a
     master slab view), or out of place into ``into``; ``outs``, if given, receive a copy of each
@@ -328,7 +338,7 @@ def native_adamw_f32_(
     call_f32_unchecked(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
         outs=list(outs), steps_to_increment=list(steps_to_increment), scalars=scalars,
-        into=list(into), checksums=checksums, loader=loader,
+        into=list(into), checksums=checksums, rounding=rounding, loader=loader,
     )
 
 
@@ -346,6 +356,7 @@ def mixed_precision_adamw_(
     checksums: Tensor | None = None,
     seen: Sequence[Tensor] = (),
     follow: bool = False,
+    rounding: Rounding | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """The fused-mp step of :func:`offload.kernels._fused_mp.fused_mp_adamw_steps_` with
@@ -375,7 +386,7 @@ def mixed_precision_adamw_(
         call_steps_unchecked(
             list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
             list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars,
-            into=list(into), checksums=checksums, seen=list(seen), loader=loader,
+            into=list(into), checksums=checksums, seen=list(seen), rounding=rounding, loader=loader,
         )
         return
     # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
@@ -389,7 +400,10 @@ def mixed_precision_adamw_(
                                                 exp_avg_sqs, state_steps)),
             steps_to_increment=[], scalars=scalars,
             into=[into[3 * i + k] for i in idx for k in range(3)] if into else [],
-            checksums=sums, seen=[seen[i] for i in idx] if seen else [], loader=loader,
+            checksums=sums, seen=[seen[i] for i in idx] if seen else [],
+            rounding=None if rounding is None else (rounding[0], [rounding[1][i] for i in idx],
+                                                     [rounding[2][i] for i in idx]),
+            loader=loader,
         )
         if checksums is not None:
             checksums[idx] = sums

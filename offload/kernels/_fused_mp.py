@@ -56,6 +56,7 @@ __all__ = [
     "FusedMPUnavailable",
     "bitwise_matches_torch",
     "NativeScalars",
+    "Rounding",
     "call_f32_unchecked",
     "call_steps_unchecked",
     "check_hyper",
@@ -257,6 +258,18 @@ def fused_mp_adamw_steps_(
     )
 
 
+Rounding = tuple[int, list[int], list[int]]
+"""Stochastic rounding of one call's bf16 moments: ``(seed, slots, starts)``, per tensor the slot
+of its parameter and the index in it of its first element (``offload.kernels._rounding``)."""
+
+
+def _rounding_kwargs(rounding: Rounding | None) -> dict[str, object]:
+    if rounding is None:
+        return {}
+    seed, slots, starts = rounding
+    return {"sr_seed": seed, "sr_slots": slots, "sr_starts": starts}
+
+
 def call_steps_unchecked(
     params_lowp: list[Tensor],
     grads_lowp: list[Tensor],
@@ -270,9 +283,11 @@ def call_steps_unchecked(
     into: list[Tensor] | None = None,
     checksums: Tensor | None = None,
     seen: list[Tensor] | None = None,
+    rounding: Rounding | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_mp_adamw_steps_` without its Python-side checks, for the offload pipeline.
+    ``rounding``: stochastic rounding of bf16 moments (:data:`Rounding`; None: nearest-even).
     ``into``/``checksums``: a speculation's next generation (the new master and moments, written
     out of place) and gradient checksums, made in the kernel's pass; ``seen``: the weights the
     masters must round to (see :func:`offload.kernels._adamw.mixed_precision_adamw_`).
@@ -288,6 +303,7 @@ def call_steps_unchecked(
         steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
         eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
         grad_coef=scalars.grad_coef, into=into or [], checksums=checksums, seen=seen or [],
+        **_rounding_kwargs(rounding),
     )
 
 
@@ -303,6 +319,7 @@ def call_f32_unchecked(
     scalars: NativeScalars,
     into: list[Tensor] | None = None,
     checksums: Tensor | None = None,
+    rounding: Rounding | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """The fp32 entry point (each parameter its own master, fp32 gradients; ``outs`` empty or a
@@ -314,5 +331,5 @@ def call_f32_unchecked(
         params, grads, exp_avgs, exp_avg_sqs, state_steps, outs=outs,
         steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
         eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
-        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums,
+        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums, **_rounding_kwargs(rounding),
     )

@@ -160,7 +160,11 @@ def build_calls(
             groups.append((kind, [items[i] for i in idx], [grads[i] for i in idx]))
     calls: list[Call] = []
     out_of_place = job.into_next
+    seed = slabs.rounding_seed
     for kind, its, gs in groups:
+        # stochastic rounding of bf16 moments: the random bits are keyed on each view's parameter
+        # and element indices (offload.kernels._rounding)
+        rounding = None if seed is None else (seed, [it.view.slot for it in its], [it.view.start for it in its])
         slab = lists.get(job.chunk, its, ("exp_avg", "exp_avg_sq"))
         masters = [master_operand(it, slabs) for it in its]
         steps = [it.step for it in its]
@@ -179,6 +183,8 @@ def build_calls(
             fn: Any = kernels.mixed_precision_adamw
             if into:
                 fn = functools.partial(fn, into=into)
+            if rounding is not None:
+                fn = functools.partial(fn, rounding=rounding)
             if follows_weights(its[0], host_weights):
                 fn = (functools.partial(fn, follow=True) if job.materialize
                       else functools.partial(fn, seen=[param_operand(it) for it in its]))
@@ -190,6 +196,8 @@ def build_calls(
                         if kind == KIND_F32 and f32_out is not None else [])
             if f32_outs and all(o is not None for o in f32_outs):
                 fn = functools.partial(kernels.native_adamw_f32, outs=f32_outs)
+            if rounding is not None:
+                fn = functools.partial(fn, rounding=rounding)
             follow = [i for i, it in enumerate(its) if kind == KIND_TORCH and follows_weights(it, host_weights)]
             if follow:
                 fn = _follow_first(fn, [masters[i].view(-1) for i in follow], [param_view(its[i]) for i in follow])

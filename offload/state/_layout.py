@@ -84,6 +84,9 @@ class HostLayout:
     None: all); a relayout keeps it."""
     state_dtype: torch.dtype = torch.float32
     """The moments' dtype (``CPUOffloadAdamW(state_dtype=)``); a relayout keeps it."""
+    rounding_seed: int | None = None
+    """bf16 moments rounded stochastically with this seed (``state_rounding="stochastic"``), or
+    None: nearest-even; a relayout keeps it."""
     items: ItemCache = field(default_factory=ItemCache)
     """The Items of every chunk, reused from step to step."""
     recheck_masters: set[int] = field(default_factory=set)
@@ -96,7 +99,7 @@ class HostLayout:
               chunk_numel: int, overlap_backward: bool, previous: HostLayout | None = None,
               seeds: Mapping[int, Tensor] = NO_SEEDS, registry: ParamRegistry | None = None,
               allocate: SlabAllocator = HostSlabs, speculable: int | None = 0,
-              state_dtype: torch.dtype = torch.float32) -> Relaid:
+              state_dtype: torch.dtype = torch.float32, rounding_seed: int | None = None) -> Relaid:
         """The layout of ``param_groups``, with ``previous``'s state carried over (the module doc).
 
         ``seeds``: the fp32 values of slots that were their own master and now get a master place;
@@ -118,6 +121,7 @@ class HostLayout:
         slabs = allocate([[local(p).shape for p in g["params"]] for g in param_groups], own,
                          speculable=speculable if overlap_backward else 0,
                          strides=strides, moments=state_dtype)
+        slabs.rounding_seed = rounding_seed
         recheck: set[int] = set()
         steps: dict[int, Tensor] = {}
         sources: dict[int, Source] = {}
@@ -128,7 +132,7 @@ class HostLayout:
             steps = copy_sources(previous.slabs, slabs, records, sources, state, seeds)
         layout = cls(registry=registry, slabs=slabs, chunks=plan_chunks(list(slabs.slots), chunk_numel),
                      bound=BoundParams(param_groups), overlap_backward=overlap_backward, recheck_masters=recheck,
-                     speculable=speculable, state_dtype=state_dtype)
+                     speculable=speculable, state_dtype=state_dtype, rounding_seed=rounding_seed)
         entries = {records[s].param: {**state[records[s].param], **layout.entry(s, st)} for s, st in steps.items()}
         return Relaid(layout, entries, [s for s in steps if sources[s].old_slot is None])
 

@@ -212,6 +212,9 @@ class HostSlabs:
                 })
                 self.speculable.append(lo >= starts[g] and hi > lo)
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
+        #: Stochastic rounding of bf16 moments: its seed (``state_rounding="stochastic"``), or None
+        #: (nearest-even). The kernels key their random bits on it (``offload.kernels._rounding``).
+        self.rounding_seed: int | None = None
         #: Per slot: its place was ever given to a parameter's state (until then it holds the
         #: zeros it was made with: a model of ~20,000 small tensors spent ~2 s of its first step
         #: zeroing moments that were zero already).

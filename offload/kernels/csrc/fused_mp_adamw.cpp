@@ -165,6 +165,12 @@ struct Coeffs {
   double bias_correction2_sqrt;        // sqrt(1 - beta2^step)
   double eps;
   double weight_decay;
+  float step = 0.0f;  // the step value the coefficients are of
+  // Stochastic rounding of bf16 moments (state_rounding="stochastic", see sr_hash): off, or the
+  // tensor's key and the index, in its parameter, of the tensor's first element.
+  bool sr = false;
+  uint32_t sr_key = 0;
+  int64_t sr_index = 0;
 };
 
 // `step_f`: the step as torch holds it, a float read from the fp32 step tensor (widened to double).
@@ -182,7 +188,66 @@ Coeffs make_coeffs(float step_f, double lr, double beta1, double beta2, double e
   c.bias_correction2_sqrt = std::sqrt(bias_correction2);
   c.eps = eps;
   c.weight_decay = weight_decay;
+  c.step = step_f;
   return c;
+}
+
+// ---- stochastic rounding of bf16 moments (offload/kernels/_rounding.py is the same in torch ops)
+//
+// Element j of a parameter (j < 2^32) gets 32 random bits h = sr_hash(key, j), key =
+// sr_key(seed, step, slot): a function of the seed, the step, the parameter and the element only,
+// so the bits are the same for any thread count, chunk size or speculation. exp_avg takes the low
+// 16 bits, exp_avg_sq the high 16: added to the fp32 value's bits, then the low 16 bits dropped
+// (round up with probability equal to the dropped fraction; a NaN stays NaN).
+constexpr uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+inline uint32_t sr_key(uint64_t seed, float step, int64_t slot) {
+  const uint64_t s = static_cast<uint64_t>(step);  // a whole number of steps
+  return static_cast<uint32_t>(splitmix64(seed ^ splitmix64((s << 32) ^ static_cast<uint64_t>(slot))));
+}
+
+// murmur3's finaliser on (key ^ j), 32-bit: logical shifts, wrapping products.
+inline int32_t sr_hash(uint32_t key, uint32_t j) {
+  uint32_t x = key ^ j;
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return static_cast<int32_t>(x);
+}
+
+using iVec = at::vec::Vectorized<int32_t>;
+
+inline iVec sr_hash_vec(uint32_t key, int64_t j0) {
+  // (int32 lanes: a logical shift is the arithmetic one with the sign copies masked off)
+  iVec x = iVec(static_cast<int32_t>(key)) ^ iVec::arange(static_cast<int32_t>(static_cast<uint32_t>(j0)), 1);
+  x = x ^ ((x >> iVec(16)) & iVec(0xFFFF));
+  x = x * iVec(static_cast<int32_t>(0x85EBCA6Bu));
+  x = x ^ ((x >> iVec(13)) & iVec(0x7FFFF));
+  x = x * iVec(static_cast<int32_t>(0xC2B2AE35u));
+  return x ^ ((x >> iVec(16)) & iVec(0xFFFF));
+}
+
+// `v` with `r` (0..65535) added to its bits and the low 16 bits dropped: a bf16 value, exact.
+inline fVec sr_round(const fVec& v, const iVec& r) {
+  const fVec t = at::vec::cast<float>((at::vec::cast<int32_t>(v) + r) & iVec(static_cast<int32_t>(0xFFFF0000u)));
+  return fVec::blendv(v, t, v == v);  // (a NaN keeps its value: rounded to nearest as it is stored)
+}
+
+inline float sr_round_scalar(float v, int32_t r) {
+  if (std::isnan(v)) return v;
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  b = (b + static_cast<uint32_t>(r)) & 0xFFFF0000u;
+  float t;
+  std::memcpy(&t, &b, sizeof(t));
+  return t;
 }
 
 // The coefficients as float vectors, built once per span (torch builds the same values inline).
@@ -284,7 +349,8 @@ inline void put_moments(M* p, const fVec& v) {
 // One AdamW update on the fp32 lanes of one vector at `s`; stores the moments and returns the new
 // master.
 template <bool NT = false, typename M = float>
-inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs<M>& s, const VecCoeffs& k) {
+inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs<M>& s, const VecCoeffs& k,
+                      const iVec* rnd = nullptr) {
   if (k.do_decay) {
     param = param * k.decay;
   }
@@ -296,8 +362,13 @@ inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs<M>& s, const VecCoe
 
   const fVec c2_grad = k.c2 * grad;
   const fVec exp_avg_sq = at::vec::fmadd(c2_grad, grad, load_moments(s.exp_avg_sq_in) * k.beta2);
-  put_moments<NT>(s.exp_avg_out, exp_avg);
-  put_moments<NT>(s.exp_avg_sq_out, exp_avg_sq);
+  if (rnd != nullptr) {  // stochastic rounding: the stored moments only; the update uses these
+    put_moments<NT>(s.exp_avg_out, sr_round(exp_avg, *rnd & iVec(0xFFFF)));
+    put_moments<NT>(s.exp_avg_sq_out, sr_round(exp_avg_sq, (*rnd >> iVec(16)) & iVec(0xFFFF)));
+  } else {
+    put_moments<NT>(s.exp_avg_out, exp_avg);
+    put_moments<NT>(s.exp_avg_sq_out, exp_avg_sq);
+  }
 
   const fVec denom = (exp_avg_sq.sqrt() / k.bias_correction2_sqrt) + k.eps;
   return param + k.neg_step_size * exp_avg / denom;
@@ -307,7 +378,8 @@ inline fVec adamw_vec(fVec param, fVec grad, const StatePtrs<M>& s, const VecCoe
 // kTailBlock tail elements (torch's vectorised tail loop), which fuses exp_avg_sq differently.
 template <typename M>
 inline float adamw_scalar(float param, float grad_val, const StatePtrs<M>& s, bool in_block,
-                          const Coeffs& c) {
+                          const Coeffs& c, int64_t j = 0) {
+  const int32_t h = c.sr ? sr_hash(c.sr_key, static_cast<uint32_t>(c.sr_index + j)) : 0;
   if (c.weight_decay != 0.f) {
     param = param * float(1 - c.lr * c.weight_decay);
   }
@@ -319,7 +391,7 @@ inline float adamw_scalar(float param, float grad_val, const StatePtrs<M>& s, bo
     // grad - (grad - exp_avg) * (1 - w) == fma(w - 1, grad - exp_avg, grad) exactly.
     exp_avg = madd(lerp_weight - float(1), grad_val - exp_avg, grad_val);
   }
-  *s.exp_avg_out = static_cast<M>(exp_avg);  // bf16: nearest-even
+  *s.exp_avg_out = static_cast<M>(c.sr ? sr_round_scalar(exp_avg, h & 0xFFFF) : exp_avg);  // bf16: nearest-even
   const float c2_grad = float(c.exp_avg_sq_grad_coefficient) * grad_val;
   float exp_avg_sq = static_cast<float>(*s.exp_avg_sq_in);
   if (in_block) {
@@ -327,7 +399,7 @@ inline float adamw_scalar(float param, float grad_val, const StatePtrs<M>& s, bo
   } else {
     exp_avg_sq = madd(exp_avg_sq, float(c.beta2), c2_grad * grad_val);
   }
-  *s.exp_avg_sq_out = static_cast<M>(exp_avg_sq);
+  *s.exp_avg_sq_out = static_cast<M>(c.sr ? sr_round_scalar(exp_avg_sq, (h >> 16) & 0xFFFF) : exp_avg_sq);
   const float denom = std::sqrt(exp_avg_sq) / float(c.bias_correction2_sqrt) + float(c.eps);
   return param - float(c.step_size) * exp_avg / denom;
 }
@@ -398,8 +470,15 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs<M>& st,
       if constexpr (Sum) sums->add_lowp(w, d);
       follow_weights<param_t>(w, m0, m1);
     }
-    const fVec p0 = adamw_vec<NT>(m0, g0, s0, k);
-    const fVec p1 = adamw_vec<NT>(m1, g1, s1, k);
+    fVec p0, p1;
+    if (c.sr) {
+      const iVec r0 = sr_hash_vec(c.sr_key, c.sr_index + d), r1 = sr_hash_vec(c.sr_key, c.sr_index + d + kW);
+      p0 = adamw_vec<NT>(m0, g0, s0, k, &r0);
+      p1 = adamw_vec<NT>(m1, g1, s1, k, &r1);
+    } else {
+      p0 = adamw_vec<NT>(m0, g0, s0, k);
+      p1 = adamw_vec<NT>(m1, g1, s1, k);
+    }
     put<NT>(s0.master_out, p0);
     put<NT>(s1.master_out, p1);
     return at::vec::convert_from_float<param_t>(p0, p1);
@@ -442,7 +521,8 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs<M>& st,
       fVec m1 = m0;
       follow_weights<param_t>(w, m0, m1);
     }
-    const fVec p0 = adamw_vec<NT>(m0, g0, s0, k);
+    const iVec r0 = c.sr ? sr_hash_vec(c.sr_key, c.sr_index + d) : iVec(0);
+    const fVec p0 = adamw_vec<NT>(m0, g0, s0, k, c.sr ? &r0 : nullptr);
     put<NT>(s0.master_out, p0);
     at::vec::convert_from_float<param_t>(p0, p0).store(param_lowp + d, kW);
     d += kW;
@@ -460,7 +540,7 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs<M>& st,
       if constexpr (Sum) sums->add_words(reinterpret_cast<const grad_t*>(&w), d, 1);
       if (!(static_cast<float>(static_cast<param_t>(m)) == static_cast<float>(w))) m = static_cast<float>(w);
     }
-    const float p = adamw_scalar(m, g, s, d < block_end, c);
+    const float p = adamw_scalar(m, g, s, d < block_end, c, d);
     *s.master_out = p;
     param_lowp[d] = static_cast<param_t>(p);  // round to nearest even, like Tensor.to()
   }
@@ -484,7 +564,8 @@ void adamw_span_f32(const float* grad, const StatePtrs<M>& st, float* out, int64
     if constexpr (Sum) sums->add_vec(g, d);  // the words of the very load the update uses
     if (x.any()) xform_one<float>(g, x);
     const StatePtrs<M> s = st.at(d);
-    const fVec p = adamw_vec<NT>(fVec::loadu(s.master_in), g, s, k);
+    const iVec r = c.sr ? sr_hash_vec(c.sr_key, c.sr_index + d) : iVec(0);
+    const fVec p = adamw_vec<NT>(fVec::loadu(s.master_in), g, s, k, c.sr ? &r : nullptr);
     put<NT>(s.master_out, p);
     if (out != nullptr) p.store(out + d);
   }
@@ -494,7 +575,7 @@ void adamw_span_f32(const float* grad, const StatePtrs<M>& st, float* out, int64
     if constexpr (Sum) sums->add_words(&gv, d, 1);
     const float g = x.any() ? xform_scalar<float>(gv, x) : gv;
     const StatePtrs<M> s = st.at(d);
-    const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c);
+    const float p = adamw_scalar(*s.master_in, g, s, d < block_end, c, d);
     *s.master_out = p;
     if (out != nullptr) out[d] = p;
   }
@@ -575,12 +656,7 @@ enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2, kNormNone = 3 
 // The checksum weighs lane j (element i of a tensor lies in lane i % 32) by an odd 64-bit
 // constant, so that flipping signs (a sign bit moves a word by 2^31) or swapping neighbours does
 // not cancel out as it does in a plain sum of words (offload/kernels/_grad_stats.py: LANE_WEIGHTS).
-constexpr uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+// (splitmix64: defined with stochastic rounding's keys above.)
 constexpr uint64_t lane_weight(int j) { return splitmix64(static_cast<uint64_t>(j)) | 1ull; }
 
 struct BlockStats {
@@ -1101,14 +1177,16 @@ void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tenso
     speculated<grad_t>(spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<grad_t>* sums) {
       const grad_t* g = g_lp[i] + a;
       const param_t* w = w_lp[i] == nullptr ? nullptr : w_lp[i] + a;
+      Coeffs ca = coeffs[i];
+      ca.sr_index += a;  // (stochastic rounding: element indices count from the span)
       if (sums != nullptr && nt) {
-        adamw_span<param_t, grad_t, true, true, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
+        adamw_span<param_t, grad_t, true, true, M>(p_lp[i] + a, g, st.at(a), b - a, ca, stream, x, sums, w);
       } else if (sums != nullptr) {
-        adamw_span<param_t, grad_t, false, true, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, sums, w);
+        adamw_span<param_t, grad_t, false, true, M>(p_lp[i] + a, g, st.at(a), b - a, ca, stream, x, sums, w);
       } else if (nt) {
-        adamw_span<param_t, grad_t, true, false, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
+        adamw_span<param_t, grad_t, true, false, M>(p_lp[i] + a, g, st.at(a), b - a, ca, stream, x, nullptr, w);
       } else {
-        adamw_span<param_t, grad_t, false, false, M>(p_lp[i] + a, g, st.at(a), b - a, coeffs[i], stream, x, nullptr, w);
+        adamw_span<param_t, grad_t, false, false, M>(p_lp[i] + a, g, st.at(a), b - a, ca, stream, x, nullptr, w);
       }
     });
     if (nt) fence_streams();
@@ -1365,6 +1443,32 @@ void check_step(const char* fn, const at::Tensor& t, const char* arg, size_t i) 
 // storage listed twice (the same tensor, or two views of one element) goes up twice, as with
 // _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
 // lazily cloned step tensor never shares the address its original is incremented at.
+// state_rounding="stochastic" (see sr_key): per tensor its parameter's slot and the index of its
+// first element in that parameter; the moments must be bf16. Checked before any write.
+void stochastic_rounding(const char* fn, std::vector<Coeffs>& coeffs, const std::optional<int64_t>& seed,
+                         const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
+                         at::ScalarType m_dtype) {
+  if (!seed.has_value()) {
+    if (!slots.empty() || !starts.empty()) fail_value(std::string(fn) + ": sr_slots/sr_starts without sr_seed");
+    return;
+  }
+  if (m_dtype != at::kBFloat16 && !coeffs.empty()) {
+    fail_value(std::string(fn) + ": sr_seed (stochastic rounding) with moments of dtype " + dtype_name(m_dtype) +
+               ": expected torch.bfloat16 moments");
+  }
+  if (slots.size() != coeffs.size() || starts.size() != coeffs.size()) {
+    std::ostringstream msg;
+    msg << fn << ": sr_slots has " << slots.size() << " and sr_starts " << starts.size()
+        << " entries: expected " << coeffs.size() << " (one per tensor)";
+    fail_value(msg.str());
+  }
+  for (size_t i = 0; i < coeffs.size(); ++i) {
+    coeffs[i].sr = true;
+    coeffs[i].sr_key = sr_key(static_cast<uint64_t>(*seed), coeffs[i].step, slots[i]);
+    coeffs[i].sr_index = starts[i];
+  }
+}
+
 std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
                                 const std::vector<at::Tensor>& state_steps,
                                 const std::vector<at::Tensor>& steps_to_increment, double lr,
@@ -1426,16 +1530,18 @@ void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                            std::optional<double> grad_scale, std::optional<double> grad_coef,
                            const std::vector<at::Tensor>& into,
                            const std::optional<at::Tensor>& checksums,
-                           const std::vector<at::Tensor>& seen) {
+                           const std::vector<at::Tensor>& seen, const std::optional<int64_t>& sr_seed,
+                           const std::vector<int64_t>& sr_slots, const std::vector<int64_t>& sr_starts) {
   const char* fn = "fused_mp_adamw_steps_";
   const auto [p_dtype, g_dtype] =
       check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
   check_seen(fn, seen, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype);
   Speculate spec = make_speculate(fn, grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums);
   std::unordered_map<float*, float> incremented;
-  const std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
-                                                 steps_to_increment, lr, beta1, beta2, eps,
-                                                 weight_decay, incremented);
+  std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
+                                           steps_to_increment, lr, beta1, beta2, eps,
+                                           weight_decay, incremented);
+  stochastic_rounding(fn, coeffs, sr_seed, sr_slots, sr_starts, moments_dtype(fn, exp_avgs));
   bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment, into.empty());
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
@@ -1468,14 +1574,16 @@ void run_f32(const std::vector<at::Tensor>& params, const std::vector<at::Tensor
     speculated<float>(&spec, i, lo, hi, [&](int64_t a, int64_t b, WordSums<float>* sums) {
       const float* g = gp[i] + a;
       float* out = op[i] == nullptr ? nullptr : op[i] + a;
+      Coeffs ca = coeffs[i];
+      ca.sr_index += a;  // (stochastic rounding: element indices count from the span)
       if (sums != nullptr && nt) {
-        adamw_span_f32<true, true, M>(g, st.at(a), out, b - a, coeffs[i], x, sums);
+        adamw_span_f32<true, true, M>(g, st.at(a), out, b - a, ca, x, sums);
       } else if (sums != nullptr) {
-        adamw_span_f32<false, true, M>(g, st.at(a), out, b - a, coeffs[i], x, sums);
+        adamw_span_f32<false, true, M>(g, st.at(a), out, b - a, ca, x, sums);
       } else if (nt) {
-        adamw_span_f32<true, false, M>(g, st.at(a), out, b - a, coeffs[i], x);
+        adamw_span_f32<true, false, M>(g, st.at(a), out, b - a, ca, x);
       } else {
-        adamw_span_f32<false, false, M>(g, st.at(a), out, b - a, coeffs[i], x);
+        adamw_span_f32<false, false, M>(g, st.at(a), out, b - a, ca, x);
       }
     });
     if (nt) fence_streams();
@@ -1494,7 +1602,8 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
                       double beta2, double eps, double weight_decay,
                       std::optional<double> grad_scale, std::optional<double> grad_coef,
                       const std::vector<at::Tensor>& into,
-                      const std::optional<at::Tensor>& checksums) {
+                      const std::optional<at::Tensor>& checksums, const std::optional<int64_t>& sr_seed,
+                      const std::vector<int64_t>& sr_slots, const std::vector<int64_t>& sr_starts) {
   const char* fn = "adamw_f32_steps_";
   const size_t n = params.size();
   const bool with_out = !outs.empty();
@@ -1526,8 +1635,9 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
   }
   Speculate spec = make_speculate(fn, grads, params, exp_avgs, exp_avg_sqs, into, checksums);
   std::unordered_map<float*, float> incremented;
-  const std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
-                                                 beta1, beta2, eps, weight_decay, incremented);
+  std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
+                                           beta1, beta2, eps, weight_decay, incremented);
+  stochastic_rounding(fn, coeffs, sr_seed, sr_slots, sr_starts, m_dtype);
   for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &outs, &steps_to_increment}) {
     const bool read_only = !into.empty() && list != &outs && list != &steps_to_increment;
     if (read_only) continue;  // out of place: the state is only read (an own master keeps its version)
@@ -1826,7 +1936,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("grad_coef") = pybind11::none(),
         pybind11::arg("into") = std::vector<at::Tensor>{},
         pybind11::arg("checksums") = pybind11::none(),
-        pybind11::arg("seen") = std::vector<at::Tensor>{});
+        pybind11::arg("seen") = std::vector<at::Tensor>{}, pybind11::arg("sr_seed") = pybind11::none(),
+        pybind11::arg("sr_slots") = std::vector<int64_t>{}, pybind11::arg("sr_starts") = std::vector<int64_t>{});
   m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
         pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
         pybind11::kw_only(), pybind11::arg("outs"), pybind11::arg("steps_to_increment"),
@@ -1834,7 +1945,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("weight_decay"), pybind11::arg("grad_scale") = pybind11::none(),
         pybind11::arg("grad_coef") = pybind11::none(),
         pybind11::arg("into") = std::vector<at::Tensor>{},
-        pybind11::arg("checksums") = pybind11::none());
+        pybind11::arg("checksums") = pybind11::none(), pybind11::arg("sr_seed") = pybind11::none(),
+        pybind11::arg("sr_slots") = std::vector<int64_t>{}, pybind11::arg("sr_starts") = std::vector<int64_t>{});
   m.def("grad_stats_", &grad_stats_, pybind11::arg("tensors"), pybind11::kw_only(),
         pybind11::arg("norm"),
         "Per-tensor norm terms (float64) and word checksums (int64); see offload/kernels/_grad_stats.py.");
