@@ -193,7 +193,7 @@ class CPUOffloadAdamW(Optimizer):
             self._tuning = OffloadTuning.for_optimizer(
                 self, config, plan=plan, records=self._layout.records, slots=self._layout.slabs.slots,
                 groups=len(self.param_groups), device_type=registry.device.type,
-                overlap_backward=overlap_backward, agreement=agreement,
+                overlap_backward=overlap_backward, state_dtype=state_dtype, agreement=agreement,
                 kernels_available=self._kernels.available)
             self.tuner = self._tuning.tuner
         logger.debug("CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",

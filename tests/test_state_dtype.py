@@ -286,3 +286,18 @@ def test_stochastic_rounding_needs_bf16_moments() -> None:
         CPUOffloadAdamW(_model(torch.float32).parameters(), state_rounding="stochastic")
     with pytest.raises(ValueError, match=r"state_rounding='up': expected 'nearest' or 'stochastic'"):
         CPUOffloadAdamW(_model(torch.float32).parameters(), state_dtype=torch.bfloat16, state_rounding="up")
+
+
+def test_the_tuner_keys_its_cache_on_bf16_moments() -> None:
+    """bf16 moments move fewer bytes per step (another optimum): the tuner's workload, and so its
+    cache key, says so; fp32 moments add nothing, so cache entries written before still match."""
+    from autotune import AutotuneConfig
+
+    keys = {}
+    for state_dtype in (torch.float32, torch.bfloat16):
+        opt = CPUOffloadAdamW(_model(torch.bfloat16).parameters(), state_dtype=state_dtype,
+                              autotune=AutotuneConfig(use_cache=False, probe_steps=16))
+        keys[state_dtype] = opt.tuner.workload
+        opt.close()
+    assert "state_dtype" not in keys[torch.float32]
+    assert keys[torch.bfloat16] == {**keys[torch.float32], "state_dtype": "torch.bfloat16"}

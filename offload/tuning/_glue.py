@@ -44,6 +44,8 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, Callable, Literal, Protocol
 
+import torch
+
 from autotune import (
     AutotuneConfig,
     Knob,
@@ -165,7 +167,8 @@ def agreed_kernels(
 
 
 def offload_workload(records: Sequence[ParamRecord], slots: Sequence[ParamSlot], *, groups: int,
-                     device_type: str, overlap_backward: bool) -> tuple[dict[str, Any], int]:
+                     device_type: str, overlap_backward: bool,
+                     state_dtype: torch.dtype = torch.float32) -> tuple[dict[str, Any], int]:
     """The tuner's workload of an optimizer (this rank's shard: its element count), and the
     largest slab of any local rank (the search space must be the same on every local rank: it is
     sized by the largest shard any rank holds; uneven shards differ by rank)."""
@@ -184,6 +187,8 @@ def offload_workload(records: Sequence[ParamRecord], slots: Sequence[ParamSlot],
         "device": device_type,
         "overlap_backward": bool(overlap_backward),
         "objective": objective,
+        # bf16 moments move fewer bytes (another optimum); fp32 adds nothing: older keys still match
+        **({"state_dtype": str(state_dtype)} if state_dtype != torch.float32 else {}),
         **({"sharded_params": len(sharded), "shard_ranks": sharded[0].mesh.size(),
             "global_params": sum(r.param.numel() for r in records)} if sharded else {}),
     }
@@ -299,13 +304,13 @@ class OffloadTuning:
     @classmethod
     def for_optimizer(cls, optimizer: Tunable, config: AutotuneConfig, *, plan: ThreadPlan,
                       records: Sequence[ParamRecord], slots: Sequence[ParamSlot], groups: int,
-                      device_type: str, overlap_backward: bool,
+                      device_type: str, overlap_backward: bool, state_dtype: torch.dtype = torch.float32,
                       agreement: NodeAgreement | None = None,
                       kernels_available: Callable[[], tuple[bool, str]] | None = None) -> OffloadTuning:
         """The tuning of an optimizer of ``records`` laid out in ``slots`` (the workload and the
         search space derived here)."""
         workload, largest = offload_workload(records, slots, groups=groups, device_type=device_type,
-                                             overlap_backward=overlap_backward)
+                                             overlap_backward=overlap_backward, state_dtype=state_dtype)
         return cls(optimizer, config, plan=plan, fixed_threads=plan.source != "plan",
                    objective=workload["objective"], workload=workload, largest_slab=largest,
                    has_lowp=any(r.param.dtype in LOWP_DTYPES for r in records), agreement=agreement,
