@@ -18,7 +18,7 @@ from conftest import batch, make_model, param_groups, uses_sometimes
 from test_weight_edits import _check, _EditAwareReference
 
 from offload import CPUOffloadAdamW, OffloadSettings
-from offload.kernels._adamw import Hyper, follow_weights, mixed_precision_adamw_
+from offload.kernels._adamw import Hyper, KernelSet, follow_weights, mixed_precision_adamw_
 from offload.kernels._grad_stats import checksums_reference
 from offload.state._device_edits import DeviceWeightSums
 from offload.state._params import ParamRegistry
@@ -110,20 +110,37 @@ def test_data_edit_after_early_chunks_started_makes_them_stale(dtype: torch.dtyp
 
 
 def test_data_edit_between_backward_and_step_is_redone_not_committed() -> None:
+    """The edit lands after every early kernel ran (the test waits for them through a counting
+    KernelSet: an early kernel that ran after the edit would rightly commit, having compared
+    with the edited weights): the chunks holding the parameter are redone, the others kept."""
+    import threading
+
+    early = threading.Semaphore(0)
+
+    def counting(*args, **kwargs):  # the real kernel; early ones (out of place: into=) counted
+        mixed_precision_adamw_(*args, **kwargs)
+        if kwargs.get("into"):
+            early.release()
+
     model = make_model(torch.bfloat16)
     opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=2, chunk_numel=1024),
-                          overlap_backward=True)
+                          overlap_backward=True, kernels=KernelSet(mixed_precision_adamw=counting))
     for step in range(3):
         opt.zero_grad()
         model(batch(step, 0)).backward()
         opt.step()
-    assert opt.last_stats.committed_chunks > 0  # nothing edited: the early chunks are kept
+    launched = opt.last_stats.speculated_chunks  # (launches follow the hooks, not the timing)
+    assert 0 < opt.last_stats.committed_chunks == launched  # nothing edited: the early chunks are kept
+    while early.acquire(blocking=False):
+        pass
     opt.zero_grad()
     model(batch(3, 0)).backward()
-    assert opt._overlap.has_launched()
+    for _ in range(launched):
+        assert early.acquire(timeout=60), "an early kernel did not run"
     model.fc1.weight.data.mul_(0.5)
     opt.step()
-    assert opt.last_stats.committed_chunks < opt.last_stats.speculated_chunks
+    assert opt.last_stats.speculated_chunks == launched
+    assert 0 < opt.last_stats.committed_chunks < launched
     opt.close()
 
 
