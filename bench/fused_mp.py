@@ -46,7 +46,7 @@ from bench._stats import iqr, machine_info, median
 from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.model import GPT, PRESETS, preset
 from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_adamw_, fused_mp_available
-from offload.kernels._adamw import torch_mp_adamw_
+from offload.kernels._mp_reference import torch_mp_adamw_
 
 logger = logging.getLogger("bench.fused_mp")
 

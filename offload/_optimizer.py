@@ -93,16 +93,11 @@ class CPUOffloadAdamW(Optimizer):
             elements may start during backward (the others run in ``step()``), which bounds the
             second generation to 12 bytes per such element; None (default): no bound; 0:
             nothing starts early.
-        state_dtype: the dtype of ``exp_avg`` and ``exp_avg_sq`` in host memory: ``torch.float32``
-            (default) or ``torch.bfloat16``, which moves 20 instead of 28 bytes per parameter per
-            step of a bf16 model and holds 8 instead of 12: each step upcasts the moments, runs
-            the fp32 update exactly as with fp32 moments and rounds them to nearest-even as it
-            stores them (the master stays fp32; ``docs/optimizer.md``).
-        state_rounding, state_rounding_seed: with bf16 moments, ``"nearest"`` (default: to nearest-
-            even) or ``"stochastic"``: rounded up with the probability of the dropped fraction, from
-            random bits keyed on ``state_rounding_seed``, the step, the parameter and the element,
-            so the bits are the same for any thread count, chunk size and overlap
-            (``offload.kernels._rounding``).
+        state_dtype, state_rounding, state_rounding_seed: the moments in host memory as
+            ``torch.float32`` (default) or ``torch.bfloat16`` (20 instead of 28 bytes per
+            parameter per step of a bf16 model; the fp32 update on the upcast moments, which are
+            rounded as stored: ``"nearest"``-even, or ``"stochastic"``ally from bits keyed on the
+            seed, step, parameter and element; ``docs/optimizer.md``, ``offload.kernels._rounding``).
         amsgrad, maximize, capturable, differentiable, foreach, fused: accepted for signature
             compatibility; anything but the defaults (or ``fused=True``, ``foreach=False``) raises
             ``ValueError``.

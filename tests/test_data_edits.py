@@ -18,7 +18,8 @@ from conftest import batch, make_model, param_groups, uses_sometimes
 from test_weight_edits import _check, _EditAwareReference
 
 from offload import CPUOffloadAdamW, OffloadSettings
-from offload.kernels._adamw import Hyper, KernelSet, follow_weights, mixed_precision_adamw_
+from offload.kernels._adamw import Hyper, KernelSet, mixed_precision_adamw_
+from offload.kernels._follow import follow_weights
 from offload.kernels._grad_stats import checksums_reference
 from offload.state._device_edits import DeviceWeightSums
 from offload.state._params import ParamRegistry

@@ -28,7 +28,8 @@ from offload.kernels._fused_mp import (
     fused_mp_available,
 )
 from offload.kernels._build import build_spec, pip_ninja_on_path
-from offload.kernels._adamw import Hyper, fused_adamw_, new_step_tensor, torch_mp_adamw_
+from offload.kernels._adamw import Hyper, fused_adamw_, new_step_tensor
+from offload.kernels._mp_reference import torch_mp_adamw_
 
 REPO = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}

@@ -56,9 +56,6 @@ from offload.kernels._fused_mp import (
     Rounding,
     call_f32_unchecked,
     call_steps_unchecked,
-    check_hyper,
-    check_lists,
-    check_step,
     NativeScalars,
     bitwise_matches_torch,
     fused_mp_available,
@@ -76,13 +73,11 @@ __all__ = [
     "ChecksumKernel",
     "StatsKernel",
     "check_grad_transform",
-    "follow_weights",
     "fused_adamw_",
     "mixed_precision_adamw_",
     "native_adamw_f32_",
     "native_scalars",
     "new_step_tensor",
-    "torch_mp_adamw_",
 ]
 
 
@@ -280,44 +275,6 @@ def fused_adamw_(
         torch._foreach_copy_(stored[1], list(exp_avg_sqs))
 
 
-@torch.no_grad()
-def follow_weights(masters: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
-    """Each element of ``masters[i]`` (fp32, flat) whose value rounded to ``weights[i]``'s dtype
-    differs from the weight's takes the weight's value (compared as values: +0 == -0, a NaN never
-    equal): an edit of the parameter that no version counter shows (``p.data.clamp_()``) is
-    followed as ``offload.state._edits.reseed`` follows the ones they show. The native
-    mixed-precision kernel does this in its pass (``seen=``); this is the same with torch ops,
-    for torch's kernel. Most steps nothing was edited: the rounded masters (in this thread's reused
-    buffer) are compared with the weights bit for bit, as wide words, and only a tensor that
-    differs takes the element-wise path (a bf16 comparison and a reduction of its result per
-    tensor, slow in torch 2.13 on this CPU, made the torch path's step 2.25x its time on a
-    48M-parameter bf16 model; the bit comparison, 1.35x). Bit-equal weights keep their
-    masters also where a master is NaN (the native kernel takes the weight's NaN there: only a NaN
-    payload differs, as it does between torch's own vector and scalar paths)."""
-    if not masters:
-        return
-    sizes = [m.numel() for m in masters]
-    rounded = {dt: _BUFFERS.views(dt, sizes) for dt in {w.dtype for w in weights}}
-    for i, (m, w) in enumerate(zip(masters, weights)):
-        w = w.reshape(-1)
-        low = rounded[w.dtype][i]
-        low.copy_(m)
-        if _same_bits(low, w):
-            continue
-        edited = low != w
-        m.copy_(torch.where(edited, w.to(torch.float32), m))
-
-
-def _same_bits(a: Tensor, b: Tensor) -> bool:
-    """Whether two contiguous 16-bit tensors of one size hold the same bits (compared as the
-    widest integer words both addresses and the size allow: torch.equal stops at the first
-    difference and reads 8-byte words at memory speed)."""
-    for word, per in ((torch.int64, 4), (torch.int32, 2)):
-        if a.numel() % per == 0 and a.data_ptr() % (2 * per) == 0 and b.data_ptr() % (2 * per) == 0:
-            return torch.equal(a.view(torch.int16).view(word), b.view(torch.int16).view(word))
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 def native_scalars(hyper: Hyper, steps_to_increment: Sequence[Tensor]) -> NativeScalars | None:
     """The native kernels' scalar arguments of ``hyper``; None where ``found_inf`` skips the step
     (done here)."""
@@ -432,56 +389,6 @@ def mixed_precision_adamw_(
             checksums[idx] = sums
 
 
-
-@torch.no_grad()
-def torch_mp_adamw_(
-    params_lowp: Sequence[Tensor],
-    grads_lowp: Sequence[Tensor],
-    masters: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_buffers: Sequence[Tensor] | None = None,
-    grad_scale: Tensor | None = None,
-    grad_coef: Tensor | None = None,
-) -> None:
-    """The torch path with ``offload.kernels._fused_mp.fused_mp_adamw_``'s signature: the reference of the
-    fused-mp tests and benchmarks.
-
-    Upcasts each gradient into an fp32 buffer (``grad_buffers`` when given, else new tensors),
-    runs ``torch._fused_adamw_`` on the fp32 masters and moments, and copies the masters into the
-    low-precision parameters. Three passes, about 40 bytes per parameter. ``grad_scale``,
-    ``grad_coef``: as :class:`Hyper`'s, applied by :func:`fused_adamw_` to the upcast gradients
-    (rounded to their low-precision dtype, as the module doc says).
-    """
-    check_lists(
-        params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
-        exp_avg_sqs=exp_avg_sqs,
-    )
-    check_step(step)
-    check_hyper(lr, beta1, beta2, eps, weight_decay)
-    if not masters:
-        return
-    if grad_buffers is None:
-        grads32 = [g.to(torch.float32) for g in grads_lowp]
-    else:
-        grads32 = list(grad_buffers)
-        torch._foreach_copy_(grads32, list(grads_lowp))
-    steps = [torch.tensor(float(step))] * len(masters)
-    fused_adamw_(
-        list(masters), grads32, list(exp_avgs), list(exp_avg_sqs), steps, steps_to_increment=(),
-        hyper=Hyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-                    weight_decay=float(weight_decay), eps=float(eps), grad_scale=grad_scale,
-                    grad_coef=grad_coef),
-        grad_dtypes=[g.dtype for g in grads_lowp],
-    )
-    torch._foreach_copy_(list(params_lowp), list(masters))
 
 Kernel = Callable[..., None]
 """A kernel of the calling convention above: positional tensor lists, then ``steps_to_increment``

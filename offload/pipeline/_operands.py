@@ -19,7 +19,8 @@ import torch
 
 from offload.pipeline._jobs import Call, CallSteps, ChunkJob
 from offload.state._items import KIND_F32, KIND_MP, KIND_TORCH, Item, ItemKind, follows_weights
-from offload.kernels._adamw import KernelSet, follow_weights
+from offload.kernels._adamw import KernelSet
+from offload.kernels._follow import follow_weights
 from offload.state._slabs import HostSlabs
 
 __all__ = [
@@ -98,7 +99,7 @@ def _copy_first(fn: Callable[..., None], dsts: list[Tensor], srcs: list[Tensor])
 
 def _follow_first(fn: Callable[..., None], masters: list[Tensor], weights: list[Tensor]) -> Callable[..., None]:
     """``fn`` run after the masters follow their live weights (torch's kernel; the native one
-    does it in its pass): ``offload.kernels._adamw.follow_weights``."""
+    does it in its pass): ``offload.kernels._follow.follow_weights``."""
 
     def call(*args: Any, **kwargs: Any) -> None:
         follow_weights(masters, weights)
@@ -146,7 +147,7 @@ def build_calls(
     low-precision parameter (:func:`follows_weights`) first compare their masters with the live
     weights (an edit through ``.data``: ``offload.state._edits``): the native kernel
     in its pass (``follow=True`` where it writes the weights itself, else ``seen=``), torch's
-    kernel by :func:`offload.kernels._adamw.follow_weights` before it runs.
+    kernel by :func:`offload.kernels._follow.follow_weights` before it runs.
     """
     items = job.items
     kinds = {it.kind for it in items}
