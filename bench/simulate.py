@@ -38,22 +38,20 @@ import math
 import re
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
+from autotune import AutotuneConfig
 from bench._args import PATH_RULE, HelpFormatter, output_dir, resolve_out_dir
 from bench._simulate_nodes import NODES, REQUIRED_NODES, build_node
+from bench._stepmodel import NoiseModel
+from bench._simulate_gloo import gloo_check
 from bench._simulate_oracle import oracle_bound
+from bench._simulate_session import DEFAULT_CHUNK_NUMEL, capped, plan_node, run_seed, tuning_inputs
 from bench._simulate_report import model_text, render_markdown, summary_line
-from bench._stepmodel import Node, NoiseModel
-from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
-from offload.tuning._glue import offload_search_space
 
 logger = logging.getLogger(__name__)
 
@@ -74,246 +72,6 @@ __all__ = [
 TARGET_MEDIAN_REGRET = 0.02
 TARGET_P95_REGRET = 0.02
 TARGET_MEDIAN_PROBE_STEPS = 32
-#: Seconds a simulated collective waits for the other simulated ranks before it fails.
-BARRIER_TIMEOUT_S = 60.0
-#: The chunk size ``CPUOffloadAdamW`` uses unless told otherwise (the static plan's chunk).
-DEFAULT_CHUNK_NUMEL = OffloadSettings().chunk_numel
-
-
-# --------------------------------------------------------------------------- thread plan and space
-
-
-def plan_node(node: Node) -> list[ThreadPlan]:
-    """Every local rank's real ``plan_cpu_threads`` on the node's topology, the masks handed in."""
-    topology = node.hardware.topology()
-    return [
-        plan_cpu_threads(masks=node.masks, local_rank=r, topology=topology, cpu_count=node.hardware.logical_cpus)
-        for r in range(node.ranks)
-    ]
-
-
-def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[str, int], list[int]]:
-    """(space, static plan, each rank's thread cap), as ``offload.tuning._glue.OffloadTuning`` builds them."""
-    own = [p.planned_threads if p.planned_threads is not None else p.threads for p in plans]
-    local = tuple(plans[0].local_threads) or tuple(own)
-    top = max(local)
-    baseline = {"threads": top, "chunk_numel": DEFAULT_CHUNK_NUMEL}
-    space = offload_search_space(
-        max_threads=top,
-        baseline_threads=top,
-        largest_slab=node.workload.params,
-        baseline_chunk=DEFAULT_CHUNK_NUMEL,
-        fixed_threads=False,
-    )
-    return space, baseline, own
-
-
-# --------------------------------------------------------------------------- one tuning session
-
-
-def _capped(setting: dict[str, Any], caps: Sequence[int]) -> list[int]:
-    """Each rank's threads for a setting (OffloadTuning caps the knob at the rank's own plan)."""
-    return [min(int(setting["threads"]), c) for c in caps]
-
-
-def _noise_table(node: Node, seed: int, steps: int, noise: NoiseModel) -> np.ndarray:
-    """``[step, rank]`` noise factors of one run (the same whichever agreement carries the run)."""
-    rng = np.random.default_rng([seed, sum(map(ord, node.name))])
-    return np.stack([noise.factors(rng, node.ranks) for _ in range(steps)])
-
-
-def _rank_session(
-    r: int,
-    agreement: Any,
-    node: Node,
-    space: Any,
-    baseline: dict[str, int],
-    caps: Sequence[int],
-    config: AutotuneConfig,
-    table: np.ndarray,
-    noise: NoiseModel,
-    history: list[float] | None,
-    trace: Any = None,
-) -> dict[str, Any]:
-    """Simulated local rank ``r``: a real ``OnlineTuner`` fed model step times until it locks in.
-
-    ``agreement`` is what ``OnlineTuner(group=...)`` takes: an :class:`autotune.InProcessAgreement`, or
-    None inside a real gloo job (the tuner then builds its own ``GlooAgreement``). ``trace``: what
-    ``OnlineTuner(trace=...)`` takes (the tuner writes it on rank 0 only).
-    Rank 0 appends the true node time of every probing step to ``history``.
-    """
-    current: dict[str, Any] = {}
-    switched = [False]
-
-    def apply(setting: dict[str, Any]) -> None:
-        current.clear()
-        current.update(setting)
-        switched[0] = True
-
-    workload = {"params": node.workload.params, "node": node.name}
-    tuner = OnlineTuner(space, baseline=baseline, apply=apply, config=config, workload=workload, group=agreement,
-                        trace=trace)
-    tuner.start()
-    step = 0
-    while tuner.state in ("probing", "checking") and step < len(table):
-        threads = _capped(current, caps)
-        chunk = int(current.get("chunk_numel", node.workload.params))  # threads-only spaces: one chunk
-        time_s = node.rank_times(threads, chunk)[r] * float(table[step, r])
-        if switched[0]:
-            time_s *= 1.0 + noise.warmup_penalty
-        switched[0] = False
-        if history is not None:
-            history.append(node.node_time(threads, chunk))
-        tuner.observe(StepSample(time_s=time_s, stages={"step_s": time_s}))
-        step += 1
-    summary = tuner.summary()
-    tuner.close()
-    return summary
-
-
-def _result(node: Node, seed: int, summaries: Sequence[dict[str, Any] | None], history: list[float],
-            collectives: int | None) -> dict[str, Any]:
-    first = summaries[0]
-    assert first is not None
-    winners = [s["winner"] for s in summaries if s is not None]
-    if any(w != first["winner"] for w in winners):
-        raise RuntimeError(f"{node.name} seed {seed}: simulated ranks locked in different winners {winners}")
-    if first["state"] != "locked":
-        raise RuntimeError(f"{node.name} seed {seed}: tuner did not lock in within its budget ({first['state']})")
-    return {
-        "seed": seed,
-        "winner": first["winner"],
-        "kept_baseline": first["kept_baseline"],
-        "probe_steps": first["probe_steps"],
-        "sampler": first["sampler"],
-        "reason": first["reason"],
-        "measured": [
-            {"candidate": m["candidate"], "median_s": m["median_s"], "n": m["n"]} for m in first["measurements"]
-        ],
-        "probe_true_s": sum(history),
-        "collectives": collectives,
-    }
-
-
-def run_seed(
-    node: Node,
-    space: Any,
-    baseline: dict[str, int],
-    caps: Sequence[int],
-    seed: int,
-    *,
-    config: AutotuneConfig | None = None,
-    noise: NoiseModel | None = None,
-    traces: Sequence[Any] | None = None,
-) -> dict[str, Any]:
-    """One tuning session of ``node.ranks`` real tuners in lockstep threads; returns rank 0's view.
-
-    ``traces``: one ``OnlineTuner(trace=...)`` object per rank (``autotune.TraceWriter``, or any
-    object with its ``add_step``/``add_spans``/``write_summary``), to see every measured step.
-    """
-    config = config or AutotuneConfig(use_cache=False)
-    noise = noise or NoiseModel()
-    n = node.ranks
-    if traces is not None and len(traces) != n:
-        raise ValueError(f"run_seed: {len(traces)} traces for {n} ranks: expected one per rank")
-    # The tuner never exceeds its budget; one step more would show it if it did.
-    table = _noise_table(node, seed, config.probe_steps + 1, noise)
-    agreements = InProcessAgreement.group(n, timeout_s=BARRIER_TIMEOUT_S, owner="simulated node")
-    summaries: list[dict[str, Any] | None] = [None] * n
-    errors: list[BaseException] = []
-    history: list[float] = []
-
-    def rank_main(r: int) -> None:
-        agreement = agreements[r]
-        try:
-            summaries[r] = _rank_session(r, agreement, node, space, baseline, caps, config, table, noise,
-                                         history if r == 0 else None, None if traces is None else traces[r])
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
-            errors.append(exc)
-            agreement.abort()
-
-    workers = [threading.Thread(target=rank_main, args=(r,), name=f"sim-rank-{r}") for r in range(n)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise RuntimeError(f"simulation of {node.name} seed {seed} failed: {errors[0]}") from errors[0]
-    return _result(node, seed, summaries, history, agreements[0].collectives)
-
-
-# --------------------------------------------------------------------------- the same over real gloo
-
-
-def _gloo_worker(rank: int, world: int, port: int, name: str, seeds: list[int], out_path: str) -> None:
-    """One process of the gloo cross-check: the same sessions, ``GlooAgreement`` built by the tuner."""
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update({"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=_dt.timedelta(seconds=120))
-    try:
-        node = build_node(name)
-        plans = plan_node(node)
-        space, baseline, caps = tuning_inputs(node, plans)
-        config = AutotuneConfig(use_cache=False)
-        noise = NoiseModel()
-        rows = []
-        for seed in seeds:
-            table = _noise_table(node, seed, config.probe_steps + 1, noise)
-            history: list[float] = []
-            began = time.perf_counter()
-            summary = _rank_session(rank, None, node, space, baseline, caps, config, table, noise,
-                                    history if rank == 0 else None)
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, summary)
-            if rank == 0:
-                row = _result(node, seed, gathered, history, None)
-                row["wall_s"] = time.perf_counter() - began
-                rows.append(row)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
-
-
-def gloo_check(name: str, seeds: Sequence[int]) -> dict[str, Any]:
-    """Run ``seeds`` of node ``name`` with one real process per local rank over gloo (the tuner's
-    own ``GlooAgreement``) and compare every decision with the in-process simulation."""
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    node = build_node(name)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = str(Path(tmp) / "gloo.json")
-        began = time.perf_counter()
-        mp.spawn(_gloo_worker, args=(node.ranks, port, name, list(seeds), out_path), nprocs=node.ranks, join=True)
-        wall = time.perf_counter() - began
-        gloo_rows = json.loads(Path(out_path).read_text())
-    plans = plan_node(node)
-    space, baseline, caps = tuning_inputs(node, plans)
-    began = time.perf_counter()
-    local_rows = [run_seed(node, space, baseline, caps, s) for s in seeds]
-    local_wall = time.perf_counter() - began
-    keys = ("winner", "probe_steps", "reason", "measured")
-    same = [all(g[k] == l[k] for k in keys) for g, l in zip(gloo_rows, local_rows)]
-    return {
-        "node": name,
-        "processes": node.ranks,
-        "seeds": list(seeds),
-        "identical_decisions": sum(same),
-        "all_identical": all(same) and len(same) == len(seeds),
-        "gloo_wall_s": wall,
-        "gloo_session_s": [r["wall_s"] for r in gloo_rows],
-        "in_process_wall_s": local_wall,
-    }
 
 
 # --------------------------------------------------------------------------- all seeds of a node
@@ -358,7 +116,7 @@ def simulate_node(
     plans = plan_node(node)
     space, baseline, caps = tuning_inputs(node, plans)
     candidates = space.candidates()
-    truth = {space.describe(c): node.node_time(_capped(c, caps), int(c["chunk_numel"])) for c in candidates}
+    truth = {space.describe(c): node.node_time(capped(c, caps), int(c["chunk_numel"])) for c in candidates}
     best_key = min(truth, key=truth.get)  # type: ignore[arg-type]
     best = truth[best_key]
     base_true = truth[space.describe(baseline)]
@@ -431,7 +189,7 @@ def simulate_node(
         "tuner_vs_static_median": statistics.median(static_true / r["winner_true_s"] for r in runs),
         "winners": dict(sorted(winners.items(), key=lambda kv: -kv[1])),
         "flip_rate": flip_rate,
-        "oracle": oracle_bound(node, candidates, lambda c: _capped(c, caps), steps=TARGET_MEDIAN_PROBE_STEPS,
+        "oracle": oracle_bound(node, candidates, lambda c: capped(c, caps), steps=TARGET_MEDIAN_PROBE_STEPS,
                                noise=noise) if oracle else None,
         "meets_targets": (
             statistics.median(regrets) <= TARGET_MEDIAN_REGRET and _quantile(regrets, 0.95) <= TARGET_P95_REGRET
