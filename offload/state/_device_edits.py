@@ -40,9 +40,8 @@ class DeviceWeightSums:
         self._sums: dict[int, Tensor] = {}  # slot -> 0-d int64 on the weight's device
 
     def _locals(self, records: Sequence[ParamRecord], slots: Iterable[int]) -> list[tuple[int, Tensor]]:
-        slots = list(slots)
         # One device per optimizer (ParamRegistry checks it): a host model costs one test per step.
-        if not slots or not self._watched(local(records[slots[0]].param)):
+        if not records or not self._watched(local(records[0].param)):
             return []
         out = []
         for s in slots:
@@ -62,6 +61,8 @@ class DeviceWeightSums:
     def changed(self, records: Sequence[ParamRecord], slots: Iterable[int]) -> list[int]:
         """The slots among ``slots`` whose weights differ from what the optimizer last wrote (one
         host-device sync for all; none where nothing is watched)."""
+        if not self._sums:  # (a host model, or nothing written yet)
+            return []
         found = [(s, t) for s, t in self._locals(records, (s for s in slots if s in self._sums))
                  if t.device == self._sums[s].device]
         if not found:
