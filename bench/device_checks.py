@@ -178,17 +178,20 @@ def check_data_edits(device: str) -> dict[str, Any]:
 
 
 def check_syncs(device: str) -> dict[str, Any]:
-    """Host-device syncs during an overlapped backward (expected none: hooks only enqueue) and
-    during ``opt.clip_grad_norm_`` (counted), with ``torch.cuda.set_sync_debug_mode("warn")``."""
+    """Host-device syncs during an overlapped backward (expected none: hooks only enqueue, also
+    with the lr a CUDA tensor) and during ``opt.clip_grad_norm_`` (counted), with
+    ``torch.cuda.set_sync_debug_mode("warn")``; the early chunks then commit."""
     if device != "cuda":
         return {"skipped": "sync counting needs a CUDA device"}
     pair = _pair(device, torch.bfloat16)
+    for _, o in pair:  # a CUDA-tensor lr: each launch copies it without waiting (issue 24)
+        o.param_groups[0]["lr"] = torch.tensor(1e-3, device=device)
     _train(pair, device, torch.bfloat16, range(2))
     model, opt = pair[1]
     opt.zero_grad()
     loss = model(_batch(device, torch.bfloat16, 9)).float().square().mean()
     torch.cuda.synchronize()
-    counts = {}
+    counts, norm = {}, 0.0
     for phase in ("backward", "clip"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -197,13 +200,18 @@ def check_syncs(device: str) -> dict[str, Any]:
                 if phase == "backward":
                     loss.backward()
                 else:
-                    opt.clip_grad_norm_(1.0)
+                    norm = float(opt.clip_grad_norm_(1.0))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts[phase] = sum("synchroniz" in str(w.message) for w in caught)
     opt.step()
     assert counts["backward"] == 0, f"{counts['backward']} host-device syncs during an overlapped backward"
-    return {"syncs": counts}
+    # The lr each chunk copied at launch is the step's: they commit, unless the clip clipped.
+    stats = opt.last_stats
+    expected = stats.speculated_chunks if norm <= 1.0 else 0
+    assert stats.speculated_chunks > 0 and stats.committed_chunks == expected, (
+        stats.committed_chunks, stats.speculated_chunks, norm)
+    return {"syncs": counts, "lr": "a CUDA tensor", "committed": stats.committed_chunks}
 
 
 def check_scaler(device: str) -> dict[str, Any]:

@@ -492,8 +492,12 @@ class CPUOffloadAdamW(Optimizer):
             return
         coef = None if clip is None else clip.coef
 
+        hypers: dict[int, Hyper] = {}  # per group, read once per step (a device lr: one sync)
+
         def hyper_now(group: int) -> Hyper:
-            return replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
+            if group not in hypers:
+                hypers[group] = replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
+            return hypers[group]
 
         event = ready_event(self._layout.registry.device)
         try:

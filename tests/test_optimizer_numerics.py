@@ -308,3 +308,44 @@ def test_expanded_and_transposed_gradients_bitwise_equal_to_torch(dtype: torch.d
         assert_bitwise([opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]],
                        [ref.state[q]["exp_avg"], ref.state[q]["exp_avg_sq"]], "moments")
     opt.close()
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Counts torch calls on this thread that take ``target`` (by identity) as an argument."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.target, self.count = target, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(a is self.target for a in args):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+def test_tensor_lr_is_read_once_per_group_and_step_not_per_chunk(overlap: bool) -> None:
+    """A tensor lr is copied to the host by the step once per param group, not once per chunk:
+    on a CUDA lr every such read is a host-device sync (issue 24). Counted on a CPU lr, whose
+    reads go through the same path; bitwise torch's fused AdamW as before."""
+    models = [make_model(), make_model()]
+    lr = torch.tensor(2e-3)
+    ref = torch.optim.AdamW(models[0].parameters(), lr=torch.tensor(2e-3), fused=True)
+    opt = CPUOffloadAdamW(models[1].parameters(), lr=lr, overlap_backward=overlap,
+                          settings=OffloadSettings(chunk_numel=1024))
+    for step in range(3):
+        for model, o in ((models[0], ref), (models[1], opt)):
+            o.zero_grad(set_to_none=True)
+            model(batch(step)).backward()
+            if o is opt:
+                reads = _Reads(opt.param_groups[0]["lr"])
+                with reads:
+                    o.step()
+            else:
+                o.step()
+    assert opt.last_stats.num_chunks > 3  # several chunks, one group
+    # the step's hyper-parameters (one read), and with overlap the pause check when nothing
+    # started early (the first step) or the verdicts' comparison (once per group)
+    assert reads.count <= 2, reads.count
+    assert_bitwise(list(models[1].parameters()), list(models[0].parameters()), "params")
+    opt.close()

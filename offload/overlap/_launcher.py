@@ -73,6 +73,7 @@ class Launcher:
         self.pipeline: Pipeline | None = None
         self.hooks: GradHooks | None = None
         self.speculation = Speculation(checksums)
+        self._lr_host: Tensor | None = None  # pinned, per chunk: a CUDA lr copied at launch
 
     def bind(self, layout: HostLayout, pipeline: Pipeline) -> None:
         """A new layout (the first, or after a relayout): hooks on its parameters (the hook counts
@@ -133,7 +134,8 @@ class Launcher:
         # chunk: 12 bytes per element of the segment, kept from step to step).
         layout.slabs.ensure_next((chunk.segment,))
         self._segments.add(chunk.segment)
-        hyper = replace(hyper_of(opt.param_groups[chunk.group]), grad_scale=self._grad_scale)
+        group = opt.param_groups[chunk.group]
+        hyper = replace(hyper_of(group, lr_into=self._lr_place(chunk, group["lr"])), grad_scale=self._grad_scale)
         items = fresh_items(chunk, grads, records, state, kernel=self.settings.kernel)
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.settings.threads or 1,
                        update=True, materialize=False, into_next=True, done=threading.Event(),
@@ -141,6 +143,18 @@ class Launcher:
         self.speculation.launch(chunk, job, grads, records, state,
                                 host_weights=pipeline.transport.host_weights)
         pipeline.submit(job)
+
+    def _lr_place(self, chunk: Chunk, lr: Any) -> Tensor | None:
+        """For a CUDA lr: the pinned host place of ``chunk``'s copy (one block per layout, a place
+        per chunk: a chunk launches once per window and the last window's jobs have drained), so
+        the hook queues the copy before the chunk's ready event instead of waiting for it."""
+        if not (isinstance(lr, Tensor) and lr.device.type == "cuda"):
+            return None
+        assert self.layout is not None
+        n = len(self.layout.chunks)
+        if self._lr_host is None or self._lr_host.numel() < n or self._lr_host.dtype != lr.dtype:
+            self._lr_host = torch.empty(n, dtype=lr.dtype, pin_memory=True)
+        return self._lr_host[chunk.index]
 
     # ------------------------------------------------------------ step()
     def start_step(self, *, hyper_now: Callable[[int], Any], late: Sequence[int], threads: int,

@@ -95,11 +95,17 @@ def check_param_group(where: str, param_group: dict[str, Any], defaults: dict[st
     return param_group, plist, tensors
 
 
-def hyper_of(group: dict[str, Any]) -> Hyper:
-    """The group's hyper-parameters now (an lr scheduler may have changed them since the last step)."""
+def hyper_of(group: dict[str, Any], *, lr_into: Tensor | None = None) -> Hyper:
+    """The group's hyper-parameters now (an lr scheduler may have changed them since the last step).
+
+    A tensor lr is copied to the host: a CPU one is cloned; a device one is copied without waiting
+    into ``lr_into`` (a pinned 0-d host tensor of its dtype, on the current stream: the caller
+    records after this the event the worker waits for before it reads the value, so no host-device
+    sync) or, without ``lr_into``, with a blocking copy (one sync: call it once per group and step,
+    not per chunk)."""
     lr = group["lr"]
     if isinstance(lr, Tensor):
-        lr = lr.detach().to("cpu").reshape(()).clone()
+        lr = _lr_on_host(lr.detach().reshape(()), lr_into)
     beta1, beta2 = (scalar("betas", b) for b in group["betas"])
     return Hyper(
         lr=lr,
@@ -108,3 +114,12 @@ def hyper_of(group: dict[str, Any]) -> Hyper:
         weight_decay=scalar("weight_decay", group["weight_decay"]),
         eps=scalar("eps", group["eps"]),
     )
+
+
+def _lr_on_host(lr: Tensor, into: Tensor | None) -> Tensor:
+    if lr.device.type == "cpu":
+        return lr.clone()
+    if into is None or into.dtype != lr.dtype:
+        return lr.to("cpu")
+    into.copy_(lr, non_blocking=True)
+    return into
