@@ -137,6 +137,13 @@ def host_bytes_per_param(opt: Any, numel: int) -> float:
     return (slabs.nbytes + slabs.next_nbytes) / numel
 
 
-def visit(t: Trainee, *, iters: int, clip: float | None, clock: Clock = time.perf_counter) -> list[dict[str, Any]]:
-    """``iters`` iterations of one trainee in a row: their records."""
-    return [iteration(t, clip=clip, clock=clock) for _ in range(iters)]
+def visit(t: Trainee, *, iters: int, clip: float | None, clock: Clock = time.perf_counter,
+          before: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """``iters`` iterations of one trainee in a row: their records. ``before``: called (untimed)
+    before each iteration (several ranks: a barrier, so their iterations run side by side)."""
+    out = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        out.append(iteration(t, clip=clip, clock=clock))
+    return out

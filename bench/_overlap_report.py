@@ -167,7 +167,7 @@ def render_markdown(r: Mapping[str, Any]) -> str:
         f"{cfg['max_norm']:g})` between backward and `step()` (every step clips: smallest norm seen in the "
         f"table's notes). {cfg['rounds']} rounds x {cfg['iters']} iterations per mode, modes in rotating order "
         f"(off, on / on, off / ...), {cfg['warmup']} warm-up iteration(s) per mode and case discarded. "
-        f"1 rank; 2 ranks (torchrun/gloo) not measured.", "",
+        + _ranks_text(r), "",
         "Times are medians (IQR) over the rounds, ms. *bwd wait (x off step)*: the whole backward's wait and "
         "its ratio to the step off measured in the case. *exposed* = `clip_grad_norm_` + `step()` + `zero_grad()` "
         "after backward; iteration = forward+backward + exposed. *hidden fraction* = (iteration_off - "
@@ -279,3 +279,13 @@ def plot(r: Mapping[str, Any], path: Path) -> Path | None:
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
     return path
+
+
+def _ranks_text(r: dict[str, Any]) -> str:
+    if r.get("ranks", 1) == 1:
+        return "1 rank (`--ranks 2` runs two side by side)."
+    cpus = r.get("rank_cpus") or []
+    return (f"{r['ranks']} ranks (torchrun, gloo) side by side on this host, each with its own replica and optimizer "
+            f"and CPUs {', '.join(str(c) for c in cpus)} (rank order); a barrier (untimed) before every "
+            "iteration, no gradient reduction (a GPU node reduces on its GPUs); per round, mode and iteration "
+            "the slowest rank's record is the node's.")

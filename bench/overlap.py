@@ -3,6 +3,7 @@
     python -m bench.overlap --out-dir bench/results    # 8 x Linear(1536) (18.9M params), ~3 min
     python -m bench.overlap --quick --out-dir /tmp/ov  # 4 x Linear(256), seconds
     python -m bench.overlap --overlap on               # one mode alone (no comparison)
+    python -m bench.overlap --ranks 2 --out-dir bench/results --name overlap-2ranks  # 2 ranks (torchrun)
 
 On a CPU-only machine backward's math needs the cores the early chunks would run on, so
 overlap can only lose there (``bench.clip``'s trainer part). A GPU node leaves the CPU idle during
@@ -17,7 +18,9 @@ above ``max_norm``, so every step clips) x the ratios. Each case gets fresh opti
 mode (what a mode keeps from step to step, such as a paused speculation, does not leak into the
 next case), same initial weights, same batch every iteration (lr 1e-6: the work stays the same);
 ``OffloadSettings(threads=1)`` (the trainer thread has the other core of a 2-core machine),
-``torch.set_num_threads(1)`` for the model. One rank; no torchrun/gloo variant.
+``torch.set_num_threads(1)`` for the model. ``--ranks N``: N torchrun ranks (gloo) on this host,
+each with its replica, its share of the CPUs and the same cases, side by side
+(``bench._overlap_ranks``: a barrier before each iteration, the slowest rank's record kept).
 
 Per case the modes are visited in rotating order (off, on / on, off / ...), ``--iters``
 iterations per visit, ``--rounds`` rounds, after ``--warmup`` discarded iterations per mode (the
@@ -36,6 +39,7 @@ fraction against the ratio, where matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import shlex
@@ -50,6 +54,7 @@ import torch
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
 from bench._cli import bench_main
 from bench._overlap_emulation import Trainee, Waits, build_model, host_bytes_per_param, visit
+from bench._overlap_ranks import RESULT_FLAG, Ranks, launch, slowest
 from bench._overlap_report import compare, mode_summary, plot, render_markdown, spread
 from bench._stats import machine_info
 
@@ -113,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="result file stem (default overlap or overlap-quick)")
     p.add_argument("--note", default="", help="free text stored with the results")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks on this host (torchrun, gloo), each with its replica and share of the CPUs")
+    p.add_argument(RESULT_FLAG, dest="rank_result", type=Path, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -132,7 +140,7 @@ def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.dtype_list or any(d not in _DTYPES for d in args.dtype_list):
         p.error(f"--dtypes {args.dtypes!r}: expected a comma-separated list of {sorted(_DTYPES)}")
     args.clips = {"both": [None, args.max_norm], "off": [None], "on": [args.max_norm]}[args.clip]
-    for flag in ("layers", "width", "batch", "rounds", "iters", "calibration_steps"):
+    for flag in ("layers", "width", "batch", "rounds", "iters", "calibration_steps", "ranks"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected an integer >= 1")
     if args.warmup < 0:
@@ -167,15 +175,19 @@ def _rotation(modes: Sequence[str], r: int) -> list[str]:
     return [*modes[k:], *modes[:k]]
 
 
-def _calibrate(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
+def _calibrate(args: argparse.Namespace, dtype_name: str, ranks: Ranks | None) -> dict[str, Any]:
     """The plain step: "off" without waits, after the warm-up (the first step creates the state);
-    and the model's own forward+backward math without waits (the trainer core's share)."""
+    and the model's own forward+backward math without waits (the trainer core's share). With
+    ``ranks``, every rank's steps side by side, and their mean is the step every rank models."""
     trainee = _trainees(args, _DTYPES[dtype_name], Waits(), ["off"])["off"]
+    before = None if ranks is None else ranks.barrier
     try:
-        visit(trainee, iters=max(3, args.warmup), clip=None)
-        got = visit(trainee, iters=args.calibration_steps, clip=None)
+        visit(trainee, iters=max(3, args.warmup), clip=None, before=before)
+        got = visit(trainee, iters=args.calibration_steps, clip=None, before=before)
     finally:
         trainee.opt.close()
+    if ranks is not None:
+        got = [r for recs in ranks.gather(got) for r in recs]
     return {"dtype": dtype_name, "step_s": spread([r["step_s"] for r in got]),
             "model_fb_s": spread([r["fb_s"] for r in got]), "num_chunks": got[0]["num_chunks"]}
 
@@ -196,19 +208,23 @@ def _code_version() -> dict[str, Any]:
             "offload_changed": None if changed is None else [line[3:] for line in changed.splitlines() if line[3:]]}
 
 
-def _case(args: argparse.Namespace, *, dtype: str, clip: float | None, ratio: float, step_s: float) -> dict[str, Any]:
+def _case(args: argparse.Namespace, *, dtype: str, clip: float | None, ratio: float, step_s: float,
+          ranks: Ranks | None = None) -> dict[str, Any]:
     """One case on fresh optimizers (every case has the same history: state a mode keeps from
-    step to step, such as a paused speculation, does not leak into the next case)."""
+    step to step, such as a paused speculation, does not leak into the next case). With
+    ``ranks``, every rank runs it side by side and the slowest rank's records are kept."""
     waits = Waits(backward_s=ratio * step_s / args.layers)
     waits.forward_s = args.forward_fraction * waits.backward_s
     trainees = _trainees(args, _DTYPES[dtype], waits, args.modes)
     modes = list(trainees)
+    before = None if ranks is None else ranks.barrier
     try:
         for t in trainees.values():
-            visit(t, iters=args.warmup, clip=clip)
+            visit(t, iters=args.warmup, clip=clip, before=before)
         rounds = []
         for r in range(args.rounds):
-            rounds.append({mode: visit(trainees[mode], iters=args.iters, clip=clip) for mode in _rotation(modes, r)})
+            rounds.append({mode: visit(trainees[mode], iters=args.iters, clip=clip, before=before)
+                           for mode in _rotation(modes, r)})
         summaries = {mode: mode_summary(rounds, mode) for mode in modes}
         for mode, t in trainees.items():
             summaries[mode]["host_bytes_per_param"] = host_bytes_per_param(t.opt, t.numel)
@@ -216,6 +232,12 @@ def _case(args: argparse.Namespace, *, dtype: str, clip: float | None, ratio: fl
         if "off" in trainees and len(trainees) > 1:  # the overlap contract, checked on the way
             ref = list(trainees["off"].model.parameters())
             equal = all(all(torch.equal(a, b) for a, b in zip(ref, t.model.parameters())) for t in trainees.values())
+        if ranks is not None:
+            gathered = ranks.gather((rounds, equal))
+            rounds = slowest([g[0] for g in gathered])
+            equal = None if equal is None else all(g[1] for g in gathered)
+            summaries = {mode: {**mode_summary(rounds, mode), "host_bytes_per_param": summaries[mode]["host_bytes_per_param"]}
+                         for mode in modes}
         numel = next(iter(trainees.values())).numel
     finally:
         for t in trainees.values():
@@ -239,6 +261,21 @@ def _case(args: argparse.Namespace, *, dtype: str, clip: float | None, ratio: fl
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    if args.ranks > 1:  # the ranks measure; this process reports (and plots) what rank 0 wrote
+        began = time.perf_counter()
+        result = launch(argv, args.ranks)
+        result["wall_s"] = time.perf_counter() - began
+        result["command"] = " ".join(["python -m bench.overlap", shlex.join(argv)]).strip()
+        result["machine"] = machine_info()
+        if not args.no_plot:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            path = plot(result, args.out_dir / f"{args.name}.png")
+            result["plot"] = None if path is None else str(path)
+        return result
+    return _measure(args, argv, None)
+
+
+def _measure(args: argparse.Namespace, argv: Sequence[str], ranks: Ranks | None) -> dict[str, Any]:
     began = time.perf_counter()
     code = _code_version()  # at the start: the modules are imported by now, later edits do not run
     previous = torch.get_num_threads()
@@ -246,11 +283,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     try:
         infos, cases = [], []
         for dtype in args.dtype_list:
-            calibration = _calibrate(args, dtype)
+            calibration = _calibrate(args, dtype, ranks)
             step_s = calibration["step_s"]["median"]
             logger.info("%s: plain step %.1f ms (median of %d)", dtype, step_s * 1e3, calibration["step_s"]["n"])
             infos.append(calibration)
-            cases += [_case(args, dtype=dtype, clip=clip, ratio=ratio, step_s=step_s)
+            cases += [_case(args, dtype=dtype, clip=clip, ratio=ratio, step_s=step_s, ranks=ranks)
                       for clip in args.clips for ratio in args.ratios]
     finally:
         torch.set_num_threads(previous)
@@ -261,11 +298,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "config": {k: getattr(args, k) for k in ("layers", "width", "batch", "chunk_numel", "lr", "rounds", "iters",
                                                  "warmup", "calibration_steps", "forward_fraction", "max_norm",
                                                  "ratios", "seed")},
-        "optimizer_threads": 1, "ranks": 1,
+        "optimizer_threads": 1, "ranks": 1 if ranks is None else ranks.world,
+        "rank_cpus": None if ranks is None else ranks.gather(ranks.cpus),
         "dtypes": infos, "cases": cases, "note": args.note, "plot": None, "code": code,
     }
     result["machine"] = machine_info()
-    if not args.no_plot:
+    if not args.no_plot and ranks is None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         path = plot(result, args.out_dir / f"{args.name}.png")
         result["plot"] = None if path is None else str(path)
@@ -273,7 +311,27 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return result
 
 
+def _rank_main(argv: Sequence[str]) -> int:
+    """A rank started by :func:`bench._overlap_ranks.launch`: measure side by side with the
+    others; rank 0 writes the result where the parent reads it (no report, no folder)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _resolve(parser, args)
+    logging.basicConfig(level="WARNING", stream=sys.stderr)
+    ranks = Ranks.join()
+    try:
+        result = _measure(args, [a for a in argv if a != RESULT_FLAG and a != str(args.rank_result)], ranks)
+    finally:
+        ranks.close()
+    if ranks.rank == 0:
+        args.rank_result.write_text(json.dumps(result))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if RESULT_FLAG in argv:
+        return _rank_main(argv)
     bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
     return 0
 

@@ -13,6 +13,7 @@ import torch
 
 from bench import overlap
 from bench._overlap_emulation import redo_kernel_s
+from bench._overlap_ranks import slowest
 from bench._overlap_report import compare, hidden_fraction, mode_summary
 from offload import StageSpan
 
@@ -75,7 +76,7 @@ def test_quick_run_writes_json_and_markdown(tmp_path: Path) -> None:
             for rnd in c["rounds"]]
     assert "| case | mode | bwd/step |" in md and "hidden fraction" in md and "What this measures" in md
     assert "What it cannot measure" in md and r["machine"]["cpu_model"] in md and r["command"] in md
-    assert "2 ranks (torchrun/gloo) not measured" in md
+    assert "1 rank (`--ranks 2` runs two side by side)" in md
     if r["plot"] is not None:
         assert Path(r["plot"]) == out / "overlap-quick.png" and Path(r["plot"]).stat().st_size > 0
 
@@ -90,6 +91,30 @@ def test_one_mode_alone_is_reported_without_comparison(tmp_path: Path) -> None:
     assert set(c["modes"]) == {"on"} and c["compare"] == {} and c["params_equal_to_off"] is None
     assert r["plot"] is None  # nothing compared, nothing to plot
     assert "| case | mode | bwd/step | bwd wait ms | iteration |" in (tmp_path / "overlap-quick.md").read_text()
+
+
+def test_two_ranks_side_by_side_report_the_slowest_rank(tmp_path: Path) -> None:
+    """--ranks 2: two torchrun ranks (gloo) run the cases side by side, each on its share of the
+    CPUs; every record kept is one rank's, the slowest of its iteration; both ranks' parameters
+    equal overlap off."""
+    argv = [*TINY, "--dtypes", "bf16", "--clip", "off", "--ratios", "1", "--ranks", "2", "--out-dir", str(tmp_path)]
+    assert overlap.main(argv) == 0
+    r = json.loads((tmp_path / "overlap-quick.json").read_text())
+    md = (tmp_path / "overlap-quick.md").read_text()
+    assert r["ranks"] == 2 and len(r["rank_cpus"]) == 2 and all(r["rank_cpus"])
+    assert r["command"] == "python -m bench.overlap " + " ".join(argv)
+    (c,) = r["cases"]
+    assert c["params_equal_to_off"] is True and c["modes"]["on"]["commit_rate"] == 1.0
+    assert {rec["rank"] for rnd in c["rounds"] for m in ("off", "on") for rec in rnd[m]} <= {0, 1}
+    assert "2 ranks (torchrun, gloo) side by side" in md
+
+
+def test_slowest_rank_record_is_kept() -> None:
+    a = [{"off": [_rec(0.10, 0.08)], "on": [_rec(0.09, 0.08)]}]
+    b = [{"off": [_rec(0.12, 0.09)], "on": [_rec(0.08, 0.07)]}]
+    (merged,) = slowest([a, b])
+    assert merged["off"][0]["iter_s"] == 0.12 and merged["off"][0]["rank"] == 1
+    assert merged["on"][0]["iter_s"] == 0.09 and merged["on"][0]["rank"] == 0
 
 
 def test_hidden_fraction_arithmetic() -> None:
