@@ -205,3 +205,24 @@ def test_the_masks_layout_and_the_kernel_source_are_in_the_offload_workload() ->
     assert cache_facts(disjoint, native=False) == {"masks": {"shared": False, "sizes": [4, 4]}}
     digest = cache_facts(disjoint, native=True)["kernel_source"]
     assert isinstance(digest, str) and len(digest) == 16
+
+
+def test_the_masks_per_numa_node_are_in_the_offload_workload() -> None:
+    """Two ranks of 4 CPUs each, on a machine of two NUMA nodes of 4 CPUs: each rank inside its
+    node, or both spread over the two nodes, are different optima and different keys; on one
+    NUMA node the facts (and so the keys) stay what they were."""
+    from offload import CpuTopology, plan_cpu_threads
+    from offload.tuning._glue import cache_facts
+
+    cores = [[i] for i in range(8)]
+    two = CpuTopology.from_cores(cores, numa_nodes={0: range(4), 1: range(4, 8)})
+    one = CpuTopology.from_cores(cores)
+    inside = [set(range(4)), set(range(4, 8))]
+    spread = [{0, 1, 4, 5}, {2, 3, 6, 7}]
+
+    def facts(masks, topo):  # type: ignore[no-untyped-def]
+        return cache_facts(plan_cpu_threads(masks=masks, local_rank=0, topology=topo, cpu_count=8), native=False)
+
+    assert facts(inside, two)["masks"]["per_numa_node"] == [[4, 0], [0, 4]]
+    assert facts(spread, two)["masks"]["per_numa_node"] == [[2, 2], [2, 2]]
+    assert facts(inside, one) == facts(spread, one) == {"masks": {"shared": False, "sizes": [4, 4]}}

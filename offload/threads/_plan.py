@@ -70,6 +70,10 @@ class ThreadPlan:
     """The rule's threads for every local rank, in local-rank order (identical on every rank)."""
     local_masks: tuple[frozenset[int], ...] = ()
     """Every local rank's affinity mask, in local-rank order."""
+    local_masks_per_numa_node: tuple[tuple[int, ...], ...] = ()
+    """Per local rank, how many CPUs of its mask lie in each NUMA node (nodes in id order); empty on
+    a machine of one NUMA node. The tuner's cache key holds it: a mask spread over two nodes and
+    one inside a node are different optima."""
     masks_from: str = "single"
     """"collective" (exchanged over gloo), "agreement" (exchanged through the caller's agreement),
     "given" (handed in with ``masks=``), "environment" (LOCAL_WORLD_SIZE copies of this mask), "single"."""
@@ -255,6 +259,7 @@ def plan_cpu_threads(
         planned_threads=planned,
         local_threads=alloc.threads,
         local_masks=tuple(m.cpus for m in local),
+        local_masks_per_numa_node=masks_per_numa_node([m.cpus for m in local], topo),
         masks_from=masks_from,
         smt=smt,
         cgroup_cpus=None if me.cgroup is None else me.cgroup.cpus,
@@ -266,6 +271,14 @@ def plan_cpu_threads(
     if starved is not None and index == 0:  # once per node: every rank computes the same words
         _warn_once("starved", len(local), frozenset().union(*(m.cpus for m in local)), "%s", starved)
     return plan
+
+
+def masks_per_numa_node(masks: Sequence[frozenset[int]], topology: CpuTopology) -> tuple[tuple[int, ...], ...]:
+    """Per mask, its CPU count in each NUMA node of ``topology`` (id order); () with fewer than
+    two nodes (see :attr:`ThreadPlan.local_masks_per_numa_node`)."""
+    if len(topology.numa_nodes) < 2:
+        return ()
+    return tuple(tuple(len(m & cpus) for _, cpus in topology.numa_nodes) for m in masks)
 
 
 # --------------------------------------------------------------------------- process state

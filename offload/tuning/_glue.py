@@ -197,8 +197,9 @@ def offload_workload(records: Sequence[ParamRecord], slots: Sequence[ParamSlot],
 
 def cache_facts(plan: ThreadPlan, *, native: bool) -> dict[str, Any]:
     """What else can move the optimum and goes into the cache key: the layout of the local ranks'
-    affinity masks (shared or disjoint, and their sizes: not only this rank's size, which the
-    hardware facts hold), and, where the native kernel may run, its source's hash."""
+    affinity masks (shared or disjoint, their sizes: not only this rank's size, which the
+    hardware facts hold, and on a machine of several NUMA nodes each mask's CPUs per node), and,
+    where the native kernel may run, its source's hash."""
     masks = plan.local_masks or (plan.cpus,)
     seen: set[int] = set()
     shared = False
@@ -206,6 +207,8 @@ def cache_facts(plan: ThreadPlan, *, native: bool) -> dict[str, Any]:
         shared = shared or bool(seen & m)
         seen |= m
     facts: dict[str, Any] = {"masks": {"shared": shared, "sizes": [len(m) for m in masks]}}
+    if plan.local_masks_per_numa_node:  # several NUMA nodes: how each mask spreads over them
+        facts["masks"]["per_numa_node"] = [list(c) for c in plan.local_masks_per_numa_node]
     if native:
         from offload.kernels._build import source_digest
 
