@@ -225,3 +225,54 @@ def test_device_tensors_never_load_the_extension_and_reuse_the_lane_weights() ->
     terms, sums = grad_stats_([t, t], loader=Refuse())
     assert terms.device.type == sums.device.type == "meta" and tuple(sums.shape) == (2,)
     assert _lane_weights(torch.device("meta")) is _lane_weights(torch.device("meta"))
+
+
+class _Allocations(torch.overrides.TorchFunctionMode):
+    """The largest tensor a torch call on this thread made (views of other tensors not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+        self.uploads = 0  # host tensors copied to a device (a blocking copy: a sync on CUDA)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if (isinstance(out, torch.Tensor) and out.device.type != "cpu" and args
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"):
+            self.uploads += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_terms_and_checksums_make_no_temporary_larger_than_a_block(monkeypatch, norm_type, dtype) -> None:
+    """On a device (``meta`` stands in for a GPU) the norm terms and checksums hold temporaries
+    of O(block) elements, never O(tensor) (issue 24: 16 B per element of a 525M-element gradient
+    at peak, during backward and every clip); the inf norm too (a whole-tensor ``abs()`` before),
+    and no host value is copied up (an empty shard's term was a host 0.0: a blocking copy)."""
+    import offload.kernels._grad_stats as gs
+
+    monkeypatch.setattr(gs, "TORCH_BLOCK", 1024)
+    t = torch.empty(10 * 1024 + 7, dtype=dtype, device="meta")
+    with _Allocations() as allocations:
+        terms, sums = gs.grad_stats_reference([t, t[:100], t[:0]], norm_type=norm_type)
+        gs.checksums_reference([t])
+    assert terms.device.type == sums.device.type == "meta" and tuple(terms.shape) == (3,)
+    assert allocations.largest <= 1024 + 32, allocations.largest
+    assert allocations.uploads == 0  # (an empty tensor's term was a host 0.0 copied up)
+
+
+def test_the_device_inf_norm_is_the_largest_block_s() -> None:
+    """The inf norm on a device, block by block, is the whole tensor's (NaN propagates); checked
+    with the device branch on CPU tensors."""
+    import offload.kernels._grad_stats as gs
+
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(3 * gs.TORCH_BLOCK + 5, generator=g)
+    t[2 * gs.TORCH_BLOCK + 1] = -40.0
+    assert float(gs._term_on_device(t, math.inf)) == 40.0
+    t[7] = float("nan")
+    assert math.isnan(float(gs._term_on_device(t, math.inf)))

@@ -162,22 +162,36 @@ def _checksum(flat: Tensor) -> Tensor:
 
 
 def _term(flat: Tensor, p: float) -> Tensor | float:
+    if flat.device.type != "cpu":
+        return _term_on_device(flat, p)
     if flat.numel() == 0:
         return 0.0
     if p == math.inf:
         return flat.abs().max().double()
-    if flat.device.type != "cpu":  # on the device, block by block (O(block) temporaries): no host sync
-        parts = []
-        for start in range(0, flat.numel(), TORCH_BLOCK):
-            x = flat[start:start + TORCH_BLOCK].double().abs()
-            parts.append((x.square() if p == 2.0 else x if p == 1.0 else x.pow(p)).sum())
-        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
     # CPU: the native kernel's blocks, each reduced by one thread (a row of a 2-D sum over dim 1
     # is never split between threads), then math.fsum (exactly rounded, order-independent).
     x = torch.nn.functional.pad(flat.double().abs(), (0, -flat.numel() % STATS_BLOCK))
     rows = x.view(-1, STATS_BLOCK)
     rows = rows.square() if p == 2.0 else rows if p == 1.0 else rows.pow(p)
     return math.fsum(rows.sum(dim=1).tolist())
+
+
+def _term_on_device(flat: Tensor, p: float) -> Tensor:
+    """The norm term of a non-empty device tensor, block by block: temporaries of O(block)
+    elements (a whole-tensor ``abs()`` or ``double()`` is gradient-sized), no host sync (an
+    empty one's 0 is made there: a host 0 copied up would be a blocking copy)."""
+    if flat.numel() == 0:
+        return flat.new_zeros((), dtype=torch.float64)
+    parts = []
+    for start in range(0, flat.numel(), TORCH_BLOCK):
+        if p == math.inf:
+            parts.append(flat[start:start + TORCH_BLOCK].abs().max())
+            continue
+        x = flat[start:start + TORCH_BLOCK].double().abs()
+        parts.append((x.square() if p == 2.0 else x if p == 1.0 else x.pow(p)).sum())
+    if len(parts) == 1:
+        return parts[0].double()
+    return (torch.stack(parts).max() if p == math.inf else torch.stack(parts).sum()).double()
 
 
 def _stack(values: list[Tensor | float], dtype: torch.dtype, device: torch.device) -> Tensor:
