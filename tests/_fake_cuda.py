@@ -80,6 +80,10 @@ class FakeOps:
         """(thread name, event label) of every ``synchronize`` of an event these ops made."""
         self.copy_calls: list[int] = []
         """Per call of :meth:`copies`: how many copies it queued."""
+        self.caller = FakeStream()
+        """What :meth:`current_stream` returns: the stream of the thread that calls ``step()``."""
+        self.caller_waits: list[Any] = []
+        """The labels of the events :attr:`caller` was made to wait for, in order."""
 
     def stream(self) -> FakeStream:
         s = FakeStream()
@@ -102,7 +106,12 @@ class FakeOps:
         stream.q.put(reached)
 
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
+        if stream is self.caller:
+            self.caller_waits.append(event.label)
         stream.q.put(event.synchronize)
+
+    def current_stream(self) -> FakeStream:
+        return self.caller
 
     def copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: FakeStream, *,
                spans: list[tuple[int, int]] | None = None) -> None:
@@ -128,5 +137,5 @@ class FakeOps:
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        for s in self.streams:
+        for s in (*self.streams, self.caller):
             s.q.put(None)

@@ -70,6 +70,10 @@ class DeviceOps(Protocol):
 
     def wait(self, stream: Any, event: Any) -> None: ...
 
+    def current_stream(self) -> Any:
+        """The calling thread's current stream on the device."""
+        ...
+
     def copies(self, dsts: list[Tensor], srcs: list[Tensor], stream: Any, *,
                spans: list[tuple[int, int]] | None = None) -> None:
         """``dsts[i].copy_(srcs[i])`` for every ``i``, in order, on ``stream`` (one call per chunk and
@@ -132,6 +136,9 @@ class TorchCudaOps:
 
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
 
     def copies(self, dsts: list[Tensor], srcs: list[Tensor], stream: Any, *,
                spans: list[tuple[int, int]] | None = None) -> None:
@@ -213,8 +220,8 @@ class CudaTransport:
     event; the worker waits on it when the chunk's kernel is next. materialize: the worker
     writes the updated master (downcast) into a ring slot; the h2d stream waits on the job's
     ``write_event`` (recorded on the caller's stream when ``step()`` began) and copies into the
-    parameters asynchronously. ``step()`` makes the caller's stream wait on the last h2d event,
-    so the next forward sees the new weights without a host sync.
+    parameters asynchronously. The drain makes the caller's stream wait on the last h2d event
+    (:meth:`order_caller`), so the next forward sees the new weights without a host sync.
     """
 
     def __init__(
@@ -363,6 +370,13 @@ class CudaTransport:
             self._lowp.settle()
         last, self._last_h2d = self._last_h2d, None
         return last
+
+    def order_caller(self, event: Any) -> None:
+        """The caller's current stream waits on the device for ``event`` (no host wait): the
+        weights that went up before it are what the next forward reads, also where ``step()``
+        raises after the drain or the drain is a failed step's (``Launcher.fail_start``)."""
+        with self._ops.context():
+            self._ops.wait(self._ops.current_stream(), event)
 
     def pinned_stats(self) -> tuple[int, int]:
         """(pinned bytes held, blocks registered since the previous call): read at each step's end;

@@ -145,7 +145,10 @@ class Pipeline:
         self.transport.forget()
 
     def drain(self) -> DrainResult:
-        """Wait until every submitted job is done; return their records and the first error."""
+        """Wait until every submitted job is done; return their records and the first error.
+        On CUDA the weight copies of the jobs may still run: the calling thread's current stream
+        is made to wait for them on the device (``Transport.order_caller``), so its next work
+        (a forward) reads the new weights, whatever the caller does with an error."""
         if not self._finalizer.alive:
             raise RuntimeError("the optimizer's pipeline is closed")
         barrier = Barrier()
@@ -160,6 +163,8 @@ class Pipeline:
             result.records.extend(self._caller_records)
             self._caller_records = []
         result.wait_s = time.perf_counter() - t0
+        if result.last_h2d_event is not None:  # (CUDA) before anything can raise: see order_caller
+            self.transport.order_caller(result.last_h2d_event)
         return result
 
     def close(self) -> None:

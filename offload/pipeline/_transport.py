@@ -66,6 +66,11 @@ class Transport(Protocol):
         """End of a step (the drain barrier): the last h2d event or None."""
         ...
 
+    def order_caller(self, event: Any) -> None:
+        """On the thread that drained: what it queues next on the device runs after ``event``
+        (:meth:`flush`'s last h2d event, not None), whether or not the step then raises."""
+        ...
+
     def forget(self) -> None:
         """Drop what was cached for the old chunk layout (between steps)."""
         ...
