@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,13 +35,38 @@ def test_without_a_gpu_it_prints_one_line_and_exits_0(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_a_python_without_torch_is_one_line_and_status_2(tmp_path: Path) -> None:
+def _python_without_torch(tmp_path: Path) -> Path:
     fake = tmp_path / "python-without-torch"
     fake.write_text("#!/bin/sh\nexit 1\n")
     fake.chmod(0o755)
-    proc = _run(tmp_path, PYTHON=str(fake))
+    return fake
+
+
+def test_a_python_without_torch_on_a_gpu_machine_is_one_line_and_status_2(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"  # an nvidia-smi: the machine shows an NVIDIA device
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    proc = _run(tmp_path, PYTHON=str(_python_without_torch(tmp_path)),
+                PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and "cannot import torch" in proc.stderr
+
+
+_GPU_VISIBLE = shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+
+
+@pytest.mark.skipif(_GPU_VISIBLE, reason="checks a machine that shows no NVIDIA device")
+@pytest.mark.parametrize("python", ["without-torch", "missing"])
+def test_without_a_gpu_any_python_says_so_and_exits_0(tmp_path: Path, python: str) -> None:
+    """Issue 24: without a GPU the script says so and exits 0, also where PYTHON has no torch
+    (the default python3 of a CPU machine) or is not there at all."""
+    path = _python_without_torch(tmp_path) if python == "without-torch" else tmp_path / "no-python"
+    proc = _run(tmp_path, PYTHON=str(path))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and "skipped" in lines[0], proc.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_plan_fits_8_minutes_and_every_command_parses(tmp_path: Path) -> None:
@@ -48,7 +74,10 @@ def test_the_plan_fits_8_minutes_and_every_command_parses(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     steps = [line.split("|", 2) for line in proc.stdout.splitlines()]
     names = [name for name, _, _ in steps]
-    assert names[:2] == ["pytest", "bandwidth"] and "train-overlap-clip" in names
+    # issue 24's order: races and commits, NCCL, scaler/memory/timing, copy throughput, the tests
+    assert names[:5] == ["checks-races", "checks-dist", "checks-scale", "bandwidth", "pytest"], names
+    assert "train-overlap-clip" in names
+    assert shlex.split(steps[0][2])[5:7] == ["races", "commits"], steps[0]
     checked: list[str] = []
     assert sum(int(limit) for _, limit, _ in steps) <= 8 * 60 - 20  # 20 s for the environment lines
     out = str(tmp_path / "out")
