@@ -47,6 +47,14 @@ class OffloadSettings:
     chunk runs in ``step()``, the hooks stay). Exact either way (a speculation is validated before
     it commits), so the tuner may switch it: on a machine where backward needs the same cores it
     locks in False. No effect without ``overlap_backward``."""
+    backward_threads: int | None = None
+    """With ``CPUOffloadAdamW(overlap_backward=True)``: intra-op threads of the chunks started
+    during backward (None: ``threads``, as for every other chunk). The chunks ``step()`` runs, and
+    the early ones still queued when it starts, keep ``threads``: during backward the trainer's
+    thread launches work and busy cores slow it (fewer cores at their top clock, a shared memory
+    bus; DeepSpeed Reflow's point), while in ``step()`` it only waits. Never above ``threads``
+    (a larger value is clamped to it). Exact whatever the value (the kernels are bitwise
+    independent of the thread count), so the tuner may choose it. No effect without overlap."""
     bind_numa: bool = False
     """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
     mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
@@ -60,6 +68,12 @@ class OffloadSettings:
             or not 1 <= self.threads <= MAX_THREADS
         ):
             raise ValueError(f"OffloadSettings.threads={self.threads!r}: expected None or an int from 1 to {MAX_THREADS}")
+        if self.backward_threads is not None and (
+            isinstance(self.backward_threads, bool) or not isinstance(self.backward_threads, int)
+            or not 1 <= self.backward_threads <= MAX_THREADS
+        ):
+            raise ValueError(f"OffloadSettings.backward_threads={self.backward_threads!r}: expected None or an int "
+                             f"from 1 to {MAX_THREADS}")
         if (
             isinstance(self.chunk_numel, bool)
             or not isinstance(self.chunk_numel, int)

@@ -137,12 +137,18 @@ class Launcher:
         group = opt.param_groups[chunk.group]
         hyper = replace(hyper_of(group, lr_into=self._lr_place(chunk, group["lr"])), grad_scale=self._grad_scale)
         items = fresh_items(chunk, grads, records, state, kernel=self.settings.kernel)
-        job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.settings.threads or 1,
+        job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.backward_threads(),
                        update=True, materialize=False, into_next=True, done=threading.Event(),
                        ready_event=ready_event(layout.registry.device))
         self.speculation.launch(chunk, job, grads, records, state,
                                 host_weights=pipeline.transport.host_weights)
         pipeline.submit(job)
+
+    def backward_threads(self) -> int:
+        """Intra-op threads of a chunk started during backward: ``settings.backward_threads``,
+        never above ``settings.threads`` (the thread plan's budget), which it defaults to."""
+        threads = self.settings.threads or 1
+        return min(self.settings.backward_threads or threads, threads)
 
     def _lr_place(self, chunk: Chunk, lr: Any) -> Tensor | None:
         """For a CUDA lr: the pinned host place of ``chunk``'s copy (one block per layout, a place
@@ -170,6 +176,10 @@ class Launcher:
         assert opt is not None and layout is not None and pipeline is not None and self.hooks is not None
         self.hooks.end_window()
         launched = self.speculation.take()
+        for spec in launched.values():
+            # Backward is over: an early kernel the worker has not started yet runs with the
+            # drain's threads (read once, when the worker takes the job; either count is exact).
+            spec.job.threads = threads
         if not launched:
             if self.paused and self._would_commit(opt.param_groups, hyper_now):
                 self.paused, self._stale_steps = False, 0
