@@ -33,6 +33,19 @@ validated before it commits, so switching it never changes the math; whether it 
 the machine (free cores during backward: a GPU node) and the loop (clipping every step redoes
 every early chunk). The baseline is on, as asked; the lock-in rule keeps it unless off is
 clearly faster, as it is where backward runs on the same cores (a CPU-only box).
+
+Backward-threads knob: only with the speculate knob and more than one thread. Its values are
+thread counts from 1 to the top of the thread ladder (:func:`backward_ladder`, at most
+:data:`MAX_BACKWARD_CANDIDATES`; the top, the same as ``threads``, is the baseline), each rank
+using ``min(value, its threads)`` (:func:`backward_thread_count`). Absolute counts, not shares of
+``threads``: what slows backward is how many cores are busy beside it, what the drain needs is
+its own count, so the two knobs act apart and the coordinate sweep can walk each on its own (a
+share moved the count during backward with every rung of the thread ladder, and the sweep
+stopped at a lower ``threads`` with share 1, 1.3 % slower than the best on the step model). The
+knob comes first in the space, so the sweep walks it at the top thread count, where every value
+is a distinct setting (above ``threads`` a value repeats the drain's count). Busy cores during
+backward slow the trainer's launch-bound backward; few threads there leave a longer backlog for
+``step()``: which wins is the machine's.
 """
 
 from __future__ import annotations
@@ -68,8 +81,8 @@ from offload.threads._plan import ThreadPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "cache_facts", "global_rank", "offload_search_space",
-           "offload_workload"]
+__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "backward_ladder", "backward_thread_count", "cache_facts",
+           "global_rank", "offload_search_space", "offload_workload"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -80,6 +93,24 @@ MAX_CHUNK_CANDIDATES = 4
 MAX_THREAD_CANDIDATES = 5
 #: Most chunk sizes probed (besides the configured one) when the kernel knob doubles the space.
 MAX_CHUNK_CANDIDATES_WITH_KERNEL = 2
+#: Most values of the backward-threads knob (the top thread count included).
+MAX_BACKWARD_CANDIDATES = 3
+
+
+def backward_ladder(top_threads: int) -> tuple[int, ...]:
+    """The backward-threads knob's values for a thread ladder topped at ``top_threads``: a
+    geometric ladder from 1 to it, thinned to :data:`MAX_BACKWARD_CANDIDATES`.
+
+    >>> backward_ladder(1), backward_ladder(2), backward_ladder(15), backward_ladder(64)
+    ((1,), (1, 2), (1, 4, 15), (1, 8, 64))
+    """
+    return geometric_ladder(1, top_threads, max_count=MAX_BACKWARD_CANDIDATES)
+
+
+def backward_thread_count(value: int, threads: int) -> int | None:
+    """``OffloadSettings.backward_threads`` for the knob's ``value`` on a rank running ``threads``:
+    None (the same as ``threads``) where ``value`` is not below it."""
+    return None if value >= threads else value
 
 
 def offload_search_space(
@@ -91,18 +122,24 @@ def offload_search_space(
     fixed_threads: bool,
     kernels: tuple[str, ...] = (),
     speculate: bool = False,
+    backward_threads: bool = False,
 ) -> SearchSpace:
     """Threads (a geometric ladder from 1 to ``max_threads`` that holds the static plan's value)
     x chunk size (powers of two from 1 Mi elements to the largest slab, plus the configured one)
     x kernel when ``kernels`` holds more than one (see the module doc; fewer chunk sizes then)
     x ``speculate`` (off, on) with ``speculate`` (an optimizer with ``overlap_backward``: the
-    overlap is exact, so whether it pays is a measurement like the others; fewer chunk sizes then).
+    overlap is exact, so whether it pays is a measurement like the others; fewer chunk sizes then)
+    x ``backward_threads`` (:func:`backward_ladder` of the top thread count; the first knob, see
+    the module doc) with ``backward_threads`` and ``speculate`` where that top is above one thread.
 
     Every argument must be the same on every local rank (derive them from agreed values).
     """
     for k in kernels:
         if k not in KERNELS:
             raise ValueError(f"offload_search_space: kernel {k!r}: expected one of {KERNELS}")
+    if backward_threads and not speculate:
+        raise ValueError("offload_search_space: backward_threads=True needs speculate=True (no early chunk runs "
+                         "without it)")
     with_kernel = len(set(kernels)) > 1
     max_chunks = MAX_CHUNK_CANDIDATES_WITH_KERNEL if with_kernel or speculate else MAX_CHUNK_CANDIDATES
     if fixed_threads:
@@ -125,6 +162,11 @@ def offload_search_space(
     if speculate:
         # Off first and prefer="low": where on and off tie, nothing runs during backward.
         knob_list.append(Knob("speculate", (False, True), prefer="low"))
+    backward = backward_ladder(max(threads)) if backward_threads else (1,)
+    if len(backward) > 1:
+        # First (walked at the top thread count) and prefer="low": of two tied counts, the one
+        # that leaves backward more cores.
+        knob_list.insert(0, Knob("backward_threads", backward, prefer="low"))
     return SearchSpace(tuple(knob_list))
 
 
@@ -273,6 +315,8 @@ class OffloadTuning:
         speculate = objective == "iteration"  # overlap_backward: on (the user's ask) vs off
         if speculate:
             baseline["speculate"] = optimizer.settings.speculate
+        # A count the user set stays; else the drain's count (share 1.0) is the baseline.
+        backward = speculate and optimizer.settings.backward_threads is None
         space = offload_search_space(
             max_threads=top,
             baseline_threads=top,
@@ -281,7 +325,10 @@ class OffloadTuning:
             fixed_threads=fixed_threads,
             kernels=kernels,
             speculate=speculate,
+            backward_threads=backward,
         )
+        if "backward_threads" in space.names:
+            baseline["backward_threads"] = top  # the same as threads
         cache = None
         if config.use_cache:
             cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
@@ -324,9 +371,11 @@ class OffloadTuning:
         current = self._optimizer.settings
         kernel = str(setting.get("kernel", current.kernel))
         speculate = bool(setting.get("speculate", current.speculate))
+        value = setting.get("backward_threads")
+        backward = current.backward_threads if value is None else backward_thread_count(int(value), threads)
         self._optimizer.apply_settings(
             replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel,  # type: ignore[arg-type]
-                    speculate=speculate)
+                    speculate=speculate, backward_threads=backward)
         )
 
     def after_step(self) -> None:
