@@ -29,7 +29,16 @@ Per rank and step (all local ranks step together, so they share the memory syste
    tiny chunks lose) and h2d over PCIe. The finish time is the exact flow-shop recurrence, so a
    huge chunk loses the overlap of the copies with the kernel. With ``overlap_backward`` chunk i
    becomes ready at ``backward_s * (i + 1) / n`` during backward and the objective is the whole
-   iteration (forward + backward + the exposed part of the step), as the offload glue measures.
+   iteration (forward + backward + the exposed part of the step), as the offload glue measures;
+   ``Workload.last_grads_share`` of the parameters (the embedding, the first layers) are ready
+   only at the end of backward. A kernel that starts before backward ends runs with ``backward_threads`` (the optimizer's
+   ``OffloadSettings.backward_threads``; its rate from step 4 with those counts), a later one with
+   ``threads``. Busy optimizer cores slow the launch-bound part of backward
+   (``Workload.backward_launch_share``) by ``Hardware.all_core_clock_drop`` times the busy share
+   of the node's cores (the cores' turbo clock falls as more of them work; DeepSpeed Reflow's
+   point): the busy share is the optimizer threads running during backward over the physical
+   cores, weighted by the fraction of backward their kernels run; backward is stretched by it once
+   (one fixed-point step) and the pipeline recomputed on the stretched release times.
 6. Node time = max over ranks (the tuner all-gathers and takes the max, too).
 
 Noise per measured step: a node-wide lognormal factor, a per-rank lognormal factor and, per rank,
@@ -41,13 +50,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from offload import CpuTopology
 
-__all__ = ["Hardware", "Node", "NoiseModel", "Workload", "pipeline_time"]
+__all__ = ["Hardware", "Node", "NoiseModel", "Workload", "overlap_pipeline", "pipeline_time"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +90,10 @@ class Hardware:
     """Runnable non-optimizer threads per rank competing for its mask's CPUs."""
     pcie_gbs: float = 40.0
     """Per-rank host<->device bandwidth per direction (GB/s)."""
+    all_core_clock_drop: float = 0.15
+    """Fraction a core's clock falls when every core of the node is busy, against one busy core
+    (turbo bins), linear in between: what slows the trainer's launch-bound host work while
+    optimizer threads run beside it (only with ``Workload.backward_launch_share``)."""
 
     def __post_init__(self) -> None:
         for name in ("sockets", "cores_per_socket", "smt"):
@@ -144,10 +157,20 @@ class Workload:
     overlap_backward: bool = False
     forward_s: float = 0.4
     backward_s: float = 0.8
+    backward_launch_share: float = 0.0
+    """Share of ``backward_s`` the trainer's host thread is the bottleneck (launching kernels),
+    slowed by busy cores (``Hardware.all_core_clock_drop``); 0: backward is GPU-bound."""
+    last_grads_share: float = 0.0
+    """With overlap: share of the parameters whose gradients all arrive at the end of backward
+    (the embedding and the first layers); the others arrive evenly during it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:
             raise ValueError(f"Workload.params={self.params!r}: expected an int >= 1")
+        for name, below in (("backward_launch_share", 1.0), ("last_grads_share", 0.99)):
+            share = getattr(self, name)
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= below:
+                raise ValueError(f"Workload.{name}={share!r}: expected a number from 0 to {below}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,6 +207,23 @@ def pipeline_time(
     return h_end
 
 
+def overlap_pipeline(
+    sizes: Sequence[int], *, d2h_s: Sequence[float], h2d_s: Sequence[float], release_s: Sequence[float],
+    backward_end_s: float, early_kernel_s: Callable[[int], float], late_kernel_s: Callable[[int], float],
+) -> tuple[float, float]:
+    """:func:`pipeline_time` where a kernel starting before ``backward_end_s`` takes
+    ``early_kernel_s(size)`` and a later one ``late_kernel_s(size)``; returns (finish time, seconds
+    of kernel work inside ``[0, backward_end_s]``)."""
+    d_end = k_end = h_end = busy = 0.0
+    for size, d2h, h2d, release in zip(sizes, d2h_s, h2d_s, release_s):
+        d_end = max(d_end, release) + d2h
+        start = max(k_end, d_end)
+        k_end = start + (early_kernel_s(size) if start < backward_end_s else late_kernel_s(size))
+        busy += max(0.0, min(k_end, backward_end_s) - start)
+        h_end = max(h_end, k_end) + h2d
+    return h_end, busy
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Node:
     """A node: hardware, every local rank's affinity mask, and the workload of each rank."""
@@ -194,7 +234,7 @@ class Node:
     workload: Workload
     description: str = ""
     _classes: tuple[tuple[int, frozenset[int], int, int], ...] = field(default=(), repr=False, compare=False)
-    _cache: dict[tuple[tuple[int, ...], int], tuple[float, ...]] = field(
+    _cache: dict[tuple[tuple[int, ...], int, tuple[int, ...]], tuple[float, ...]] = field(
         default_factory=dict, repr=False, compare=False, hash=False
     )
 
@@ -281,9 +321,13 @@ class Node:
             rates.append(max(mem_s, cpu_s) * slow)
         return rates, t
 
-    def rank_times(self, threads: Sequence[int], chunk_numel: int) -> tuple[float, ...]:
-        """Noise-free objective of every rank (step time, or iteration time with overlap_backward)."""
-        key = (tuple(int(x) for x in threads), int(chunk_numel))
+    def rank_times(self, threads: Sequence[int], chunk_numel: int,
+                   backward_threads: Sequence[int] | None = None) -> tuple[float, ...]:
+        """Noise-free objective of every rank (step time, or iteration time with overlap_backward);
+        ``backward_threads``: each rank's threads for kernels started during backward (default:
+        ``threads``; only with ``overlap_backward``)."""
+        backward = tuple(int(x) for x in (threads if backward_threads is None else backward_threads))
+        key = (tuple(int(x) for x in threads), int(chunk_numel), backward)
         cache = self._cache
         if key in cache:
             return cache[key]
@@ -296,22 +340,51 @@ class Node:
         d2h = [s * wl.d2h_bytes_per_elem / (hw.pcie_gbs * 1e9) for s in sizes]
         h2d = [s * wl.h2d_bytes_per_elem / (hw.pcie_gbs * 1e9) for s in sizes]
         if wl.overlap_backward:
-            release = [wl.backward_s * (i + 1) / n_chunks for i in range(n_chunks)]
+            result = self._iteration_times(rates, t, backward, sizes, d2h, h2d)
         else:
-            release = [0.0] * n_chunks
-        out = []
-        for r in range(self.ranks):
-            fixed = wl.chunk_overhead_s + wl.chunk_overhead_per_thread_s * t[r]
-            kernel = [s * rates[r] + fixed for s in sizes]
-            end = pipeline_time(n_chunks, sizes, d2h_s=d2h, kernel_s=kernel, h2d_s=h2d, release_s=release)
-            if wl.overlap_backward:
-                out.append(wl.forward_s + max(end, wl.backward_s))
-            else:
-                out.append(end)
-        result = tuple(out)
+            fixed = [wl.chunk_overhead_s + wl.chunk_overhead_per_thread_s * x for x in t]
+            result = tuple(
+                pipeline_time(n_chunks, sizes, d2h_s=d2h, h2d_s=h2d, release_s=[0.0] * n_chunks,
+                              kernel_s=[s * rates[r] + fixed[r] for s in sizes])
+                for r in range(self.ranks)
+            )
         cache[key] = result
         return result
 
-    def node_time(self, threads: Sequence[int], chunk_numel: int) -> float:
+    def _iteration_times(self, rates: list[float], t: list[int], backward: tuple[int, ...], sizes: list[int],
+                         d2h: list[float], h2d: list[float]) -> tuple[float, ...]:
+        """Every rank's iteration with overlap_backward (see the module doc, step 5)."""
+        wl, hw = self.workload, self.hardware
+        if len(backward) != self.ranks or any(b < 1 for b in backward):
+            raise ValueError(f"Node {self.name!r}: backward_threads={list(backward)!r}: expected {self.ranks} ints >= 1")
+        early_rates, bt = self.kernel_rates(backward) if backward != tuple(t) else (rates, t)
+        n = len(sizes)
+
+        def ranks_at(backward_s: float) -> list[tuple[float, float]]:
+            # chunk i is ready when its last gradient is: evenly during backward, but the last
+            # chunks' (``last_grads_share`` of the parameters) only at its end
+            spread = 1.0 - wl.last_grads_share
+            release = [backward_s * min(n, (i + 1) / spread) / n for i in range(n)]
+            out = []
+            for r in range(self.ranks):
+                late_fixed = wl.chunk_overhead_s + wl.chunk_overhead_per_thread_s * t[r]
+                early_fixed = wl.chunk_overhead_s + wl.chunk_overhead_per_thread_s * bt[r]
+                out.append(overlap_pipeline(
+                    sizes, d2h_s=d2h, h2d_s=h2d, release_s=release, backward_end_s=backward_s,
+                    early_kernel_s=lambda s, r=r, f=early_fixed: s * early_rates[r] + f,
+                    late_kernel_s=lambda s, r=r, f=late_fixed: s * rates[r] + f))
+            return out
+
+        backward_s = wl.backward_s
+        runs = ranks_at(backward_s)
+        if wl.backward_launch_share > 0:
+            cores = hw.sockets * hw.cores_per_socket
+            busy = sum(bt[r] * min(1.0, runs[r][1] / backward_s) for r in range(self.ranks)) / cores
+            backward_s *= 1.0 + wl.backward_launch_share * hw.all_core_clock_drop * min(1.0, busy)
+            runs = ranks_at(backward_s)
+        return tuple(wl.forward_s + max(end, backward_s) for end, _ in runs)
+
+    def node_time(self, threads: Sequence[int], chunk_numel: int,
+                  backward_threads: Sequence[int] | None = None) -> float:
         """Noise-free node objective: the slowest rank."""
-        return max(self.rank_times(threads, chunk_numel))
+        return max(self.rank_times(threads, chunk_numel, backward_threads))
