@@ -153,10 +153,12 @@ class Launcher:
     def _lr_place(self, chunk: Chunk, lr: Any) -> Tensor | None:
         """For a CUDA lr: the pinned host place of ``chunk``'s copy (one block per layout, a place
         per chunk: a chunk launches once per window and the last window's jobs have drained), so
-        the hook queues the copy before the chunk's ready event instead of waiting for it."""
-        if not (isinstance(lr, Tensor) and lr.device.type == "cuda"):
-            return None
+        the hook queues the copy before the chunk's ready event instead of waiting for it. An lr
+        on another device than the model's: None (a blocking copy), since the ready event is
+        recorded on the model's device and would not order a copy queued on the lr's."""
         assert self.layout is not None
+        if not (isinstance(lr, Tensor) and lr.device.type == "cuda" and lr.device == self.layout.registry.device):
+            return None
         n = len(self.layout.chunks)
         if self._lr_host is None or self._lr_host.numel() < n or self._lr_host.dtype != lr.dtype:
             self._lr_host = torch.empty(n, dtype=lr.dtype, pin_memory=True)
