@@ -12,10 +12,11 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
   showing the committed generation until ``step()`` swaps it. The native kernels also checksum
   every gradient piece they read, in the same pass (``checksums``); items of torch's kernel take
   a copy of the gradient and a checksum pass first, then a copy of the committed state into the
-  second generation, which they update in place. For a CUDA gradient the native kernel
-  checksums the staged copy it consumed (so a gradient changed while the copy ran, A -> B -> A,
-  is not taken for A: no device work in the hook either); for torch's kernel the checksum is
-  taken on the device at launch;
+  second generation, which they update in place. A CUDA gradient is checksummed from the staged
+  host copy the chunk consumed, after that copy landed: by the native kernel in its pass, for
+  torch's kernel by the transport before its kernel (or the upcast) reads it
+  (``CudaTransport.finish_d2h``). So a gradient changed while the copy was pending and changed
+  back (A -> B -> A) is not taken for A, and the hook does no device work;
 * at ``step()`` :meth:`Speculation.verdicts` compares what each early chunk consumed with
   what the step would consume: the gradients' *content* (a checksum of every word, read again
   now: version counters miss in-place ops through a DTensor and GradScaler's CPU unscale, and
@@ -30,18 +31,18 @@ step. So an early chunk is a *speculation*, and this module makes it one that is
 The checksum is a lane-weighted 64-bit sum of the gradient's words (``offload.kernels._grad_stats``,
 one native pass on the CPU, torch ops on a device): any change of one element changes it, and so
 do sign flips and swapped neighbours; changes that cancel within every lane and across the
-weighted lanes (elements 32 apart swapped) are not seen. Where a kernel takes it, it is per view
-(the elements of one parameter a chunk reads, ``grad_slice``); a device checksum at launch is
-per parameter, once per window at the first early chunk holding it (final then: a chunk starts
-only when all its parameters' hooks fired). At ``step()`` the gradients' checksums are read again
-(on their device, one sync for all) while the worker still runs the last early kernels, and
+weighted lanes (elements 32 apart swapped) are not seen. It is per view (the elements of one
+parameter a chunk reads, ``grad_slice``), the same function on the host and on a device (bitwise
+the same value for the same bytes). At ``step()`` the gradients' checksums are read again (CUDA
+ones on their device, one sync for all) while the worker still runs the last early kernels, and
 compared once they are done.
 
 A native kernel checksums a private copy of each piece (at most 16 Ki elements) and updates from
 that copy; an item of torch's kernel on the host gets a copy of its gradient here, which is
-checksummed and which its kernel reads. Either way what was checksummed is what was consumed,
-even while another thread writes the gradient (a change and its undo, A -> B -> A, is then
-redone, not committed as A).
+checksummed and which its kernel reads; a CUDA gradient's staged copy is written only by its
+device-to-host copy, which has ended when it is checksummed. Either way what was checksummed is
+what was consumed, even while another thread writes the gradient (a change and its undo,
+A -> B -> A, is then redone, not committed as A).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class SpeculativeChunk:
     stamps: dict[int, tuple[int, int, int]]
     """Per slot: the parameter's edit stamp at the launch (an edit after it makes the chunk late)."""
     views: list[ViewKey] = field(default_factory=list)
-    """The gradient views whose checksums are recorded per view (host gradients; CUDA ones of a
-    native kernel, checksummed from their staged copy)."""
+    """The gradient views the chunk read, each with the checksum of what its kernel consumed
+    (a CUDA gradient's: of its staged copy)."""
     weighted: set[ViewKey] = field(default_factory=set)
     """The views whose checksum also holds the words of the weights the kernel compared its
     masters with (``offload.state._items.follows_weights``): an edit through ``.data`` after the
@@ -137,7 +138,7 @@ class GradReading:
     grads: dict[int, Tensor] = field(default_factory=dict)
     """The others' gradients (local tensors)."""
     views: dict[ViewKey, int] = field(default_factory=dict)
-    """Per CUDA view a native kernel read from its staged copy: the checksum of the gradient now
+    """Per CUDA view (read by its kernel from a staged copy): the checksum of the gradient now
     (host views are read chunk by chunk, :meth:`Speculation.verdicts`)."""
 
 
@@ -152,7 +153,6 @@ class Speculation:
         self._steps: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._step_bufs: tuple[list[Tensor], list[Tensor]] | None = None  # per slot: before, counted
         self._sums: dict[ViewKey, tuple[Tensor, int]] = {}  # view -> (checksums, index) of what its kernel read
-        self._device_sums: dict[int, tuple[Tensor, Any]] = {}  # CUDA: (checksum at launch, its event)
 
     def forget_layout(self) -> None:
         """A new chunk layout or new slabs: the view keys describe the old one."""
@@ -179,21 +179,12 @@ class Speculation:
                 self._steps[s] = (step, before[s], counted[s])
         for it in job.items:  # fresh Items of this job: each counts its parameter's copy
             it.step = self._steps[it.view.slot][2]
-        # CUDA gradients of torch's kernel: checksummed on the device at launch. Those of a native
-        # kernel are checksummed as the kernel reads their staged copy (what it consumed).
-        torch_kind = {it.view.slot for it in job.items if it.kind == KIND_TORCH}
-        cuda = [s for s in first if grads[s].device.type == "cuda" and s in torch_kind]
-        if cuda:  # enqueued on the stream that produced the gradients: asynchronous, cheap
-            sums = self._checksums([grads[s] for s in cuda])
-            done = torch.cuda.Event()
-            done.record()  # on this thread's stream (a DDP comm hook may run on another one)
-            for s, v in zip(cuda, sums):
-                self._device_sums[s] = (v, done)
+        # No checksum here (no device work in a hook): every gradient view is checksummed on the
+        # worker from what its kernel consumes (_before_kernel).
         spec = SpeculativeChunk(job, tuple(grads), dict(grads),
                                 {s: state[records[s].param]["step"] for s in grads},
                                 {s: stamp(records[s]) for s in grads})
-        spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in job.items
-                      if grads[it.view.slot].device.type != "cuda" or it.kind != KIND_TORCH]
+        spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in job.items]
         spec.weighted = {(it.view.slot, it.view.start, it.view.stop) for it in job.items
                          if it.grad is not None and follows_weights(it, host_weights)}
         self._launched[chunk.index] = spec
@@ -216,32 +207,36 @@ class Speculation:
         return keys
 
     def _before_kernel(self, job: ChunkJob, spec: SpeculativeChunk, chunk: Chunk) -> None:
-        """On the worker, right before the early kernel (and before the host transport reads or
+        """On the worker, right before the early kernel (and before the transport reads or
         upcasts any gradient): where the checksums of the gradient views it reads go. Items of a
-        native kernel get them from their kernel call (``job.speculate``); host items of torch's
-        kernel are checksummed here, first."""
+        native kernel get them from their kernel call, CUDA items of torch's kernel from the
+        transport, of the staged copy once it landed (both through ``job.speculate``); host items
+        of torch's kernel are checksummed here, first."""
         keys = self._view_keys(chunk)
         summed: list[tuple[ViewKey, Tensor]] = []
         weights: list[tuple[int, Tensor]] = []  # (index in summed, the weights torch's kernel compares with)
-        fused: dict[ItemKind, list[ViewKey]] = {}
+        in_pass: dict[ItemKind, list[ViewKey]] = {}  # per kind: the views checksummed where they are consumed
         snapshots: dict[int, Tensor] = {}  # slot -> the copy torch's kernel reads (host gradients)
         for it in job.items:
             v = it.view
             key = keys[(v.slot, v.start)]
-            if it.grad is not None and it.kind != KIND_TORCH:  # the kernel reads it (CUDA: staged)
-                fused.setdefault(it.kind, []).append(key)
+            if it.grad is None:
                 continue
-            if it.grad is not None and it.grad.device.type != "cuda":
-                # torch's kernel reads the gradient later: it reads a copy taken now, the copy
-                # that is checksummed (a change and its undo in between, A -> B -> A, would
-                # otherwise commit what B gave: 15 of 20 loaded runs of the races check)
-                snapshot = snapshots.get(v.slot)
-                if snapshot is None:
-                    snapshot = snapshots[v.slot] = it.grad.clone()
-                it.grad = snapshot
-                if key in spec.weighted:
-                    weights.append((len(summed), param_view(it)))
-                summed.append((key, grad_slice(snapshot, v.start, v.stop)))
+            if it.kind != KIND_TORCH or it.grad.device.type == "cuda":
+                # checksummed in the pass that consumes it: the native kernel's, or (torch's kernel
+                # on CUDA) the transport's over the staged copy, after the copy and before any read
+                in_pass.setdefault(it.kind, []).append(key)
+                continue
+            # a host item of torch's kernel reads its gradient later: it reads a copy taken now, the
+            # copy that is checksummed (a change and its undo in between, A -> B -> A, would
+            # otherwise commit what B gave: 15 of 20 loaded runs of the races check)
+            snapshot = snapshots.get(v.slot)
+            if snapshot is None:
+                snapshot = snapshots[v.slot] = it.grad.clone()
+            it.grad = snapshot
+            if key in spec.weighted:
+                weights.append((len(summed), param_view(it)))
+            summed.append((key, grad_slice(snapshot, v.start, v.stop)))
         if summed:
             sums = self._checksums([g for _, g in summed])
             if weights:  # (read microseconds before follow_weights reads them, on this thread)
@@ -249,7 +244,7 @@ class Speculation:
             for i, (key, _) in enumerate(summed):
                 self._sums[key] = (sums, i)
         job.speculate = {}
-        for kind, kind_keys in fused.items():
+        for kind, kind_keys in in_pass.items():
             sums = torch.zeros(len(kind_keys), dtype=torch.int64)
             job.speculate[kind] = sums
             for i, key in enumerate(kind_keys):
@@ -301,7 +296,6 @@ class Speculation:
         consumes (gradient content, shape, hyper-parameters, clip coefficient, grad scale, an edit
         after launch) or its kernel did not run."""
         changed = set(late_slots) | reading.changed
-        changed |= self._device_changes(reading)
         now_of: dict[int, Hyper] = {}  # per group, on the host: no device sync per chunk
         values: dict[int, list[int]] = {}  # id(checksums tensor) -> its values (one read each)
 
@@ -339,22 +333,6 @@ class Speculation:
             sums[idx] += self._checksums([flat[keys[i][0]][keys[i][1]:keys[i][2]] for i in idx])
         return sums.tolist()
 
-    def _device_changes(self, reading: GradReading) -> set[int]:
-        """Slots whose CUDA gradient of torch's kernel changed since its launch checksum (one
-        host-device sync for all of them)."""
-        device = [s for s in reading.grads if s in self._device_sums]
-        if not device:
-            return set()
-        dev_now, dev_was = [], []
-        for s, v in zip(device, self._checksums([reading.grads[s] for s in device])):
-            was, done = self._device_sums[s]
-            # The launch's checksum is on its stream: ours waits for it on the device.
-            torch.cuda.current_stream(v.device).wait_event(done)
-            dev_now.append(v)
-            dev_was.append(was)
-        differs = (torch.stack(dev_now) != torch.stack(dev_was)).tolist()
-        return {s for s, d in zip(device, differs) if d}
-
     def publish_steps(self, slots: Collection[int] | None = None) -> None:
         """At ``step()``, once the early kernels ran: the step counters (of ``slots``; None: all)
         take what they counted (a chunk recomputed in ``step()`` then counts no step again: the
@@ -374,7 +352,6 @@ class Speculation:
         self._launched.clear()
         self._steps.clear()
         self._sums.clear()
-        self._device_sums.clear()
 
 
 def _view_of(g: Tensor, start: int, stop: int) -> Tensor:

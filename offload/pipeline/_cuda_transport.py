@@ -11,8 +11,11 @@ Schedule (worker thread, chunk ``i`` in the kernel):
 
 No full-size host gradient slab: the kernels read the pinned copies in the ring where they are
 (fused-mp: bf16/fp16; fp32 gradients as they came down); only a low-precision gradient of the torch
-kernel is upcast, into the chunk-sized scratch buffer. The native kernel writes a step's new
-weights (bf16/fp16, or fp32 besides the master) straight into the h2d ring slot. Host memory is
+kernel is upcast, into the chunk-sized scratch buffer. For a chunk started during backward the
+staged gradients of torch's kernel are checksummed first, once their copy ended (the native
+kernel sums what it reads in its own pass), so ``step()`` validates what was consumed
+(``offload.overlap._speculation``). The native kernel writes a step's new weights (bf16/fp16, or
+fp32 besides the master) straight into the h2d ring slot. Host memory is
 the state (12 bytes per parameter) plus ``2 x slots`` pinned blocks as large as the largest
 chunk's staging; only with ``overlap_backward`` does fused-mp add one pinned block holding a place
 of the parameter's dtype per bf16/fp16 parameter (the weights a chunk started during backward
@@ -44,8 +47,8 @@ from torch import Tensor
 from offload.pipeline._buffers import STAGING_ALIGN, Scratch, SlabListCache
 from offload.pipeline._jobs import ChunkJob, StageRecord
 from offload.pipeline._pinned import LowpPlaces, PinnedPool, Ring
-from offload.state._items import KIND_MP, Item
-from offload.kernels._adamw import KernelSet
+from offload.state._items import KIND_MP, KIND_TORCH, Item
+from offload.kernels._adamw import ChecksumKernel, KernelSet
 from offload.pipeline._operands import torch_grads
 from offload.state._slabs import HostSlabs
 
@@ -242,9 +245,13 @@ class CudaTransport:
         self._scratch = Scratch()
         self._last_h2d: Any = None
         self._counted = 0  # registrations already reported by a step
+        self._checksums: ChecksumKernel | None = None  # the pipeline's (set by prepare)
 
     def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
-        """Nothing: the kernel's gradient operands exist only after the worker's d2h copy."""
+        """No kernel call ahead: the kernel's gradient operands exist only after the worker's d2h
+        copy. The kernels' checksum function is kept for the staged copies of an early chunk's
+        items of torch's kernel (:meth:`finish_d2h`)."""
+        self._checksums = kernels.checksums
 
     def issue_d2h(self, job: ChunkJob) -> None:
         t_issue = time.perf_counter()
@@ -271,6 +278,9 @@ class CudaTransport:
         end.synchronize()
         gpu_s = start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
+        sums = None if job.speculate is None else job.speculate.pop(KIND_TORCH, None)
+        if sums is not None:
+            self._checksum_staged(job, staged, sums)
         # The kernels read the pinned copies where they are (fused-mp: low precision; fp32
         # gradients: as they came down); only a low-precision gradient of the torch kernel is
         # upcast, into the chunk-sized scratch buffer.
@@ -280,6 +290,20 @@ class CudaTransport:
         t1 = time.perf_counter()
         records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
         job.transfer = None
+
+    def _checksum_staged(self, job: ChunkJob, staged: list[Tensor], sums: Tensor) -> None:
+        """An early chunk (``offload.overlap._speculation``): into ``sums``, the checksums of its
+        torch-kernel items' staged gradients, the bytes their kernel (or the upcast) reads next.
+        The copy has ended and nothing else writes the ring slot, so a gradient changed after
+        the launch and changed back after the copy (A -> B -> A) is summed as B, what was
+        consumed; and the hook did no device work. The function is the one ``step()`` applies to
+        ``p.grad`` on the device (``offload.kernels._grad_stats``: bitwise the same value for the
+        same bytes, with torch ops where the extension is missing)."""
+        mine = [src for it, src in zip(job.items, staged) if it.kind == KIND_TORCH]
+        if len(mine) != sums.numel() or self._checksums is None:
+            raise RuntimeError(f"chunk {job.chunk}: {sums.numel()} checksums asked for its {len(mine)} staged "
+                               "gradients of torch's kernel: expected one each, after prepare()")
+        sums.copy_(self._checksums(mine))
 
     def _slot_view(self, job: ChunkJob, item: Item) -> Tensor:
         """``item``'s place in the job's h2d ring slot, taken on first use (before the kernel
