@@ -92,9 +92,11 @@ class ChunkJob:
     """Early launch: called by the worker with the job right before its kernel (the speculation's
     gradient checksums, ``offload.overlap._speculation``)."""
     speculate: dict[ItemKind, Tensor] | None = None
-    """Early launch: per item kind of a native kernel, the ``checksums`` its call is given (the
-    gradient checksums made in the kernel's own pass; set by ``before_kernel``,
-    ``offload.kernels._outputs.speculation_outputs`` says what they receive)."""
+    """Early launch: per item kind, where the gradient checksums of what the chunk consumed go (set
+    by ``before_kernel``): a native kernel's call is given them and fills them in its own pass
+    (``offload.kernels._outputs.speculation_outputs`` says what they receive); for torch's kernel
+    on CUDA (``KIND_TORCH``) the transport fills them from the staged copies in ``finish_d2h``
+    and removes the entry, so torch's kernel is never given ``checksums=``."""
     # Filled by the transport and the worker.
     transfer: Any = None
     """The transport's state of an issued d2h (None: not issued yet)."""
