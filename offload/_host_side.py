@@ -1,0 +1,203 @@
+"""``HostSide``: the half of ``CPUOffloadAdamW`` that keeps its host state in step with the model
+and runs ``step()`` through it.
+
+``CPUOffloadAdamW`` (``offload._optimizer``) derives from it and keeps the arguments, the param
+groups, the settings and the public methods. Here: one ``step()`` (the gradients collected, edited
+weights followed, the early chunks judged, the rest submitted, the drain, the stats), the masters
+following weights edited between steps, and the relayouts (``HostLayout.build``) that hand the
+layout, a new ``Pipeline`` and the ``Launcher`` the state carried over. Every entry point but
+``step()`` and ``clip_grad_norm_`` first undoes the early chunks (``_check_idle``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from offload._clip import ClipRequest, amp_arguments
+from offload._settings import OffloadSettings
+from offload.kernels._adamw import Hyper, Kernel, KernelSet
+from offload.overlap._launcher import Launcher
+from offload.pipeline._cuda_transport import CudaTransport
+from offload.pipeline._host_transport import HostTransport
+from offload.pipeline._pipeline import Pipeline
+from offload.pipeline._step import collect_grads, ready_event, submit_step
+from offload.pipeline._timings import StatsBuilder
+from offload.pipeline._transport import Transport
+from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
+from offload.state._groups import hyper_of
+from offload.state._layout import NO_SEEDS, HostLayout, Relaid
+from offload.state._masters import cast_seeds, drop_equal_masters, give_masters
+
+__all__ = ["HostSide"]
+
+
+class HostSide(Optimizer):
+    """The host state, pipeline and launcher of ``CPUOffloadAdamW`` and the step run through them
+    (see the module doc); ``CPUOffloadAdamW.__init__`` sets every attribute named here."""
+
+    _layout: HostLayout
+    _pipeline: Pipeline
+    _overlap: Launcher | None
+    _kernels: KernelSet
+    _settings: OffloadSettings
+    _swap: Kernel | None
+    _clip: ClipRequest | None
+    _stats: StatsBuilder | None
+    _in_step: bool
+
+    def _new_pipeline(self) -> Pipeline:
+        """A worker for the current layout, over the transport of the parameters' device."""
+        transport: Transport
+        device = self._layout.registry.device
+        transport = CudaTransport(device) if device.type == "cuda" else HostTransport(copy=self._kernels.copy)
+        return Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)
+
+    def _relayout(self, seeds: Mapping[int, Tensor] = NO_SEEDS) -> Relaid:
+        """A new layout for the current groups, with the state carried over (after
+        ``add_param_group``, a master place given or dropped, parameters re-bound in
+        ``param_groups``: ``HostLayout.build``), and a worker and hooks for it. ``seeds``: the fp32
+        values of slots that were their own master and now get a master place."""
+        relaid = HostLayout.build(self.param_groups, self.state, previous=self._layout, seeds=seeds,
+                                  chunk_numel=self._settings.chunk_numel,
+                                  overlap_backward=self._layout.overlap_backward,
+                                  speculable=self._layout.speculable, state_dtype=self._layout.state_dtype,
+                                  rounding_seed=self._layout.rounding_seed)
+        self.state.clear()
+        self.state.update(relaid.entries)
+        record(relaid.layout.records, relaid.migrated)  # their masters were just seeded from them
+        self._layout = relaid.layout
+        self._pipeline.close()
+        self._pipeline = self._new_pipeline()
+        if self._overlap is not None:
+            self._overlap.bind(self._layout, self._pipeline)
+        return relaid
+
+    def _step(self) -> None:
+        """The body of ``step()`` (under ``no_grad``): skip a GradScaler overflow; else collect the
+        gradients, follow edits, judge the early chunks, submit the rest, drain, commit, stats."""
+        t0 = time.perf_counter()
+        threads = self._settings.threads
+        assert threads is not None
+        clip, self._clip = self._clip, None
+        scale, found_inf = amp_arguments(self)
+        early = self._overlap
+        if found_inf is not None and bool(found_inf.to("cpu").reshape(-1)[0]):
+            # GradScaler found inf/nan: nothing changes (torch's fused AdamW skips the same way).
+            self._abandon_early("step() (GradScaler overflow)")
+            collect_grads(self._layout, self.state, count_empty=False)  # state for new parameters, as torch makes it
+            self._stats = StatsBuilder([], t0, step_s=time.perf_counter() - t0, drain_s=0.0, threads=threads,
+                                       chunk_numel=self._settings.chunk_numel, num_chunks=0, numel=0)
+            return
+        coef = None if clip is None else clip.coef
+
+        hypers: dict[int, Hyper] = {}  # per group, read once per step (a device lr: one sync)
+
+        def hyper_now(group: int) -> Hyper:
+            if group not in hypers:
+                hypers[group] = replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
+            return hypers[group]
+
+        event = ready_event(self._layout.registry.device)
+        try:
+            grads = collect_grads(self._layout, self.state)
+            unseen = self._layout.device_weights.changed(self._layout.records, grads)  # CUDA: .data edits
+            late = sorted({*early.late_edits(), *unseen}) if early is not None else []
+            if late or self._layout.recheck_masters:
+                self._abandon_early("step() (weights edited after backward started chunks)")
+            # Edits of parameters no early chunk holds (the others were just abandoned): before the
+            # early chunks are judged, since a committed chunk's weights are written at once.
+            self._follow_edits(grads, unseen)
+            committed, speculated, out_of_place = early.start_step(
+                hyper_now=hyper_now, late=late, threads=threads, event=event) if early is not None else ({}, 0, set())
+        except BaseException:
+            if early is not None:
+                early.fail_start("step() (an error)")
+            raise
+
+        layout = self._layout
+        sub = submit_step(self._pipeline, layout, committed, grads, self.state, hyper_now=hyper_now,
+                          kernel=self._settings.kernel, threads=threads, event=event, out_of_place=out_of_place)
+        result = self._pipeline.drain()
+        layout.items.release_grads()
+        if early is not None:  # commits the out-of-place segments; a step where nothing landed drops them
+            early.finish_step(segments=out_of_place, grads=grads, updates=sub.updates,
+                              error=result.error is not None, swap=self._swap, grad_scale=scale)
+        if result.last_h2d_event is not None:  # first: the weight copies that did land stay
+            # ordered before whatever the caller runs next, also when the step raises
+            torch.cuda.current_stream(layout.registry.device).wait_event(result.last_h2d_event)
+        if result.error is not None:
+            raise result.error
+        record(layout.records, grads)  # our writes bumped the versions
+        layout.device_weights.record(layout.records, grads)  # (CUDA, after the copies: no sync)
+        t1 = time.perf_counter()
+        self._stats = StatsBuilder(
+            result.records, t0, step_s=t1 - t0, drain_s=result.wait_s, threads=threads,
+            chunk_numel=self._settings.chunk_numel, num_chunks=sub.chunks, numel=sub.numel,
+            kernel="fused-mp" if sub.native else "torch", speculated_chunks=speculated,
+            committed_chunks=len(committed), speculation_paused=early is not None and early.paused,
+            pinned_bytes=result.pinned_bytes, pinned_registrations=result.pinned_registrations)
+
+    def _follow_edits(self, grads: dict[int, Tensor], unseen: Sequence[int] = ()) -> None:
+        """Parameters edited since our last write: their masters follow them (``offload.state._edits``;
+        ``unseen``: device weights whose content changed, ``offload.state._device_edits``); masters
+        loaded by ``load_state_dict`` are checked against their parameters."""
+        layout = self._layout
+        if layout.recheck_masters:
+            slots, layout.recheck_masters = layout.recheck_masters, set()
+            if drop_equal_masters(layout.records, layout.slabs, slots):
+                self._relayout()
+        self._sync_edits(grads)
+        if unseen:
+            reseed(self._layout.records, self._layout.slabs, (), also=unseen)
+
+    def _sync_edits(self, slots: Iterable[int]) -> None:
+        """The edited parameters among ``slots``: their masters follow them, and their state
+        entries are made again (they name the current tensors, and the cached Items and kernel
+        calls of their chunks are rebuilt: ``.data`` may be new storage). A parameter that was
+        its own master and is no longer fp32 (``model.to(torch.bfloat16)``) first gets a master,
+        seeded from its fp32 storage before the change."""
+        changed = edited(self._layout.records, slots)
+        if not changed:
+            return
+        for slot in changed:  # model.double(): refused before the casts and the relayout below
+            check_edited_dtype(self._layout.records[slot])
+        cast = cast_seeds(self._layout.records, self._layout.slabs, self.state, changed)
+        if cast:
+            give_masters(self._layout.records, cast)
+            self._relayout(cast)
+        layout = self._layout
+        reseed(layout.records, layout.slabs, changed)
+        for slot in changed:
+            p = layout.records[slot].param
+            self.state[p].update(layout.entry(slot, self.state[p]["step"]))
+
+    def _check_idle(self, what: str, *, adopt: bool = True) -> None:
+        """Between steps only; undo early chunks, take replaced state tensors in (``adopt``: not
+        for ``load_state_dict``, which replaces the whole state: DCP hands it entries that alias
+        the live ones), follow re-bound param groups."""
+        if self._in_step:
+            raise RuntimeError(f"CPUOffloadAdamW.{what} called while step() is running")
+        self._abandon_early(what)
+        if adopt:
+            self._adopt_replaced_state()
+        self._follow_groups()
+
+    def _adopt_replaced_state(self) -> None:
+        """State tensors replaced by assignment since they were made: their values go into the
+        slabs (``offload.state._edits.adopt_entries``), after the early chunks (which read the old
+        ones) are undone, before any relayout copies the slabs."""
+        replaced = replaced_entries(self._layout.records, self.state)
+        if replaced:
+            self._abandon_early("a replaced optimizer.state entry")
+            adopt_entries(self._layout, self.state, replaced)
+
+    def _abandon_early(self, what: str) -> None:
+        """Undo the chunks started during backward (a call between backward and step())."""
+        if self._overlap is not None:
+            self._overlap.abandon(what)
