@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -23,7 +22,7 @@ from offload._clip import ClipRequest, amp_arguments
 from offload._settings import OffloadSettings
 from offload.kernels._adamw import Hyper, Kernel, KernelSet
 from offload.overlap._launcher import Launcher
-from offload.pipeline._cuda_transport import CudaTransport
+from offload.pipeline._cuda_transport import CudaTransport, DeviceOps
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._pipeline import Pipeline
 from offload.pipeline._step import collect_grads, ready_event, submit_step
@@ -45,6 +44,7 @@ class HostSide(Optimizer):
     _pipeline: Pipeline
     _overlap: Launcher | None
     _kernels: KernelSet
+    _device_ops: DeviceOps | None
     _settings: OffloadSettings
     _swap: Kernel | None
     _clip: ClipRequest | None
@@ -52,10 +52,20 @@ class HostSide(Optimizer):
     _in_step: bool
 
     def _new_pipeline(self) -> Pipeline:
-        """A worker for the current layout, over the transport of the parameters' device."""
+        """A worker for the current layout, over the transport of the parameters' device (the CUDA
+        one also for CPU parameters where device operations were handed in: ``device_ops=``)."""
         transport: Transport
         device = self._layout.registry.device
-        transport = CudaTransport(device) if device.type == "cuda" else HostTransport(copy=self._kernels.copy)
+        if device.type == "cuda" or self._device_ops is not None:
+            own = next((s.index for s in self._layout.slabs.slots if s.own_master), None)
+            if own is not None:  # (only CPU fp32 parameters are their own masters)
+                raise ValueError(
+                    f"device_ops= with parameters on the CPU: {self._layout.records[own].name} is fp32, its own "
+                    "master there, and the CUDA path needs a master place for every parameter; expected "
+                    "bf16/fp16 parameters (or parameters on a CUDA device)")
+            transport = CudaTransport(device, ops=self._device_ops)
+        else:
+            transport = HostTransport(copy=self._kernels.copy)
         return Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)
 
     def _relayout(self, seeds: Mapping[int, Tensor] = NO_SEEDS) -> Relaid:
@@ -128,9 +138,7 @@ class HostSide(Optimizer):
         if early is not None:  # commits the out-of-place segments; a step where nothing landed drops them
             early.finish_step(segments=out_of_place, grads=grads, updates=sub.updates,
                               error=result.error is not None, swap=self._swap, grad_scale=scale)
-        if result.last_h2d_event is not None:  # first: the weight copies that did land stay
-            # ordered before whatever the caller runs next, also when the step raises
-            torch.cuda.current_stream(layout.registry.device).wait_event(result.last_h2d_event)
+        # (the drain ordered the caller's stream after the weight copies that landed: order_caller)
         if result.error is not None:
             raise result.error
         record(layout.records, grads)  # our writes bumped the versions

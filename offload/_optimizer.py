@@ -3,10 +3,9 @@
 It checks its arguments (``offload._arguments``, ``offload.state._groups``), owns the host state
 (one ``offload.state.HostLayout``: records, slabs, chunks, items), the pipeline that runs the
 step (``offload.pipeline``) and, with ``overlap_backward=True``, the launcher that starts chunks
-during backward (``offload.overlap``); it decides *which* chunk runs *when*. One ``step()``, the
-masters following edited weights and the relayouts are its base class's, ``offload._host_side.HostSide``.
-The math is ``offload.kernels``'s, the thread budget ``offload.threads``'s, the tuner glue
-``offload.tuning``'s.
+during backward (``offload.overlap``); it decides *which* chunk runs *when*. One ``step()``, the masters
+following edited weights and the relayouts are its base class's (``offload._host_side.HostSide``). The
+math is ``offload.kernels``'s, the thread budget ``offload.threads``'s, the tuner glue ``offload.tuning``'s.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from offload._stats import StepStats
 from offload.kernels._adamw import DEFAULT_KERNELS, KernelSet
 from offload.overlap._launcher import Launcher, ddp_comm_hook
 from offload.overlap._speculation import checksums_of
+from offload.pipeline._cuda_transport import DeviceOps
 from offload.state._groups import check_options, check_param_group
 from offload.state._layout import HostLayout
 from offload.state._masters import give_masters, loaded_seeds
@@ -106,6 +106,9 @@ class CPUOffloadAdamW(HostSide):
             NUMA node for a device (default ``bind_rank_numa_node``; tests pass one over a fake
             sysfs root). What the placement did: :attr:`numa_placement`; ``close()`` restores
             the affinity.
+        device_ops: the CUDA transport's streams, events, copies and pinned blocks (an
+            ``offload.DeviceOps``; None: the real ones on a CUDA device, none on the CPU). Given,
+            the step runs the CUDA path over them also for bf16/fp16 CPU parameters (tests).
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class CPUOffloadAdamW(HostSide):
         plan: ThreadPlan | None = None,
         numa_binder: NumaBinder | None = None,
         kernels: KernelSet | None = None,
+        device_ops: DeviceOps | None = None,
     ) -> None:
         config = check_arguments(autotune=autotune, settings=settings, plan=plan)
         check_options("", {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
@@ -158,6 +162,7 @@ class CPUOffloadAdamW(HostSide):
         plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
         self._planned_threads = plan.threads
         self._kernels = kernels if kernels is not None else DEFAULT_KERNELS
+        self._device_ops = device_ops
         self._settings = replace(settings, threads=self._planned_threads, kernel=self._kernels.resolve(settings.kernel))
 
         self._pipeline = self._new_pipeline()
