@@ -5,8 +5,9 @@ staged host copy, after the copy landed, and the backward hook does no device wo
 Checked without a GPU: the transport's device operations go to fake streams
 (``tests/_fake_cuda.py``), whose copies the test holds back to choose when a chunk's gradients
 come down, and the gradients are host tensors that report a CUDA device (:class:`OnCuda`), so the
-speculation takes its CUDA branches. ``CPUOffloadAdamW`` has no public injection point for a
-transport, so the chunks are driven as its launcher drives them: ``Speculation.launch`` and
+speculation takes its CUDA branches (``CPUOffloadAdamW(device_ops=)`` runs the whole optimizer on
+fake ops, ``tests/test_cuda_optimizer.py``, but its gradients are plain host tensors, so the
+speculation's CUDA branches need this file), so the chunks are driven as its launcher drives them: ``Speculation.launch`` and
 ``Pipeline.submit`` from a hook thread, then ``read_now``, ``verdicts``, the weight writes of the
 chunks that stand, the redo of the others, the swap of the generations. Checked: the hook thread
 makes no checksum and no torch call on a gradient; the worker checksums the staged (pinned)
