@@ -22,7 +22,7 @@ from offload._clip import ClipRequest, amp_arguments
 from offload._settings import OffloadSettings
 from offload.kernels._adamw import Hyper, Kernel, KernelSet
 from offload.overlap._launcher import Launcher
-from offload.pipeline._cuda_transport import CudaTransport, DeviceOps
+from offload.pipeline._cuda_transport import STAGING_SLOTS, CudaTransport, DeviceOps
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._pipeline import Pipeline
 from offload.pipeline._step import collect_grads, ready_event, submit_step
@@ -33,7 +33,13 @@ from offload.state._groups import hyper_of
 from offload.state._layout import NO_SEEDS, HostLayout, Relaid
 from offload.state._masters import cast_seeds, drop_equal_masters, give_masters
 
-__all__ = ["HostSide"]
+__all__ = ["HostSide", "ring_depth"]
+
+
+def ring_depth(settings: OffloadSettings) -> int:
+    """The CUDA staging rings' slots per direction for ``settings`` (``ring_slots``, None: the
+    transport's default)."""
+    return STAGING_SLOTS if settings.ring_slots is None else settings.ring_slots
 
 
 class HostSide(Optimizer):
@@ -63,7 +69,7 @@ class HostSide(Optimizer):
                     f"device_ops= with parameters on the CPU: {self._layout.records[own].name} is fp32, its own "
                     "master there, and the CUDA path needs a master place for every parameter; expected "
                     "bf16/fp16 parameters (or parameters on a CUDA device)")
-            transport = CudaTransport(device, ops=self._device_ops)
+            transport = CudaTransport(device, slots=ring_depth(self._settings), ops=self._device_ops)
         else:
             transport = HostTransport(copy=self._kernels.copy)
         return Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)

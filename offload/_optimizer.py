@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from autotune import OnlineTuner
-from offload._host_side import HostSide
+from offload._host_side import HostSide, ring_depth
 from offload._arguments import adamw_defaults, check_arguments, check_limit, check_state_dtype
 from offload._clip import NonFiniteNorm, clip_request
 from offload._settings import OffloadSettings
@@ -254,7 +254,7 @@ class CPUOffloadAdamW(HostSide):
         return self._settings
 
     def apply_settings(self, settings: OffloadSettings) -> None:
-        """Change threads / chunk size / kernel between steps.
+        """Change threads / chunk size / kernel / CUDA ring depth between steps.
 
         threads and chunk size never change the math; switching the kernel neither where
         ``offload.kernels._fused_mp.bitwise_matches_torch()`` (else within its documented tolerance).
@@ -271,6 +271,8 @@ class CPUOffloadAdamW(HostSide):
             if self._overlap is not None:
                 self._overlap.rechunked()
             self._pipeline.forget_layout()
+        if ring_depth(settings) != ring_depth(self._settings):  # (the host transport ignores it)
+            self._pipeline.resize_rings(ring_depth(settings))
         self._settings = settings
         if self._overlap is not None:
             self._overlap.settings = settings

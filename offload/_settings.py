@@ -8,7 +8,7 @@ from typing import Literal
 
 from autotune.knobs import MAX_THREADS
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "KERNELS", "MIN_CHUNK_NUMEL", "Kernel", "OffloadSettings"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "KERNELS", "MAX_RING_SLOTS", "MIN_CHUNK_NUMEL", "Kernel", "OffloadSettings"]
 
 #: Default pipeline chunk: 4 Mi elements (16 MiB of fp32 per slab) keeps several chunks in flight
 #: for a 100M-parameter model while each kernel call is long enough to reach memory bandwidth.
@@ -20,6 +20,12 @@ Kernel = Literal["torch", "fused-mp", "auto"]
 #: The kernels a step can run, in the order the tuner lists them (``OffloadSettings.kernel`` also
 #: accepts "auto", which resolves to one of them).
 KERNELS: tuple[Kernel, ...] = ("torch", "fused-mp")
+#: Deepest CUDA staging ring accepted (``OffloadSettings.ring_slots``). Each slot is one pinned
+#: block per direction as large as the largest chunk's staging (2 x 8 MiB for 4 Mi bf16 elements),
+#: and the worker issues ``slots - 1`` chunks' gradient copies ahead of the kernel; past a few
+#: slots the copies only run further ahead of a kernel they cannot outpace, while the pinned
+#: memory keeps growing (the reference system uses 4).
+MAX_RING_SLOTS = 8
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +61,15 @@ class OffloadSettings:
     bus; DeepSpeed Reflow's point), while in ``step()`` it only waits. Never above ``threads``
     (a larger value is clamped to it). Exact whatever the value (the kernels are bitwise
     independent of the thread count), so the tuner may choose it. No effect without overlap."""
+    ring_slots: int | None = None
+    """On CUDA (parameters on a CUDA device, or ``CPUOffloadAdamW(device_ops=)``): pinned
+    chunk-sized slots per direction of the staging rings (None: 2, double buffering); the worker
+    issues the gradient copies of ``ring_slots - 1`` chunks ahead of the current kernel, so
+    copies ride out a kernel that is sometimes slower, at one more pinned block per direction
+    per slot. From 2 to :data:`MAX_RING_SLOTS`. A change between steps re-makes the rings on the
+    worker at the next step (as a chunk-size change does). Exact whatever the value (the same
+    bytes reach the kernel), so the tuner may choose it. Ignored by the host transport (CPU
+    parameters without ``device_ops``: no ring)."""
     bind_numa: bool = False
     """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
     mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
@@ -74,6 +89,12 @@ class OffloadSettings:
         ):
             raise ValueError(f"OffloadSettings.backward_threads={self.backward_threads!r}: expected None or an int "
                              f"from 1 to {MAX_THREADS}")
+        if self.ring_slots is not None and (
+            isinstance(self.ring_slots, bool) or not isinstance(self.ring_slots, int)
+            or not 2 <= self.ring_slots <= MAX_RING_SLOTS
+        ):
+            raise ValueError(f"OffloadSettings.ring_slots={self.ring_slots!r}: expected None or an int from 2 to "
+                             f"{MAX_RING_SLOTS}")
         if (
             isinstance(self.chunk_numel, bool)
             or not isinstance(self.chunk_numel, int)

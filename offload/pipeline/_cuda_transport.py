@@ -56,9 +56,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STAGING_SLOTS", "CudaTransport", "DeviceOps", "TorchCudaOps"]
 
-#: Pinned chunk-sized slots per direction. 2 is double buffering: chunk i+1's gradients come down
-#: and chunk i-1's weights go up while chunk i is in the kernel; more slots let copies run further
-#: ahead of a kernel that is sometimes slower (the reference system uses 4). Unmeasured beyond 2.
+#: Pinned chunk-sized slots per direction by default (``OffloadSettings.ring_slots=None``). 2 is
+#: double buffering: chunk i+1's gradients come down and chunk i-1's weights go up while chunk i
+#: is in the kernel; more slots let copies run further ahead of a kernel that is sometimes slower
+#: (the reference system uses 4). Unmeasured beyond 2; the tuner's ``ring_slots`` knob probes it.
 STAGING_SLOTS = 2
 
 
@@ -419,6 +420,16 @@ class CudaTransport:
         block's last copy: nothing waits here); the places per parameter stay."""
         self._d2h.renew()
         self._h2d.renew()
+
+    def resize_rings(self, slots: int) -> None:
+        """A new ring depth (``OffloadSettings.ring_slots``, between steps): ``slots`` blocks per
+        direction from the next step on, and as many chunks' gradient copies in flight (the
+        worker reads :attr:`lookahead` per job). As :meth:`forget`: the worker adds or gives
+        back blocks at their next use, after their last copy; nothing waits here. The bytes
+        staged are the same whatever the depth: only how far ahead the copies run changes."""
+        self._d2h.resize(slots)
+        self._h2d.resize(slots)
+        self.lookahead = slots - 1
 
     def close(self) -> None:
         """The worker has stopped: wait for the last copies, then give every pinned block back."""

@@ -80,6 +80,9 @@ class HostTransport:
         """Drop the prepared calls of the old chunk layout."""
         self._prepared.clear()
 
+    def resize_rings(self, slots: int) -> None:
+        """No staging ring on the host: ``OffloadSettings.ring_slots`` is ignored."""
+
     def pinned_stats(self) -> tuple[int, int]:
         """Nothing pinned on the host."""
         return 0, 0

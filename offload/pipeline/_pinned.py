@@ -15,7 +15,8 @@ Two users, both sized once per chunk layout:
 
 * :class:`Ring`: one block per slot, as large as the largest chunk's staging (grown, exactly, while
   the first step of a layout meets larger chunks, and every slot at that step's end; replaced in
-  the first step of a new layout).
+  the first step of a new layout; slots added or given back in the first step after a new depth,
+  ``OffloadSettings.ring_slots``).
 * :class:`LowpPlaces`: where a chunk started during backward keeps its low-precision weights until
   ``step()`` writes them (fused-mp on bf16/fp16 parameters with ``overlap_backward``). One block
   for every such parameter, made at the end of the first step in which the transport met them
@@ -78,23 +79,54 @@ class PinnedPool:
         self._ops.unpin(buf)
 
 
+def _check_slots(slots: int) -> None:
+    if slots < 2:
+        raise ValueError(f"staging slots={slots}: expected >= 2 (a copy and a kernel at once)")
+
+
 class Ring:
     """``slots`` pinned blocks used in turn; each remembers the event of its last copy."""
 
     def __init__(self, pool: PinnedPool, slots: int) -> None:
-        if slots < 2:
-            raise ValueError(f"staging slots={slots}: expected >= 2 (a copy and a kernel at once)")
+        _check_slots(slots)
         self._pool = pool
         self._bufs: list[Tensor | None] = [None] * slots
         self._last: list[Any] = [None] * slots
         self._renew = [False] * slots  # sized for an old chunk layout: replaced at its next use
         self._next = 0
         self._largest = 0
+        self._resize_to: int | None = None  # a new depth, applied by the worker at the next use
+
+    def resize(self, slots: int) -> None:
+        """Between steps: ``slots`` blocks from the next use on. As :meth:`renew`, nothing waits
+        or is freed here (the caller's thread); the worker applies it at the next :meth:`take` or
+        :meth:`settle`: the dropped slots' blocks given back after their last copy, the new slots
+        made at their first use, the kept ones left as they are."""
+        _check_slots(slots)
+        self._resize_to = slots
+
+    def _apply_resize(self) -> None:
+        slots, self._resize_to = self._resize_to, None
+        if slots is None or slots == len(self._bufs):
+            return
+        for slot in range(slots, len(self._bufs)):
+            last, buf = self._last[slot], self._bufs[slot]
+            if last is not None:
+                last.synchronize()
+            if buf is not None:
+                self._pool.free(buf)
+        grow = max(slots - len(self._bufs), 0)
+        self._bufs = self._bufs[:slots] + [None] * grow
+        self._last = self._last[:slots] + [None] * grow
+        self._renew = self._renew[:slots] + [False] * grow
+        self._next = 0  # (each take waits for its slot's last copy: any order is safe)
 
     def take(self, nbytes: int) -> tuple[int, Tensor]:
         """The next slot, after its last copy completed, holding at least ``nbytes`` bytes: a
         smaller block is replaced by one as large as the largest request so far (so a layout
         whose chunks grow registers each slot a few times in its first step, then never)."""
+        if self._resize_to is not None:
+            self._apply_resize()
         slot = self._next
         self._next = (slot + 1) % len(self._bufs)
         last = self._last[slot]
@@ -129,6 +161,8 @@ class Ring:
         """At a step's end: every slot as large as the largest request so far, so a slot this step
         did not reach registers nothing in a later step (waits for the last copy of a slot it
         replaces: in the first step of a layout only)."""
+        if self._resize_to is not None:
+            self._apply_resize()
         if not self._largest:
             return
         for slot, buf in enumerate(self._bufs):

@@ -144,6 +144,12 @@ class Pipeline:
         self._lists.clear()
         self.transport.forget()
 
+    def resize_rings(self, slots: int) -> None:
+        """A new staging ring depth (``OffloadSettings.ring_slots``; call between steps): the
+        transport's rings are re-made by the worker in the next step, as for a new layout
+        (:meth:`forget_layout`); ignored by the host transport."""
+        self.transport.resize_rings(slots)
+
     def drain(self) -> DrainResult:
         """Wait until every submitted job is done; return their records and the first error.
         On CUDA the weight copies of the jobs may still run: the calling thread's current stream

@@ -28,7 +28,8 @@ class Transport(Protocol):
     device: torch.device | None
     """The CUDA device the worker thread binds to; None for parameters on the CPU."""
     lookahead: int
-    """Jobs whose d2h the worker issues ahead of the current job's kernel (0: none)."""
+    """Jobs whose d2h the worker issues ahead of the current job's kernel (0: none); read per
+    job, so a change between steps (:meth:`resize_rings`) holds from the next step on."""
     caller_writes: bool
     """The weights of a committed early chunk may be written by the thread that calls ``step()``
     (``Pipeline.write_committed``) while the worker still runs later chunks' kernels: the host
@@ -73,6 +74,11 @@ class Transport(Protocol):
 
     def forget(self) -> None:
         """Drop what was cached for the old chunk layout (between steps)."""
+        ...
+
+    def resize_rings(self, slots: int) -> None:
+        """Between steps: ``slots`` staging slots per direction from the next step on, and
+        :attr:`lookahead` ``slots - 1`` (``OffloadSettings.ring_slots``; a no-op without a ring)."""
         ...
 
     def pinned_stats(self) -> tuple[int, int]:

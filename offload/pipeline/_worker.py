@@ -104,7 +104,6 @@ class Worker:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         pending: collections.deque[Any] = collections.deque()
-        lookahead = self.transport.lookahead
         while True:
             item = pending.popleft() if pending else self.q.get()
             if item is STOP:
@@ -125,7 +124,8 @@ class Worker:
                 continue
             job: ChunkJob = item
             try:
-                self._run_job(job, pending, lookahead)
+                # read per job: a new ring depth (between steps) holds from the next step on
+                self._run_job(job, pending, self.transport.lookahead)
             finally:
                 if job.done is not None:
                     job.done.set()
