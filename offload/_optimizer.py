@@ -188,7 +188,8 @@ class CPUOffloadAdamW(HostSide):
                 self, config, plan=plan, records=self._layout.records, slots=self._layout.slabs.slots,
                 groups=len(self.param_groups), device_type=registry.device.type,
                 overlap_backward=overlap_backward, state_dtype=state_dtype, agreement=agreement,
-                kernels_available=self._kernels.available)
+                kernels_available=self._kernels.available,
+                cuda_transport=registry.device.type == "cuda" or device_ops is not None)
             self.tuner = self._tuning.tuner
         logger.debug("CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",
                      len(registry), len(self._layout.chunks), self._layout.slabs.nbytes / 2**20,

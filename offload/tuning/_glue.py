@@ -46,6 +46,15 @@ knob comes first in the space, so the sweep walks it at the top thread count, wh
 is a distinct setting (above ``threads`` a value repeats the drain's count). Busy cores during
 backward slow the trainer's launch-bound backward; few threads there leave a longer backlog for
 ``step()``: which wins is the machine's.
+
+Ring-slots knob (:data:`RING_LADDER`, the CUDA staging ring's depth, ``OffloadSettings.ring_slots``):
+only where the step runs the CUDA transport, which is where a ring exists: parameters on a CUDA
+device, or device operations handed in (``CPUOffloadAdamW(device_ops=)``, the fake-CUDA tests);
+never on the host transport, and not where the user set ``ring_slots``. The baseline is today's
+depth (2, double buffering); deeper rings let gradient copies run further ahead of a kernel
+whose time varies, at one more pinned chunk-sized block per direction per slot, so a tie keeps
+the shallower ring. Last in the space: the sweep walks it at the best threads and chunk size.
+Exact whatever the depth (the same bytes reach the kernel).
 """
 
 from __future__ import annotations
@@ -81,8 +90,8 @@ from offload.threads._plan import ThreadPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadTuning", "Tunable", "agreed_kernels", "backward_ladder", "backward_thread_count", "cache_facts",
-           "global_rank", "offload_search_space", "offload_workload"]
+__all__ = ["RING_LADDER", "OffloadTuning", "Tunable", "agreed_kernels", "backward_ladder", "backward_thread_count",
+           "cache_facts", "global_rank", "offload_search_space", "offload_workload"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -95,6 +104,9 @@ MAX_THREAD_CANDIDATES = 5
 MAX_CHUNK_CANDIDATES_WITH_KERNEL = 2
 #: Most values of the backward-threads knob (the top thread count included).
 MAX_BACKWARD_CANDIDATES = 3
+#: The ring-slots knob's values (CUDA only): double buffering (today's depth, the baseline) up to
+#: the reference system's 4 slots.
+RING_LADDER = (2, 3, 4)
 
 
 def backward_ladder(top_threads: int) -> tuple[int, ...]:
@@ -123,6 +135,7 @@ def offload_search_space(
     kernels: tuple[str, ...] = (),
     speculate: bool = False,
     backward_threads: bool = False,
+    ring_slots: bool = False,
 ) -> SearchSpace:
     """Threads (a geometric ladder from 1 to ``max_threads`` that holds the static plan's value)
     x chunk size (powers of two from 1 Mi elements to the largest slab, plus the configured one)
@@ -130,7 +143,8 @@ def offload_search_space(
     x ``speculate`` (off, on) with ``speculate`` (an optimizer with ``overlap_backward``: the
     overlap is exact, so whether it pays is a measurement like the others; fewer chunk sizes then)
     x ``backward_threads`` (:func:`backward_ladder` of the top thread count; the first knob, see
-    the module doc) with ``backward_threads`` and ``speculate`` where that top is above one thread.
+    the module doc) with ``backward_threads`` and ``speculate`` where that top is above one thread
+    x ``ring_slots`` (:data:`RING_LADDER`, last) with ``ring_slots`` (the CUDA transport runs).
 
     Every argument must be the same on every local rank (derive them from agreed values).
     """
@@ -167,6 +181,10 @@ def offload_search_space(
         # First (walked at the top thread count) and prefer="low": of two tied counts, the one
         # that leaves backward more cores.
         knob_list.insert(0, Knob("backward_threads", backward, prefer="low"))
+    if ring_slots:
+        # Last (walked at the best threads and chunk) and prefer="low": of two tied depths, the
+        # one that pins less memory.
+        knob_list.append(Knob("ring_slots", RING_LADDER, prefer="low"))
     return SearchSpace(tuple(knob_list))
 
 
@@ -287,10 +305,12 @@ class OffloadTuning:
         clock: Callable[[], float] = time.perf_counter,
         agreement: NodeAgreement | None = None,
         kernels_available: Callable[[], tuple[bool, str]] | None = None,
+        cuda_transport: bool = False,
     ) -> None:
         """``agreement``: the node's agreement (``offload.tuning._node_agreement``) for the kernel vote and the
         tuner; closed by :meth:`close`. Default: one made here. ``kernels_available``: whether the
-        native kernel can run on this rank (the optimizer's ``KernelSet.available``)."""
+        native kernel can run on this rank (the optimizer's ``KernelSet.available``).
+        ``cuda_transport``: the step runs the CUDA transport (the ring-slots knob's condition)."""
         self._optimizer = optimizer
         self._clock = clock
         if objective not in ("step", "iteration"):
@@ -317,6 +337,8 @@ class OffloadTuning:
             baseline["speculate"] = optimizer.settings.speculate
         # A count the user set stays; else the drain's count (share 1.0) is the baseline.
         backward = speculate and optimizer.settings.backward_threads is None
+        # A depth the user set stays; the host transport has no ring.
+        ring = cuda_transport and optimizer.settings.ring_slots is None
         space = offload_search_space(
             max_threads=top,
             baseline_threads=top,
@@ -326,9 +348,12 @@ class OffloadTuning:
             kernels=kernels,
             speculate=speculate,
             backward_threads=backward,
+            ring_slots=ring,
         )
         if "backward_threads" in space.names:
             baseline["backward_threads"] = top  # the same as threads
+        if ring:
+            baseline["ring_slots"] = RING_LADDER[0]  # today's depth (ring_slots=None)
         cache = None
         if config.use_cache:
             cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
@@ -356,15 +381,16 @@ class OffloadTuning:
                       records: Sequence[ParamRecord], slots: Sequence[ParamSlot], groups: int,
                       device_type: str, overlap_backward: bool, state_dtype: torch.dtype = torch.float32,
                       agreement: NodeAgreement | None = None,
-                      kernels_available: Callable[[], tuple[bool, str]] | None = None) -> OffloadTuning:
+                      kernels_available: Callable[[], tuple[bool, str]] | None = None,
+                      cuda_transport: bool = False) -> OffloadTuning:
         """The tuning of an optimizer of ``records`` laid out in ``slots`` (the workload and the
-        search space derived here)."""
+        search space derived here); ``cuda_transport``: its step runs the CUDA transport."""
         workload, largest = offload_workload(records, slots, groups=groups, device_type=device_type,
                                              overlap_backward=overlap_backward, state_dtype=state_dtype)
         return cls(optimizer, config, plan=plan, fixed_threads=plan.source != "plan",
                    objective=workload["objective"], workload=workload, largest_slab=largest,
                    has_lowp=any(r.param.dtype in LOWP_DTYPES for r in records), agreement=agreement,
-                   kernels_available=kernels_available)
+                   kernels_available=kernels_available, cuda_transport=cuda_transport)
 
     def _apply(self, setting: dict[str, Any]) -> None:
         threads = min(int(setting["threads"]), self._own_threads)
@@ -373,9 +399,11 @@ class OffloadTuning:
         speculate = bool(setting.get("speculate", current.speculate))
         value = setting.get("backward_threads")
         backward = current.backward_threads if value is None else backward_thread_count(int(value), threads)
+        ring = setting.get("ring_slots")
         self._optimizer.apply_settings(
             replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel,  # type: ignore[arg-type]
-                    speculate=speculate, backward_threads=backward)
+                    speculate=speculate, backward_threads=backward,
+                    ring_slots=current.ring_slots if ring is None else int(ring))
         )
 
     def after_step(self) -> None:
