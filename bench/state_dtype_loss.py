@@ -95,14 +95,21 @@ def render_markdown(result: dict[str, Any]) -> str:
              f"{result['batch_size']} x {result['seq_len']} tokens, lr {result['lr']}, {result['steps']} steps, "
              f"seeds 0..{result['seeds'] - 1} (the modes of a seed share weights and data). Final loss: the mean "
              f"of the last {result['final_steps_averaged']} steps.", "",
-             "| moments | final loss, mean | min .. max over seeds | largest per-step gap to fp32 |",
-             "|---|---:|---:|---:|"]
+             "| moments | final loss, mean | min .. max over seeds | final minus fp32's, per seed | "
+             "largest per-step gap to fp32 |",
+             "|---|---:|---:|---|---:|"]
+    tail = result["final_steps_averaged"]
+    ref = [sum(c[-tail:]) / tail for c in result["curves"]["fp32"]]
     for mode, m in result["modes"].items():
+        paired = [sum(c[-tail:]) / tail - r for c, r in zip(result["curves"][mode], ref)]
         lines.append(f"| {mode} | {m['final_mean']:.4f} | {m['final_min']:.4f} .. {m['final_max']:.4f} | "
-                     f"{m['max_step_gap_to_fp32']:.4f} |")
-    lines += ["", "A small model on a synthetic task for a few hundred steps: it shows whether bf16 moments "
+                     f"{', '.join(f'{d:+.4f}' for d in paired)} | {m['max_step_gap_to_fp32']:.4f} |")
+    lines += ["", f"A small model on a synthetic task for {result['steps']} steps: it shows whether bf16 moments "
               "move this loss at all, not what they do over a long pre-training run of a large model "
-              "(where small EMA updates rounding away is the known risk).", ""]
+              "(where small EMA updates rounding away is the known risk). The per-step gap compares single "
+              "steps' losses, which differ once the runs' weights differ in the last bits.", ""]
+    if result.get("note"):
+        lines += [result["note"], ""]
     m = result["machine"]
     lines.append(f"Machine: {m.get('cpu_model', '?')}, {m.get('logical_cpus', '?')} logical CPUs.")
     return "\n".join(lines) + "\n"
