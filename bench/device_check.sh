@@ -3,7 +3,8 @@
 # (what most likely finds a defect first, so a cut-short run still says the most):
 #   1. python -m bench.device_checks (python -m bench.device_checks --list says what each asserts):
 #      races (in-place gradient changes queued behind a GPU sleep, step() without a sync, A -> B
-#      -> A), commits asserted, weights edited through .data followed (bf16/fp16, overlap on and
+#      -> A; also with a copy stream slowed by GPU sleeps and with the CPU kernels slowed by a
+#      competing load), commits asserted, weights edited through .data followed (bf16/fp16, overlap on and
 #      off), host-device syncs counted in an overlapped backward and a clip,
 #   2. FSDP2 with overlap and DDP with attach_ddp under NCCL (torchrun, 1 process),
 #   3. GradScaler fp16 with overflow steps, peak GPU memory of a 256M-element parameter's

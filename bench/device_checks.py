@@ -37,18 +37,61 @@ def _model(device: str, dtype: torch.dtype, *, width: int = 256, layers: int = 4
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device=device, dtype=dtype)
 
 
-def _pair(device: str, dtype: torch.dtype, **kwargs: Any) -> list[tuple[nn.Module, Any]]:
+def _pair(device: str, dtype: torch.dtype, *, device_ops: Any = None, **kwargs: Any) -> list[tuple[nn.Module, Any]]:
     """(model, optimizer) with overlap off, then on; the same weights; small chunks (several per
-    model, so some start during backward)."""
+    model, so some start during backward); ``device_ops``: the overlapped optimizer's."""
     from offload import CPUOffloadAdamW, OffloadSettings
 
     out = []
     for overlap in (False, True):
         model = _model(device, dtype, **kwargs)
         opt = CPUOffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_backward=overlap,
-                              settings=OffloadSettings(threads=2, chunk_numel=1 << 15))
+                              settings=OffloadSettings(threads=2, chunk_numel=1 << 15),
+                              device_ops=device_ops if overlap else None)
         out.append((model, opt))
     return out
+
+
+class _SlowCopies:
+    """The real CUDA device ops with a GPU sleep queued on the copy stream before each chunk's
+    copies: a copy engine that falls behind, so a chunk's gradients come down long after its
+    launch, while the loop goes on changing them."""
+
+    def __init__(self, ops: Any) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ops, name)
+
+    def copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, **kwargs: Any) -> None:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(_SLEEP_CYCLES // 4)
+        self._ops.copies(dsts, srcs, stream, **kwargs)
+
+
+class _CpuLoad:
+    """Two threads of CPU matrix products (GIL released) for the block: the optimizer's kernels
+    run slowly and late, so copies and in-place changes land around them."""
+
+    def __enter__(self) -> _CpuLoad:
+        import threading
+
+        self._stop = threading.Event()
+
+        def spin() -> None:
+            a = torch.randn(512, 512)
+            while not self._stop.is_set():
+                a @ a
+
+        self._threads = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
 
 
 def _batch(device: str, dtype: torch.dtype, step: int, width: int = 256) -> torch.Tensor:
@@ -108,18 +151,30 @@ def _train(pair: list[tuple[nn.Module, Any]], device: str, dtype: torch.dtype, s
 def check_races(device: str) -> dict[str, Any]:
     """After backward, an in-place gradient change queued behind a GPU sleep (A -> A/2, and A -> 2A
     -> A), ``step()`` with no sync: overlap gives the bits of overlap off given the final gradients
-    (what the early chunks consumed must be what ``step()`` validates)."""
+    (what the early chunks consumed must be what ``step()`` validates). On CUDA also with a copy
+    stream that falls behind (a GPU sleep before each chunk's copies, ``device_ops=``) and with
+    the CPU kernels slowed by a competing load (A -> B -> A around late kernels)."""
+    from contextlib import nullcontext
+
+    variants: dict[str, tuple[Any, Any]] = {"": (None, nullcontext)}
+    if device == "cuda":
+        from offload import TorchCudaOps
+
+        variants["slow-copies-"] = (_SlowCopies(TorchCudaOps(torch.device(device))), nullcontext)
+        variants["cpu-load-"] = (None, _CpuLoad)
     out: dict[str, Any] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        for how in ("half", "aba"):
-            pair = _pair(device, dtype)
-            _train(pair, device, dtype, range(2))
-            counts = _train(pair, device, dtype, range(2, 6), after_backward=_edit_after_backward(device, how))
-            bad = _differs(pair)
-            out[f"{dtype}-{how}"] = {"differs": bad[:5], "speculated/committed": counts}
-            # (a chunk that read A/2, its worker having got to it after the change, rightly commits:
-            # only the bits are asserted)
-            assert not bad, f"{dtype} {how}: overlap differs from overlap off in {bad[:5]}"
+    for variant, (ops, load) in variants.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            for how in ("half", "aba"):
+                pair = _pair(device, dtype, device_ops=ops)
+                _train(pair, device, dtype, range(2))
+                with load():
+                    counts = _train(pair, device, dtype, range(2, 6), after_backward=_edit_after_backward(device, how))
+                bad = _differs(pair)
+                out[f"{variant}{dtype}-{how}"] = {"differs": bad[:5], "speculated/committed": counts}
+                # (a chunk that read A/2, its worker having got to it after the change, rightly
+                # commits: only the bits are asserted)
+                assert not bad, f"{variant}{dtype} {how}: overlap differs from overlap off in {bad[:5]}"
     return out
 
 

@@ -5,7 +5,8 @@ Besides the optimizer, the thread plan and the stock-optimizer wrapper, the pack
 types its injection points take (docs/architecture.md, "Injection points"): ``KernelSet`` (with
 its ``KernelLoader`` / ``ExtensionLoader``) for ``CPUOffloadAdamW(kernels=)``, ``NumaBinding``
 (what a ``numa_binder=`` returns), ``DeviceOps`` (what ``CPUOffloadAdamW(device_ops=)`` takes:
-the CUDA transport's streams, events, copies and pinned blocks), and ``CpuTopology``,
+the CUDA transport's streams, events, copies and pinned blocks; ``TorchCudaOps`` are the real
+ones, to wrap), and ``CpuTopology``,
 ``RankCpus`` and ``CgroupCpuLimit`` for ``plan_cpu_threads(topology=, masks=)``. ``MasterParamLoadPlanner`` loads a torch AdamW DCP
 checkpoint of a bf16/fp16 model (imported on first use: ``torch.distributed.checkpoint`` is slow
 to import).
@@ -18,7 +19,7 @@ from typing import Any
 from offload._optimizer import CPUOffloadAdamW
 from offload.kernels._build import ExtensionLoader, KernelLoader
 from offload.kernels._adamw import KernelSet
-from offload.pipeline._cuda_transport import DeviceOps
+from offload.pipeline._cuda_transport import DeviceOps, TorchCudaOps
 from offload.threads._numa import NumaBinding
 from offload._settings import OffloadSettings
 from offload._stats import StageSpan, StepStats
@@ -44,6 +45,7 @@ __all__ = [
     "StepThreadsError",
     "ThreadPlan",
     "ThreadTunedOptimizer",
+    "TorchCudaOps",
     "plan_cpu_threads",
     "thread_limit",
     "tune_step_threads",
