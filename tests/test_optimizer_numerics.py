@@ -242,7 +242,10 @@ def test_misaligned_chunks_would_break_bitwise_equality() -> None:
     offsets the update is bitwise the whole-tensor update; split at 1029 and 2058 it is not."""
     whole = _updated_in_views([0])
     assert all(map(torch.equal, _updated_in_views([0, 1024, 2048]), whole))
-    assert not all(map(torch.equal, _updated_in_views([0, 1029, 2058]), whole))
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        # The vector body (fused multiply-adds) and the scalar tail differ only in a vector build;
+        # under ATEN_CPU_CAPABILITY=default both are plain multiplies and adds, equal bits.
+        assert not all(map(torch.equal, _updated_in_views([0, 1029, 2058]), whole))
     chunks = plan_chunks([ParamSlot(index=0, group=0, offset=0, numel=4099, shape=torch.Size([4099]))], 1029, align=1)
     assert [v.start for c in chunks for v in c.views] == [0, 1029, 2058, 3087]  # align=1: anywhere
 
