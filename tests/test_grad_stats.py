@@ -276,3 +276,20 @@ def test_the_device_inf_norm_is_the_largest_block_s() -> None:
     assert float(gs._term_on_device(t, math.inf)) == 40.0
     t[7] = float("nan")
     assert math.isnan(float(gs._term_on_device(t, math.inf)))
+
+
+def test_bench_read_bound_floor_from_the_read_speeds():
+    """bench.grad_stats states the clipped/unclipped floor of a read-bound step: a norm pass and a
+    step reading at the same speed give 1 + 4/16; a slower norm pass raises it."""
+    from bench.grad_stats import read_bound_floor, render_markdown
+
+    rows = {"grad_stats": {"read_gb_s": 20.0}, "step": {"read_gb_s": 20.0}}
+    assert read_bound_floor(rows) == 1.25
+    rows["grad_stats"]["read_gb_s"] = 10.0
+    assert read_bound_floor(rows) == 1.5
+    variants = {k: {"median_s": 0.01, "iqr_s": 0.0, "gb_s": 20.0, "best_gb_s": 21.0, "read_gb_s": 20.0}
+                for k in ("grad_stats", "step", "fill")}
+    text = render_markdown({"numel": 10, "threads": 2, "rounds": 1, "variants": variants,
+                            "ratios": {}, "read_bound_floor": read_bound_floor(variants),
+                            "load_before": (0, 0, 0), "load_after": (0, 0, 0)})
+    assert "at least 1.250" in text and "| step | 10.00 | 0.00 | 20.0 | 21.0 | 20.0 |" in text
