@@ -160,8 +160,11 @@ def render_markdown(r: Mapping[str, Any]) -> str:
         f"mask), {m['memory_gib']} GiB, load average {m['load_avg_1_5_15']} at the end, torch {m['torch']}, "
         f"{m['date_utc']}.", "",
         f"Model: {cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) ({r['params']:,} parameters), batch "
-        f"{cfg['batch']}; optimizer `CPUOffloadAdamW(settings=OffloadSettings(threads=1, chunk_numel="
-        f"{cfg['chunk_numel']}))`, lr {cfg['lr']:g}; `torch.set_num_threads(1)` for the model. Per layer a "
+        f"{cfg['batch']}; optimizer `CPUOffloadAdamW(settings=OffloadSettings(threads="
+        f"{r.get('optimizer_threads', 1)}, chunk_numel={cfg['chunk_numel']}))`"
+        + ("" if r.get("backward_threads") is None else
+           f", overlapped with `backward_threads={r['backward_threads']}` (the chunks started during backward)")
+        + f", lr {cfg['lr']:g}; `torch.set_num_threads(1)` for the model. Per layer a "
         f"backward wait of ratio x (the plain step, measured first, overlap off) / {cfg['layers']}, and a "
         f"forward wait of {cfg['forward_fraction']:g} x that. Clip cases call `opt.clip_grad_norm_("
         f"{cfg['max_norm']:g})` between backward and `step()` (every step clips: smallest norm seen in the "

@@ -4,6 +4,7 @@
     python -m bench.overlap --quick --out-dir /tmp/ov  # 4 x Linear(256), seconds
     python -m bench.overlap --overlap on               # one mode alone (no comparison)
     python -m bench.overlap --ranks 2 --out-dir bench/results --name overlap-2ranks  # 2 ranks (torchrun)
+    python -m bench.overlap --threads 2 --backward-threads 1 --clip off   # the drain on both cores
 
 On a CPU-only machine backward's math needs the cores the early chunks would run on, so
 overlap can only lose there (``bench.clip``'s trainer part). A GPU node leaves the CPU idle during
@@ -18,7 +19,11 @@ above ``max_norm``, so every step clips) x the ratios. Each case gets fresh opti
 mode (what a mode keeps from step to step, such as a paused speculation, does not leak into the
 next case), same initial weights, same batch every iteration (lr 1e-6: the work stays the same);
 ``OffloadSettings(threads=1)`` (the trainer thread has the other core of a 2-core machine),
-``torch.set_num_threads(1)`` for the model. ``--ranks N``: N torchrun ranks (gloo) on this host,
+``torch.set_num_threads(1)`` for the model. ``--threads 2 --backward-threads 1``: every mode's
+``step()`` runs on 2 threads (after backward the trainer thread only waits in ``step()``, its core
+is free), and with overlap on the chunks started during backward run on 1
+(``OffloadSettings.backward_threads``), leaving the trainer its core while backward runs; the
+plain step of the calibration runs on ``--threads`` too. ``--ranks N``: N torchrun ranks (gloo) on this host,
 each with its replica, its share of the CPUs and the same cases, side by side
 (``bench._overlap_ranks``: a barrier before each iteration, the slowest rank's record kept).
 
@@ -118,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
     p.add_argument("--name", default=None, help="result file stem (default overlap or overlap-quick)")
     p.add_argument("--note", default="", help="free text stored with the results")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OffloadSettings.threads of every mode: the intra-op threads of step()")
+    p.add_argument("--backward-threads", type=int, default=None,
+                   help="OffloadSettings.backward_threads of the overlapped mode: the threads of the chunks "
+                        "started during backward (default: the same as --threads)")
     p.add_argument("--ranks", type=int, default=1,
                    help="ranks on this host (torchrun, gloo), each with its replica and share of the CPUs")
     p.add_argument(RESULT_FLAG, dest="rank_result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -140,9 +150,12 @@ def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.dtype_list or any(d not in _DTYPES for d in args.dtype_list):
         p.error(f"--dtypes {args.dtypes!r}: expected a comma-separated list of {sorted(_DTYPES)}")
     args.clips = {"both": [None, args.max_norm], "off": [None], "on": [args.max_norm]}[args.clip]
-    for flag in ("layers", "width", "batch", "rounds", "iters", "calibration_steps", "ranks"):
+    for flag in ("layers", "width", "batch", "rounds", "iters", "calibration_steps", "ranks", "threads"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected an integer >= 1")
+    if args.backward_threads is not None and not 1 <= args.backward_threads <= args.threads:
+        p.error(f"--backward-threads {args.backward_threads}: expected an integer from 1 to --threads "
+                f"({args.threads})")
     if args.warmup < 0:
         p.error(f"--warmup {args.warmup}: expected an integer >= 0")
     if args.chunk_numel < MIN_CHUNK_NUMEL:
@@ -164,8 +177,10 @@ def _trainees(args: argparse.Namespace, dtype: torch.dtype, waits: Waits, modes:
     out = {}
     for mode in modes:
         model = build_model(layers=args.layers, width=args.width, dtype=dtype, waits=waits, seed=args.seed)
+        backward = args.backward_threads if MODES[mode].get("overlap_backward") else None
+        settings = OffloadSettings(threads=args.threads, chunk_numel=args.chunk_numel, backward_threads=backward)
         opt = CPUOffloadAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                              settings=OffloadSettings(threads=1, chunk_numel=args.chunk_numel), **MODES[mode])
+                              settings=settings, **MODES[mode])
         out[mode] = Trainee(mode, model, opt, x, target)
     return out
 
@@ -298,7 +313,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str], ranks: Ranks | None)
         "config": {k: getattr(args, k) for k in ("layers", "width", "batch", "chunk_numel", "lr", "rounds", "iters",
                                                  "warmup", "calibration_steps", "forward_fraction", "max_norm",
                                                  "ratios", "seed")},
-        "optimizer_threads": 1, "ranks": 1 if ranks is None else ranks.world,
+        "optimizer_threads": args.threads, "backward_threads": args.backward_threads,
+        "ranks": 1 if ranks is None else ranks.world,
         "rank_cpus": None if ranks is None else ranks.gather(ranks.cpus),
         "dtypes": infos, "cases": cases, "note": args.note, "plot": None, "code": code,
     }

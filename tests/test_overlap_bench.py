@@ -93,6 +93,20 @@ def test_one_mode_alone_is_reported_without_comparison(tmp_path: Path) -> None:
     assert "| case | mode | bwd/step | bwd wait ms | iteration |" in (tmp_path / "overlap-quick.md").read_text()
 
 
+@pytest.mark.usefixtures("keep_threads")
+def test_drain_threads_apart_from_backward_threads(tmp_path: Path) -> None:
+    """--threads 2 --backward-threads 1: every mode's step() on 2 threads, the overlapped mode's
+    early chunks on 1; still bitwise the plain run, and the report names both counts."""
+    argv = [*TINY, "--threads", "2", "--backward-threads", "1", "--dtypes", "fp32", "--clip", "off",
+            "--ratios", "1", "--out-dir", str(tmp_path)]
+    assert overlap.main(argv) == 0
+    r = json.loads((tmp_path / "overlap-quick.json").read_text())
+    assert r["optimizer_threads"] == 2 and r["backward_threads"] == 1
+    assert r["cases"][0]["params_equal_to_off"] is True
+    md = (tmp_path / "overlap-quick.md").read_text()
+    assert "OffloadSettings(threads=2, chunk_numel=2048))`, overlapped with `backward_threads=1`" in md
+
+
 def test_two_ranks_side_by_side_report_the_slowest_rank(tmp_path: Path) -> None:
     """--ranks 2: two torchrun ranks (gloo) run the cases side by side, each on its share of the
     CPUs; every record kept is one rank's, the slowest of its iteration; both ranks' parameters
@@ -156,7 +170,8 @@ def test_redo_kernel_time_counts_second_runs_only() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--ratios", "0"], ["--dtypes", "fp16"], ["--rounds", "0"],
-                                  ["--chunk-numel", "10"], ["--overlap", "maybe"], ["--max-norm", "inf"]])
+                                  ["--chunk-numel", "10"], ["--overlap", "maybe"], ["--max-norm", "inf"],
+                                  ["--threads", "0"], ["--backward-threads", "2", "--threads", "1"]])
 def test_bad_arguments_are_one_line(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         overlap.main(["--quick", *argv])
