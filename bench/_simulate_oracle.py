@@ -35,11 +35,13 @@ def oracle_bound(
     """The oracle's regret on ``node`` for ``steps`` probe steps: p95 and the share of seeds above
     2 %, picking by median and by mean. ``threads_of(candidate)``: each rank's threads for it."""
     noise = noise or NoiseModel()
-    timed = sorted(((c, node.node_time(threads_of(c), int(c["chunk_numel"]))) for c in candidates),
-                   key=lambda ct: ct[1])[:contenders]
+    def times(c: dict[str, Any]) -> tuple[float, ...]:
+        return node.rank_times(threads_of(c), int(c["chunk_numel"]), bind_numa=bool(c.get("bind_numa", False)))
+
+    timed = sorted(((c, max(times(c))) for c in candidates), key=lambda ct: ct[1])[:contenders]
     best = timed[0][1]
     per = max(1, (steps - len(timed)) // len(timed))
-    rank_times = [np.asarray(node.rank_times(threads_of(c), int(c["chunk_numel"]))) for c, _ in timed]
+    rank_times = [np.asarray(times(c)) for c, _ in timed]
     regrets: dict[str, list[float]] = {"median": [], "mean": []}
     rng = np.random.default_rng([seeds, sum(map(ord, node.name))])
     for _ in range(seeds):

@@ -12,7 +12,7 @@ import numpy as np
 from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
 from bench._stepmodel import Node, NoiseModel
 from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
-from offload.tuning._glue import offload_search_space
+from offload.tuning._glue import masks_span_numa_nodes, offload_search_space
 
 __all__ = ["BARRIER_TIMEOUT_S", "DEFAULT_CHUNK_NUMEL", "capped", "plan_node", "rank_session", "result_row", "run_seed",
            "noise_table", "tuning_inputs"]
@@ -40,14 +40,18 @@ def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[st
     own = [p.planned_threads if p.planned_threads is not None else p.threads for p in plans]
     local = tuple(plans[0].local_threads) or tuple(own)
     top = max(local)
-    baseline = {"threads": top, "chunk_numel": DEFAULT_CHUNK_NUMEL}
+    baseline: dict[str, Any] = {"threads": top, "chunk_numel": DEFAULT_CHUNK_NUMEL}
+    numa = masks_span_numa_nodes(plans[0])  # bind_numa=None (the default): tunable where masks span nodes
     space = offload_search_space(
         max_threads=top,
         baseline_threads=top,
         largest_slab=node.workload.params,
         baseline_chunk=DEFAULT_CHUNK_NUMEL,
         fixed_threads=False,
+        bind_numa=numa,
     )
+    if numa:
+        baseline["bind_numa"] = False
     return space, baseline, own
 
 
@@ -101,12 +105,13 @@ def rank_session(
     while tuner.state in ("probing", "checking") and step < len(table):
         threads = capped(current, caps)
         chunk = int(current.get("chunk_numel", node.workload.params))  # threads-only spaces: one chunk
-        time_s = node.rank_times(threads, chunk)[r] * float(table[step, r])
+        bind = bool(current.get("bind_numa", False))
+        time_s = node.rank_times(threads, chunk, bind_numa=bind)[r] * float(table[step, r])
         if switched[0]:
             time_s *= 1.0 + noise.warmup_penalty
         switched[0] = False
         if history is not None:
-            history.append(node.node_time(threads, chunk))
+            history.append(node.node_time(threads, chunk, bind_numa=bind))
         tuner.observe(StepSample(time_s=time_s, stages={"step_s": time_s}))
         step += 1
     summary = tuner.summary()

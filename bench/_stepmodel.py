@@ -40,6 +40,16 @@ Per rank and step (all local ranks step together, so they share the memory syste
    cores, weighted by the fraction of backward their kernels run; backward is stretched by it once
    (one fixed-point step) and the pipeline recomputed on the stretched release times.
 6. Node time = max over ranks (the tuner all-gathers and takes the max, too).
+7. NUMA binding (``OffloadSettings.bind_numa``, ``bind_numa=True``). Unbound, a rank whose mask
+   spans both sockets has its state on both, in proportion to its CPUs there (step 3): the share
+   on the other socket is read at ``remote_efficiency`` of the bandwidth. Bound, every rank is
+   narrowed to its GPU's socket (``Node.gpu_sockets``; default: the GPUs spread evenly over the
+   sockets in rank order, GPUs 0-3 on socket 0 and 4-7 on socket 1 of an 8-GPU node): its mask
+   becomes the mask's CPUs on that socket (unchanged where it holds none: the bind is skipped),
+   so its threads compete for fewer cores (steps 1-2; its thread count is what the knob says)
+   and its state lies on that socket, read locally (step 3). The whole model then runs on the
+   narrowed masks. Not modelled: the cost of the page move when the binding is switched on (a
+   one-off between steps), and pages left on one socket by an "on" before an "off".
 
 Noise per measured step: a node-wide lognormal factor, a per-rank lognormal factor and, per rank,
 a spike (``spike_factor``, 2x) with probability ``spike_prob``; the first step after a change of
@@ -233,10 +243,14 @@ class Node:
     masks: tuple[frozenset[int], ...]
     workload: Workload
     description: str = ""
+    gpu_sockets: tuple[int, ...] = ()
+    """The socket (NUMA node) of each rank's GPU, where a bound rank binds; () (default): GPU ``r``
+    on socket ``r * sockets // ranks`` (an 8-GPU node: 0-3 on socket 0, 4-7 on socket 1)."""
     _classes: tuple[tuple[int, frozenset[int], int, int], ...] = field(default=(), repr=False, compare=False)
     _cache: dict[tuple[tuple[int, ...], int, tuple[int, ...]], tuple[float, ...]] = field(
         default_factory=dict, repr=False, compare=False, hash=False
     )
+    _bound: list[Node] = field(default_factory=list, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not self.masks:
@@ -262,6 +276,24 @@ class Node:
     @property
     def ranks(self) -> int:
         return len(self.masks)
+
+    def gpu_socket(self, r: int) -> int:
+        """The socket of rank ``r``'s GPU (see :attr:`gpu_sockets`)."""
+        return self.gpu_sockets[r] if self.gpu_sockets else r * self.hardware.sockets // self.ranks
+
+    @property
+    def spans_numa_nodes(self) -> bool:
+        """Whether some rank's mask holds CPUs of more than one socket (where binding can matter)."""
+        return any(len({self.hardware.socket_of(c) for c in m}) > 1 for m in self.masks)
+
+    def bound(self) -> Node:
+        """This node with every rank bound to its GPU's socket (step 7 of the module doc)."""
+        if not self._bound:
+            masks = tuple((m & self.hardware.socket_cpus(self.gpu_socket(r))) or m for r, m in enumerate(self.masks))
+            self._bound.append(self if masks == self.masks else Node(
+                name=f"{self.name}-bound", hardware=self.hardware, masks=masks, workload=self.workload,
+                description=f"{self.description} (bound)", gpu_sockets=self.gpu_sockets))
+        return self._bound[0]
 
     def _memory_split(self, r: int) -> dict[int, float]:
         """Where rank ``r``'s memory lives: its mask's sockets, in proportion to its CPUs there."""
@@ -322,10 +354,13 @@ class Node:
         return rates, t
 
     def rank_times(self, threads: Sequence[int], chunk_numel: int,
-                   backward_threads: Sequence[int] | None = None) -> tuple[float, ...]:
+                   backward_threads: Sequence[int] | None = None, *, bind_numa: bool = False) -> tuple[float, ...]:
         """Noise-free objective of every rank (step time, or iteration time with overlap_backward);
         ``backward_threads``: each rank's threads for kernels started during backward (default:
-        ``threads``; only with ``overlap_backward``)."""
+        ``threads``; only with ``overlap_backward``); ``bind_numa``: every rank bound to its GPU's
+        socket (step 7)."""
+        if bind_numa:
+            return self.bound().rank_times(threads, chunk_numel, backward_threads)
         backward = tuple(int(x) for x in (threads if backward_threads is None else backward_threads))
         key = (tuple(int(x) for x in threads), int(chunk_numel), backward)
         cache = self._cache
@@ -385,6 +420,6 @@ class Node:
         return tuple(wl.forward_s + max(end, backward_s) for end, _ in runs)
 
     def node_time(self, threads: Sequence[int], chunk_numel: int,
-                  backward_threads: Sequence[int] | None = None) -> float:
+                  backward_threads: Sequence[int] | None = None, *, bind_numa: bool = False) -> float:
         """Noise-free node objective: the slowest rank."""
-        return max(self.rank_times(threads, chunk_numel, backward_threads))
+        return max(self.rank_times(threads, chunk_numel, backward_threads, bind_numa=bind_numa))

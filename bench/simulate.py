@@ -116,7 +116,8 @@ def simulate_node(
     plans = plan_node(node)
     space, baseline, caps = tuning_inputs(node, plans)
     candidates = space.candidates()
-    truth = {space.describe(c): node.node_time(capped(c, caps), int(c["chunk_numel"])) for c in candidates}
+    truth = {space.describe(c): node.node_time(capped(c, caps), int(c["chunk_numel"]),
+                                               bind_numa=bool(c.get("bind_numa", False))) for c in candidates}
     best_key = min(truth, key=truth.get)  # type: ignore[arg-type]
     best = truth[best_key]
     base_true = truth[space.describe(baseline)]

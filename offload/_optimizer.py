@@ -34,7 +34,7 @@ from offload.state._groups import check_options, check_param_group
 from offload.state._layout import HostLayout
 from offload.state._masters import give_masters, loaded_seeds
 from offload.state._params import ParamRegistry, check_params, param_names
-from offload.state._placement import NumaBinder, NumaPlacement
+from offload.state._placement import NumaBinder, NumaPlacement, NumaSwitch, PageMover
 from offload.state._rebind import check_rebound
 from offload.state._slabs import HostSlabs
 from offload.state._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
@@ -106,6 +106,9 @@ class CPUOffloadAdamW(HostSide):
             NUMA node for a device (default ``bind_rank_numa_node``; tests pass one over a fake
             sysfs root). What the placement did: :attr:`numa_placement`; ``close()`` restores
             the affinity.
+        page_mover: what moves the host state's pages to the bound NUMA node in place when
+            ``bind_numa`` is switched on between steps: ``mover(addr, nbytes, node)`` over each
+            page-aligned slab range (default ``mbind`` with ``MPOL_MF_MOVE``; tests pass a recorder).
         device_ops: the CUDA transport's streams, events, copies and pinned blocks (an
             ``offload.DeviceOps``; None: the real ones on a CUDA device, none on the CPU). Given,
             the step runs the CUDA path over them also for bf16/fp16 CPU parameters (tests).
@@ -134,6 +137,7 @@ class CPUOffloadAdamW(HostSide):
         autotune: Any = False,
         plan: ThreadPlan | None = None,
         numa_binder: NumaBinder | None = None,
+        page_mover: PageMover | None = None,
         kernels: KernelSet | None = None,
         device_ops: DeviceOps | None = None,
     ) -> None:
@@ -150,12 +154,11 @@ class CPUOffloadAdamW(HostSide):
         registry = ParamRegistry(self.param_groups)
         limit = check_limit(speculation_limit, overlap_backward)
         rounding_seed = check_state_dtype(state_dtype, state_rounding, state_rounding_seed)
-        self._numa: NumaPlacement | None = None
-        if settings.bind_numa:  # bind first, then allocate untouched
-            self._numa = NumaPlacement.bind(registry.device, numa_binder)
+        self._numa = NumaSwitch(registry.device, numa_binder, page_mover)
+        placement = self._numa.bind() if settings.bind_numa else None  # bind first, then allocate untouched
         self._layout = HostLayout.build(
             self.param_groups, self.state, registry=registry, chunk_numel=settings.chunk_numel,
-            overlap_backward=overlap_backward, allocate=HostSlabs if self._numa is None else self._numa.allocate,
+            overlap_backward=overlap_backward, allocate=HostSlabs if placement is None else placement.allocate,
             speculable=limit, state_dtype=state_dtype, rounding_seed=rounding_seed).layout
 
         # A tuned optimizer's thread plan, kernel vote and tuner share one node agreement.
@@ -166,8 +169,8 @@ class CPUOffloadAdamW(HostSide):
         self._settings = replace(settings, threads=self._planned_threads, kernel=self._kernels.resolve(settings.kernel))
 
         self._pipeline = self._new_pipeline()
-        if self._numa is not None:  # the pages land on the node of the CPUs that run the kernels
-            self._pipeline.on_worker(functools.partial(self._numa.first_touch, self._layout.slabs),
+        if placement is not None:  # the pages land on the node of the CPUs that run the kernels
+            self._pipeline.on_worker(functools.partial(placement.first_touch, self._layout.slabs),
                                      threads=self._planned_threads)
         self._in_step = False
         self._stats = None  # (the types of these: HostSide's annotations)
@@ -255,11 +258,14 @@ class CPUOffloadAdamW(HostSide):
         return self._settings
 
     def apply_settings(self, settings: OffloadSettings) -> None:
-        """Change threads / chunk size / kernel / CUDA ring depth between steps.
+        """Change threads / chunk size / kernel / CUDA ring depth / NUMA binding between steps.
 
         threads and chunk size never change the math; switching the kernel neither where
         ``offload.kernels._fused_mp.bitwise_matches_torch()`` (else within its documented tolerance).
         ``kernel="fused-mp"`` falls back to "torch" where it cannot run (see :attr:`settings`).
+        ``bind_numa`` switched on binds the process to its node and moves the host state's pages
+        there in place; switched off restores the affinity and leaves the pages where they are
+        (None and False are both off; ``offload.state._placement``).
         """
         if not isinstance(settings, OffloadSettings):
             raise TypeError(f"settings={settings!r}: expected an OffloadSettings")
@@ -274,6 +280,11 @@ class CPUOffloadAdamW(HostSide):
             self._pipeline.forget_layout()
         if ring_depth(settings) != ring_depth(self._settings):  # (the host transport ignores it)
             self._pipeline.resize_rings(ring_depth(settings))
+        if bool(settings.bind_numa) != bool(self._settings.bind_numa):
+            if settings.bind_numa:
+                self._numa.turn_on(self._layout.host_regions)
+            else:
+                self._numa.turn_off()
         self._settings = settings
         if self._overlap is not None:
             self._overlap.settings = settings
@@ -298,9 +309,10 @@ class CPUOffloadAdamW(HostSide):
 
     @property
     def numa_placement(self) -> NumaPlacement | None:
-        """What ``OffloadSettings.bind_numa`` did (None without it): the binding, and the order of
-        bind, allocation and first touch (``offload.state._placement``)."""
-        return self._numa
+        """What ``OffloadSettings.bind_numa`` did (None while it is off): the binding, and the order
+        of bind, allocation and first touch, or of the bind and the page moves of a switch between
+        steps (``offload.state._placement``)."""
+        return self._numa.placement
 
     def close(self) -> None:
         """Stop the worker thread and remove the backward hooks (also done on garbage collection);
@@ -311,8 +323,7 @@ class CPUOffloadAdamW(HostSide):
             self._tuning.close()
             self._tuning = None
         self._pipeline.close()
-        if self._numa is not None:
-            self._numa.restore()
+        self._numa.turn_off()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.copy, copy.deepcopy, pickle and torch.save all come here; torch's Optimizer would

@@ -70,12 +70,18 @@ class OffloadSettings:
     worker at the next step (as a chunk-size change does). Exact whatever the value (the same
     bytes reach the kernel), so the tuner may choose it. Ignored by the host transport (CPU
     parameters without ``device_ops``: no ring)."""
-    bind_numa: bool = False
-    """Read once, at construction: bind the process to the NUMA node of its GPU (of its affinity
-    mask on a CPU-only machine) before the host slabs are allocated, and first-touch the slabs from
-    the optimizer's worker thread with its intra-op threads, so their pages sit on the node whose
-    cores compute on them (``offload.state._placement``; what it did: ``CPUOffloadAdamW.numa_placement``;
-    ``close()`` restores the affinity). A no-op on one node."""
+    bind_numa: bool | None = None
+    """Bind this process to the NUMA node of its GPU (of most of its affinity mask on a CPU-only
+    machine) so the host state's pages sit on the node whose cores compute on them
+    (``offload.state._placement``; what it did: ``CPUOffloadAdamW.numa_placement``; ``close()``
+    restores the affinity). True at construction: bind before the host slabs are allocated, and
+    first-touch them from the optimizer's worker thread with its intra-op threads. Switched on by
+    ``apply_settings``: bind, and move the slabs' pages to the node in place (``mbind``: the same
+    addresses and bits, no second copy); switched off: the affinity is restored and the pages stay
+    where they are. A logged no-op on one node; a failed page move a logged warning, never an error.
+    None (default): off, and the tuner may probe it (the ``bind_numa`` knob, only where the local
+    ranks' masks span several NUMA nodes); True or False: the user's choice, kept by the tuner.
+    Exact whatever the value (the same kernels on the same bits)."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and (
@@ -105,8 +111,8 @@ class OffloadSettings:
             )
         if not isinstance(self.speculate, bool):
             raise ValueError(f"OffloadSettings.speculate={self.speculate!r}: expected a bool")
-        if not isinstance(self.bind_numa, bool):
-            raise ValueError(f"OffloadSettings.bind_numa={self.bind_numa!r}: expected a bool")
+        if self.bind_numa is not None and not isinstance(self.bind_numa, bool):
+            raise ValueError(f"OffloadSettings.bind_numa={self.bind_numa!r}: expected None or a bool")
         if not isinstance(self.kernel, str) or self.kernel not in (*KERNELS, "auto"):
             raise ValueError(
                 f"OffloadSettings.kernel={self.kernel!r}: expected one of {KERNELS} or 'auto'"

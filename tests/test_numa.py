@@ -118,7 +118,7 @@ def test_close_restores_the_affinity_bind_numa_narrowed(tmp_path: Path) -> None:
 
 
 def test_bind_numa_must_be_a_bool() -> None:
-    with pytest.raises(ValueError, match="bind_numa=1: expected a bool"):
+    with pytest.raises(ValueError, match="bind_numa=1: expected None or a bool"):
         OffloadSettings(bind_numa=1)  # type: ignore[arg-type]
 
 

@@ -161,6 +161,13 @@ class HostLayout:
         self.slabs.forget_views()
         self.items.clear()
 
+    def host_regions(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of the host state every step streams: the slabs (both generations)
+        and the CPU parameters that are their own masters (a NUMA page move covers them all)."""
+        own = [rec.local() for rec in self.records if self.slabs.slots[rec.slot].own_master]
+        return self.slabs.regions() + [(t.data_ptr(), t.numel() * t.element_size())
+                                       for t in own if t.device.type == "cpu" and t.numel()]
+
     @property
     def records(self) -> list[ParamRecord]:
         """The parameter records in slot order."""

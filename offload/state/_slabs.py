@@ -250,6 +250,12 @@ class HostSlabs:
         """Every slab tensor (for first-touch and memory accounting)."""
         return [t for slabs in self._slabs for t in slabs.values()]
 
+    def regions(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of every slab tensor, the second generation's too (what a NUMA
+        page move covers: ``offload.state._placement``)."""
+        tensors = self.slabs() + [t for nxt in self._next if nxt is not None for t in nxt.values()]
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+
     def first_touch(self) -> None:
         """Zero every slab (keeps ``used``: the slabs hold zeros either way) with the calling thread's intra-op threads: on slabs made with
         ``zero=False`` this is the first write of each page, which places it on the NUMA node of

@@ -51,11 +51,23 @@ class NumaBinding:
         self._changed = changed
 
     def restore(self) -> None:
-        """Give every thread the bind changed its previous mask back (idempotent)."""
+        """Give every thread the bind changed its previous mask back, and so every thread started
+        while bound, which inherited the narrowed mask (the optimizer's worker and its intra-op
+        threads after a bind at construction): every thread of the process whose mask is still
+        exactly the bound one (idempotent)."""
         changed, self._changed = self._changed, ()
         for tid, mask in changed:
             with contextlib.suppress(OSError):  # the thread may have exited
                 os.sched_setaffinity(tid, mask)
+        if not changed:
+            return
+        done = {tid for tid, _ in changed}
+        with contextlib.suppress(OSError):
+            for name in os.listdir("/proc/self/task"):
+                tid = int(name)
+                with contextlib.suppress(OSError):
+                    if tid not in done and frozenset(os.sched_getaffinity(tid)) == self.cpus:
+                        os.sched_setaffinity(tid, self.previous)
 
     def __enter__(self) -> NumaBinding:
         return self

@@ -55,6 +55,24 @@ depth (2, double buffering); deeper rings let gradient copies run further ahead 
 whose time varies, at one more pinned chunk-sized block per direction per slot, so a tie keeps
 the shallower ring. Last in the space: the sweep walks it at the best threads and chunk size.
 Exact whatever the depth (the same bytes reach the kernel).
+
+NUMA-binding knob (off, on: ``OffloadSettings.bind_numa``): only where the local ranks' affinity
+masks span several NUMA nodes (:func:`masks_span_numa_nodes` of the thread plan's
+``local_masks_per_numa_node``, the same on every local rank), and not where the user chose
+``bind_numa`` (True or False; the default None means "off, tunable"). Inside one node there is
+nothing to bind to. Across nodes an unbound rank's threads read part of its state from the other
+node's memory, through the socket link; bound, it reads it locally but computes on one node's
+cores of its mask: which wins is the machine's (the step model finds binding pays where the node's
+memory saturates with the cores left, ``bench._stepmodel``). On, applied between steps, it binds
+the process to its GPU's node and moves the host state's pages there in place; off restores the
+affinity and leaves the pages where they are, so an "off" measured after an "on" reads the state
+from one node (``offload.state._placement``). The baseline is off (the default's behaviour) and a
+tie keeps it. Right after ``threads`` in the space: the sweep walks the thread count first, then
+decides the binding at it, then the chunk size. Not first: a bound rank keeps its thread count,
+planned for its whole mask, on one node's part of it (on the step model's cyclic masks the
+static plan's 15 threads on 7-8 cores), so "on" judged at the static plan looks far worse than
+it is; nor last: decided after the chunk size, one unlucky pair of samples keeps a 20-25 %
+slower "off" on a node where binding pays (``bench.simulate``). Exact either way.
 """
 
 from __future__ import annotations
@@ -91,7 +109,7 @@ from offload.threads._plan import ThreadPlan
 logger = logging.getLogger(__name__)
 
 __all__ = ["RING_LADDER", "OffloadTuning", "Tunable", "agreed_kernels", "backward_ladder", "backward_thread_count",
-           "cache_facts", "global_rank", "offload_search_space", "offload_workload"]
+           "cache_facts", "global_rank", "masks_span_numa_nodes", "offload_search_space", "offload_workload"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -125,6 +143,12 @@ def backward_thread_count(value: int, threads: int) -> int | None:
     return None if value >= threads else value
 
 
+def masks_span_numa_nodes(plan: ThreadPlan) -> bool:
+    """Whether some local rank's affinity mask holds CPUs of more than one NUMA node (the
+    ``bind_numa`` knob's condition; from ``plan.local_masks_per_numa_node``, empty on one node)."""
+    return any(sum(1 for n in counts if n) > 1 for counts in plan.local_masks_per_numa_node)
+
+
 def offload_search_space(
     *,
     max_threads: int,
@@ -136,6 +160,7 @@ def offload_search_space(
     speculate: bool = False,
     backward_threads: bool = False,
     ring_slots: bool = False,
+    bind_numa: bool = False,
 ) -> SearchSpace:
     """Threads (a geometric ladder from 1 to ``max_threads`` that holds the static plan's value)
     x chunk size (powers of two from 1 Mi elements to the largest slab, plus the configured one)
@@ -144,7 +169,9 @@ def offload_search_space(
     overlap is exact, so whether it pays is a measurement like the others; fewer chunk sizes then)
     x ``backward_threads`` (:func:`backward_ladder` of the top thread count; the first knob, see
     the module doc) with ``backward_threads`` and ``speculate`` where that top is above one thread
-    x ``ring_slots`` (:data:`RING_LADDER`, last) with ``ring_slots`` (the CUDA transport runs).
+    x ``ring_slots`` (:data:`RING_LADDER`, last) with ``ring_slots`` (the CUDA transport runs)
+    x ``bind_numa`` (off, on; right after ``threads``) with ``bind_numa`` (the masks span
+    several NUMA nodes).
 
     Every argument must be the same on every local rank (derive them from agreed values).
     """
@@ -185,6 +212,11 @@ def offload_search_space(
         # Last (walked at the best threads and chunk) and prefer="low": of two tied depths, the
         # one that pins less memory.
         knob_list.append(Knob("ring_slots", RING_LADDER, prefer="low"))
+    if bind_numa:
+        # Right after threads (see the module doc) and prefer="low": a tie stays unbound, the
+        # default's behaviour.
+        at = next(i for i, k in enumerate(knob_list) if k.name == "threads") + 1
+        knob_list.insert(at, Knob("bind_numa", (False, True), prefer="low"))
     return SearchSpace(tuple(knob_list))
 
 
@@ -339,6 +371,8 @@ class OffloadTuning:
         backward = speculate and optimizer.settings.backward_threads is None
         # A depth the user set stays; the host transport has no ring.
         ring = cuda_transport and optimizer.settings.ring_slots is None
+        # A binding the user chose stays; inside one NUMA node there is nothing to bind to.
+        numa = optimizer.settings.bind_numa is None and masks_span_numa_nodes(plan)
         space = offload_search_space(
             max_threads=top,
             baseline_threads=top,
@@ -349,11 +383,14 @@ class OffloadTuning:
             speculate=speculate,
             backward_threads=backward,
             ring_slots=ring,
+            bind_numa=numa,
         )
         if "backward_threads" in space.names:
             baseline["backward_threads"] = top  # the same as threads
         if ring:
             baseline["ring_slots"] = RING_LADDER[0]  # today's depth (ring_slots=None)
+        if numa:
+            baseline["bind_numa"] = False  # the default's behaviour (bind_numa=None: off)
         cache = None
         if config.use_cache:
             cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
@@ -400,10 +437,12 @@ class OffloadTuning:
         value = setting.get("backward_threads")
         backward = current.backward_threads if value is None else backward_thread_count(int(value), threads)
         ring = setting.get("ring_slots")
+        numa = setting.get("bind_numa")
         self._optimizer.apply_settings(
             replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel,  # type: ignore[arg-type]
                     speculate=speculate, backward_threads=backward,
-                    ring_slots=current.ring_slots if ring is None else int(ring))
+                    ring_slots=current.ring_slots if ring is None else int(ring),
+                    bind_numa=current.bind_numa if numa is None else bool(numa))
         )
 
     def after_step(self) -> None:
