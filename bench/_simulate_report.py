@@ -91,9 +91,10 @@ def render_markdown(result: dict[str, Any]) -> str:
             "",
             f"- thread plan (rank 0, the real `plan_cpu_threads`, the masks handed in): "
             f"{n['plan_reason_rank0']}",
-            f"- space: {n['n_candidates']} candidates, threads {n['space']['knobs'][0]['values']}, chunk_numel "
-            f"{n['space']['knobs'][1]['values']}; static plan `threads={n['baseline']['threads']} "
-            f"chunk_numel={n['baseline']['chunk_numel']}` ({n['baseline_true_s']:.4f} s, "
+            f"- space: {n['n_candidates']} candidates, "
+            + ", ".join(f"{k['name']} {k['values']}" for k in n['space']['knobs'])
+            + "; static plan `" + " ".join(f"{k}={v}" for k, v in n['baseline'].items())
+            + f"` ({n['baseline_true_s']:.4f} s, "
             f"regret {_pct(n['baseline_regret'])})",
             f"- true best `{n['best']['candidate']}`: {n['best']['true_s']:.4f} s",
             f"- static rule: threads {sorted(set(sr['threads']))} per rank, chunk {n['baseline']['chunk_numel']}: "

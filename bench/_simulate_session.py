@@ -5,16 +5,17 @@ collective), priced by the step model with seeded noise."""
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
 from bench._stepmodel import Node, NoiseModel
-from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
+from offload import OffloadSettings, RankCpus, ThreadPlan, plan_cpu_threads
 from offload.tuning._glue import masks_span_numa_nodes, offload_search_space
 
-__all__ = ["BARRIER_TIMEOUT_S", "DEFAULT_CHUNK_NUMEL", "capped", "plan_node", "rank_session", "result_row", "run_seed",
+__all__ = ["BARRIER_TIMEOUT_S", "Caps", "DEFAULT_CHUNK_NUMEL", "capped", "plan_node", "rank_session", "result_row", "run_seed",
            "noise_table", "tuning_inputs"]
 
 #: Seconds a simulated collective waits for the other simulated ranks before it fails.
@@ -27,15 +28,32 @@ DEFAULT_CHUNK_NUMEL = OffloadSettings().chunk_numel
 
 
 def plan_node(node: Node) -> list[ThreadPlan]:
-    """Every local rank's real ``plan_cpu_threads`` on the node's topology, the masks handed in."""
+    """Every local rank's real ``plan_cpu_threads`` on the node's topology, the masks handed in,
+    each with the NUMA node its rank binds to under ``bind_numa`` (its GPU's socket)."""
     topology = node.hardware.topology()
+    masks = [RankCpus(cpus=m, node=node.gpu_socket(r)) for r, m in enumerate(node.masks)]
     return [
-        plan_cpu_threads(masks=node.masks, local_rank=r, topology=topology, cpu_count=node.hardware.logical_cpus)
+        plan_cpu_threads(masks=masks, local_rank=r, topology=topology, cpu_count=node.hardware.logical_cpus)
         for r in range(node.ranks)
     ]
 
 
-def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[str, int], list[int]]:
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """Each rank's thread cap, as ``OffloadTuning`` applies it: its own plan's threads, and once
+    bound to its NUMA node the bound plan's (``ThreadPlan.bound_threads``)."""
+
+    own: tuple[int, ...]
+    bound: tuple[int, ...]
+
+    def __iter__(self):  # the unbound caps, as the list this replaces
+        return iter(self.own)
+
+    def __len__(self) -> int:
+        return len(self.own)
+
+
+def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[str, int], Caps]:
     """(space, static plan, each rank's thread cap), as ``offload.tuning._glue.OffloadTuning`` builds them."""
     own = [p.planned_threads if p.planned_threads is not None else p.threads for p in plans]
     local = tuple(plans[0].local_threads) or tuple(own)
@@ -52,14 +70,18 @@ def tuning_inputs(node: Node, plans: Sequence[ThreadPlan]) -> tuple[Any, dict[st
     )
     if numa:
         baseline["bind_numa"] = False
-    return space, baseline, own
+    bound = tuple(p.bound_threads if p.bound_threads is not None else c for p, c in zip(plans, own))
+    return space, baseline, Caps(own=tuple(own), bound=bound)
 
 
 # --------------------------------------------------------------------------- one tuning session
 
 
-def capped(setting: dict[str, Any], caps: Sequence[int]) -> list[int]:
-    """Each rank's threads for a setting (OffloadTuning caps the knob at the rank's own plan)."""
+def capped(setting: dict[str, Any], caps: Caps | Sequence[int]) -> list[int]:
+    """Each rank's threads for a setting (OffloadTuning caps the knob at the rank's own plan, at
+    its bound plan where the setting binds)."""
+    if isinstance(caps, Caps) and setting.get("bind_numa"):
+        return [min(int(setting["threads"]), c) for c in caps.bound]
     return [min(int(setting["threads"]), c) for c in caps]
 
 
@@ -75,7 +97,7 @@ def rank_session(
     node: Node,
     space: Any,
     baseline: dict[str, int],
-    caps: Sequence[int],
+    caps: Caps | Sequence[int],
     config: AutotuneConfig,
     table: np.ndarray,
     noise: NoiseModel,
@@ -147,7 +169,7 @@ def run_seed(
     node: Node,
     space: Any,
     baseline: dict[str, int],
-    caps: Sequence[int],
+    caps: Caps | Sequence[int],
     seed: int,
     *,
     config: AutotuneConfig | None = None,

@@ -35,6 +35,7 @@ from offload.state._layout import HostLayout
 from offload.state._masters import give_masters, loaded_seeds
 from offload.state._params import ParamRegistry, check_params, param_names
 from offload.state._placement import NumaBinder, NumaPlacement, NumaSwitch, PageMover
+from offload.threads._numa import rank_numa_node
 from offload.state._rebind import check_rebound
 from offload.state._slabs import HostSlabs
 from offload.state._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
@@ -162,7 +163,12 @@ class CPUOffloadAdamW(HostSide):
             speculable=limit, state_dtype=state_dtype, rounding_seed=rounding_seed).layout
 
         # A tuned optimizer's thread plan, kernel vote and tuner share one node agreement.
-        plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW")
+        # Where the tuner may switch bind_numa on, the plan also says how many threads each rank
+        # may keep once bound (ThreadPlan.bound_threads): every rank's node goes with its mask.
+        bind_node = (rank_numa_node(registry.device)
+                     if config is not None and plan is None and settings.bind_numa is None else None)
+        plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW",
+                                      bind_node=bind_node)
         self._planned_threads = plan.threads
         self._kernels = kernels if kernels is not None else DEFAULT_KERNELS
         self._device_ops = device_ops

@@ -430,3 +430,65 @@ def test_the_step_model_binds_where_masks_span_sockets_and_simulate_probes_it_th
         assert baseline.get("bind_numa", False) is False
     assert [n for n in NODES if build_node(n).spans_numa_nodes] == [
         "2s60c-smt2-8r-shared", "2s32c-smt2-8r-shared", "2s60c-smt2-8r-cyclic"]
+
+
+# ---------------------------------------------------------------- threads once bound
+def _two_sockets() -> Any:
+    """2 sockets x 8 cores, no SMT: CPUs 0-7 on node 0, 8-15 on node 1."""
+    from offload.threads._topology import CpuTopology
+
+    return CpuTopology.from_cores([[c] for c in range(16)], numa_nodes={0: range(8), 1: range(8, 16)})
+
+
+def test_the_bound_plan_reruns_the_rule_on_the_masks_narrowed_to_each_node() -> None:
+    """Shared mask, 4 ranks, 2 bound to each node: 4 threads each unbound (16 cores / 4) and bound
+    (8 cores / 2). Cyclic masks (each rank 2 cores on each node), each bound to one node: 4
+    threads unbound, 2 bound: never more than the node's cores. Unknown nodes: no bound plan."""
+    from offload import RankCpus, plan_cpu_threads
+
+    topo, everything = _two_sockets(), frozenset(range(16))
+    shared = [RankCpus(cpus=everything, node=r // 2) for r in range(4)]
+    plans = [plan_cpu_threads(masks=shared, local_rank=r, topology=topo, cpu_count=16) for r in range(4)]
+    assert [(p.threads, p.bound_threads) for p in plans] == [(4, 4)] * 4
+    cyclic = [RankCpus(cpus=frozenset({2 * r, 2 * r + 1, 8 + 2 * r, 9 + 2 * r}), node=r % 2) for r in range(4)]
+    plans = [plan_cpu_threads(masks=cyclic, local_rank=r, topology=topo, cpu_count=16) for r in range(4)]
+    assert [(p.threads, p.bound_threads) for p in plans] == [(4, 2)] * 4
+    crowded = [RankCpus(cpus=everything, node=0) for _ in range(4)]  # all on node 0: 8 cores for 4
+    assert plan_cpu_threads(masks=crowded, local_rank=0, topology=topo, cpu_count=16).bound_threads == 2
+    unknown = [RankCpus(cpus=everything) for _ in range(4)]
+    assert plan_cpu_threads(masks=unknown, local_rank=0, topology=topo, cpu_count=16).bound_threads is None
+    fixed = plan_cpu_threads(masks=cyclic, local_rank=0, topology=topo, cpu_count=16, threads=4)
+    assert (fixed.threads, fixed.bound_threads) == (4, 2)  # an override, clamped to the 2 bound CPUs
+
+
+def test_the_rank_node_travels_with_the_mask_through_the_agreement() -> None:
+    """bind_node goes into the plan's one exchange: every rank's bound plan sees every node."""
+    from autotune import InProcessAgreement
+    from offload import plan_cpu_threads
+
+    topo = _two_sockets()
+    world = InProcessAgreement.group(4)
+    out: list[Any] = [None] * 4
+
+    def rank(r: int) -> None:
+        out[r] = plan_cpu_threads(agreement=world[r], topology=topo, cpus=range(16), cpu_count=16, bind_node=r // 2)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [(p.threads, p.bound_threads, p.masks_from) for p in out] == [(4, 4, "agreement")] * 4
+
+
+def test_a_bound_rank_runs_at_most_its_bound_threads() -> None:
+    """The tuner's bind_numa=True reaches apply_settings with threads capped at the bound plan's
+    count; unbound, at the plan's own."""
+    opt = _FakeOptimizer()
+    plan = replace(_plan(SPANNING), threads=4, planned_threads=4, local_threads=(4, 4), bound_threads=2)
+    tuning = OffloadTuning(opt, AutotuneConfig(use_cache=False), plan=plan, fixed_threads=False, objective="step",
+                           workload={"params": 1024, "test": "bound threads"}, largest_slab=1024)
+    _until_locked(tuning)
+    assert {s.threads for s in opt.applied if s.bind_numa} <= {1, 2}
+    assert 4 in {s.threads for s in opt.applied if not s.bind_numa}
+    tuning.close()

@@ -122,7 +122,8 @@ def test_thread_plans_come_from_plan_cpu_threads(numa: Node) -> None:
     assert all(p.oversubscribed_by_static_rule for p in plans)
     space, baseline, caps = simulate.tuning_inputs(numa, plans)
     assert baseline == {"threads": 15, "chunk_numel": 4 << 20}
-    assert space.knobs[0].values == (1, 2, 4, 8, 15) and caps == [15] * 8
+    assert space.knobs[0].values == (1, 2, 4, 8, 15) and list(caps) == [15] * 8
+    assert caps.bound == (15,) * 8  # each mask inside its socket: binding narrows nothing
     one = simulate.plan_node(simulate.build_node(SMALL))
     assert one[0].planned_threads == 16 and one[0].static_rule_threads == 32
 
@@ -295,7 +296,14 @@ def test_the_two_socket_shapes_the_issue_names() -> None:
         per_socket = sorted(len({hw.core_of(c) for c in mask if hw.socket_of(c) == s}) for s in range(2))
         assert per_socket == [7, 8] and len(mask) == 30
     assert not set.intersection(*(set(m) for m in cyclic.masks))  # disjoint
-    assert [p.planned_threads for p in simulate.plan_node(cyclic)] == [15] * 8
+    plans = simulate.plan_node(cyclic)
+    assert [p.planned_threads for p in plans] == [15] * 8
+    # Bound to its GPU's socket a rank keeps the 7 or 8 cores of its mask there, never 15.
+    bound = [p.bound_threads for p in plans]
+    assert all(b == len({hw.core_of(c) for c in m if hw.socket_of(c) == cyclic.gpu_socket(r)})
+               for r, (b, m) in enumerate(zip(bound, cyclic.masks))) and set(bound) <= {7, 8}
+    # The shared mask bound: 4 ranks on each 32-core socket, 8 threads each, as unbound.
+    assert [p.bound_threads for p in simulate.plan_node(shared)] == [8] * 8
 
 
 def test_ranks_given_different_noise_lock_in_the_same_winner() -> None:

@@ -37,6 +37,7 @@ def _payload(me: RankCpus, rank: int) -> dict[str, Any]:
         "cpus": format_cpulist(me.cpus),
         "cgroup": None if limit is None else limit.cgroup,
         "cgroup_cpus": None if limit is None else limit.cpus,
+        "node": me.node,
     }
 
 
@@ -47,7 +48,10 @@ def _from_payload(item: object, source_rank: int) -> tuple[str, RankCpus]:
     limit = None
     if item.get("cgroup") is not None and item.get("cgroup_cpus") is not None:
         limit = CgroupCpuLimit(cpus=float(item["cgroup_cpus"]), cgroup=str(item["cgroup"]))
-    return str(item.get("host")), RankCpus(cpus=cpus, cgroup=limit)
+    node = item.get("node")
+    if node is not None and (isinstance(node, bool) or not isinstance(node, int) or node < 0):
+        raise ThreadPlanError(f"rank {source_rank} sent NUMA node {node!r}: expected None or an int >= 0")
+    return str(item.get("host")), RankCpus(cpus=cpus, cgroup=limit, node=node)
 
 
 def _node_ranks(group: Any) -> tuple[list[int], bool, str]:

@@ -29,6 +29,7 @@ __all__ = [
     "bind_to_numa_node",
     "device_pci_bus_id",
     "numa_node_for",
+    "rank_numa_node",
 ]
 
 
@@ -175,6 +176,28 @@ def numa_node_for(
         return None
     best = max(((len(mask & cpus), -node) for node, cpus in nodes), default=(0, 0))
     return -best[1] if best[0] > 0 else None
+
+
+def rank_numa_node(device: torch.device | str | None = None, *, root: Path | str = "/",
+                   pci_bus_id: Callable[[int], str] = device_pci_bus_id) -> int | None:
+    """The node :func:`bind_rank_numa_node` would bind this process to, without binding: the
+    node of its CUDA device as sysfs reports it, else of most of its affinity mask; None where
+    there is nothing to choose (one node, no node reported). Never raises for a missing sysfs."""
+    nodes = read_numa_nodes(root)
+    if len(nodes) < 2:
+        return None
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    device_node = None
+    if dev.type == "cuda" and torch.cuda.is_available():
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        try:
+            device_node = read_pci_numa_node(pci_bus_id(index), root)
+        except (OSError, RuntimeError, ValueError) as exc:
+            logger.debug("rank_numa_node: no NUMA node for cuda:%d: %s", index, exc)
+            return None
+        if device_node is None:
+            return None
+    return numa_node_for(mask=read_affinity(), nodes=nodes, device_node=device_node)
 
 
 def bind_rank_numa_node(device: torch.device | str | None = None, *,

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Sequence
 
 import torch
@@ -70,6 +70,12 @@ class ThreadPlan:
     """The rule's threads for every local rank, in local-rank order (identical on every rank)."""
     local_masks: tuple[frozenset[int], ...] = ()
     """Every local rank's affinity mask, in local-rank order."""
+    bound_threads: int | None = None
+    """Threads this rank may use once bound to its NUMA node (``OffloadSettings.bind_numa``
+    switched on between steps): the same rule on every local rank's mask narrowed to its node's
+    CPUs (:attr:`RankCpus.node`), so the bound ranks never oversubscribe their nodes; with an
+    override (``source`` not "plan"), the override clamped to the narrowed mask. None where no
+    rank binds (one NUMA node, nodes unknown): then ``threads`` holds."""
     local_masks_per_numa_node: tuple[tuple[int, ...], ...] = ()
     """Per local rank, how many CPUs of its mask lie in each NUMA node (nodes in id order); empty on
     a machine of one NUMA node. The tuner's cache key holds it: a mask spread over two nodes and
@@ -177,6 +183,7 @@ def plan_cpu_threads(
     agreement: Agreement | None = None,
     masks: Sequence[RankCpus | Iterable[int]] | None = None,
     local_rank: int | None = None,
+    bind_node: int | None = None,
 ) -> ThreadPlan:
     """Plan this rank's intra-op threads from all local ranks' affinity masks.
 
@@ -201,6 +208,9 @@ def plan_cpu_threads(
             given, must be ``masks[local_rank]``'s CPUs. A :class:`RankCpus` carries its cgroup
             quota; the topology's is not added. Not with ``group`` or ``agreement``.
         local_rank: this rank's index in ``masks`` (only with ``masks``).
+        bind_node: the NUMA node this rank binds to under ``bind_numa`` (exchanged with the masks;
+            with ``masks``, each :class:`RankCpus` carries its own ``node`` instead): the input of
+            :attr:`ThreadPlan.bound_threads`.
 
     Raises:
         ThreadPlanError: bad ``threads``, an empty mask, inconsistent launcher variables, or a
@@ -223,7 +233,8 @@ def plan_cpu_threads(
         me = local[index]
         masks_from: MasksFrom = "given"
     else:
-        me = RankCpus(cpus=frozenset(cpus) if cpus is not None else read_affinity(), cgroup=topo.cgroup_limit)
+        me = RankCpus(cpus=frozenset(cpus) if cpus is not None else read_affinity(), cgroup=topo.cgroup_limit,
+                      node=bind_node)
         local, index, masks_from = local_masks(me, group=group, agreement=agreement, timeout_s=timeout_s)
     if len(local) == 1:
         masks_from = "single"
@@ -249,6 +260,11 @@ def plan_cpu_threads(
     reason = plan_reason(alloc=alloc, index=index, masks=local, masks_from=masks_from, topology=topo,
                      smt=smt, static=statics[index], statics=statics, cpu_count=ncpu,
                      oversubscribed=oversubscribed, chosen=chosen, source=source, requested=requested)
+    bound = bound_allocation(local, topo, smt=smt)
+    bound_threads = None
+    if bound is not None:
+        narrowed, threads_bound = bound
+        bound_threads = threads_bound[index] if source == "plan" else min(chosen, len(narrowed[index]))
     plan = ThreadPlan(
         threads=chosen,
         reason=reason,
@@ -259,6 +275,7 @@ def plan_cpu_threads(
         planned_threads=planned,
         local_threads=alloc.threads,
         local_masks=tuple(m.cpus for m in local),
+        bound_threads=bound_threads,
         local_masks_per_numa_node=masks_per_numa_node([m.cpus for m in local], topo),
         masks_from=masks_from,
         smt=smt,
@@ -271,6 +288,21 @@ def plan_cpu_threads(
     if starved is not None and index == 0:  # once per node: every rank computes the same words
         _warn_once("starved", len(local), frozenset().union(*(m.cpus for m in local)), "%s", starved)
     return plan
+
+
+def bound_allocation(masks: Sequence[RankCpus], topology: CpuTopology, *, smt: bool = False
+                     ) -> tuple[tuple[frozenset[int], ...], tuple[int, ...]] | None:
+    """Every rank's mask narrowed to its NUMA node (:attr:`RankCpus.node`; unchanged where the node
+    is unknown or meets none of the mask, as the bind then changes nothing) and the threads the
+    rule gives each on those masks; None when no rank's mask narrows (one node, no node known)."""
+    nodes = dict(topology.numa_nodes)
+    if len(nodes) < 2:
+        return None
+    narrowed = [m if m.node is None else replace(m, cpus=(m.cpus & nodes.get(m.node, frozenset())) or m.cpus)
+                for m in masks]
+    if all(n.cpus == m.cpus for n, m in zip(narrowed, masks)):
+        return None
+    return tuple(n.cpus for n in narrowed), allocate_threads(narrowed, topology, smt=smt).threads
 
 
 def masks_per_numa_node(masks: Sequence[frozenset[int]], topology: CpuTopology) -> tuple[tuple[int, ...], ...]:

@@ -39,6 +39,10 @@ class RankCpus:
     """Its affinity mask."""
     cgroup: CgroupCpuLimit | None = None
     """Its cgroup CPU quota; ranks reporting the same ``cgroup`` key share one quota."""
+    node: int | None = None
+    """The NUMA node it binds to under ``OffloadSettings.bind_numa`` (its GPU's, or its mask's:
+    ``offload.threads._numa.rank_numa_node``); None: unknown, or nothing to bind to. Only the
+    bound plan (``ThreadPlan.bound_threads``) reads it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -67,12 +67,14 @@ memory saturates with the cores left, ``bench._stepmodel``). On, applied between
 the process to its GPU's node and moves the host state's pages there in place; off restores the
 affinity and leaves the pages where they are, so an "off" measured after an "on" reads the state
 from one node (``offload.state._placement``). The baseline is off (the default's behaviour) and a
-tie keeps it. Right after ``threads`` in the space: the sweep walks the thread count first, then
-decides the binding at it, then the chunk size. Not first: a bound rank keeps its thread count,
-planned for its whole mask, on one node's part of it (on the step model's cyclic masks the
-static plan's 15 threads on 7-8 cores), so "on" judged at the static plan looks far worse than
-it is; nor last: decided after the chunk size, one unlucky pair of samples keeps a 20-25 %
-slower "off" on a node where binding pays (``bench.simulate``). Exact either way.
+tie keeps it. Bound, a rank's threads are capped at ``ThreadPlan.bound_threads``: the rule
+rerun on every local rank's mask narrowed to its node (each rank's node travels with its mask in
+the plan's one exchange), so the ranks bound to one node never oversubscribe it (the cyclic masks
+of ``bench.simulate``: 15 threads unbound, 7-8 bound, where keeping 15 made "on" look 10 % worse
+than it is). Right after ``threads`` in the space: the sweep walks the thread count first, then
+decides the binding at it, then the chunk size (p95 regret on ``bench.simulate``'s three nodes
+with the knob: 1.45 / 4.17 / 2.42 %; first: 2.64 / 2.63 / 2.42 %; last: 14.9 / 4.17 / 2.42 %,
+where one unlucky pair of samples keeps a 20-25 % slower "off"). Exact either way.
 """
 
 from __future__ import annotations
@@ -349,6 +351,8 @@ class OffloadTuning:
             raise ValueError(f"objective={objective!r}: expected 'step' or 'iteration'")
         self.objective = objective
         self._own_threads = plan.threads
+        # Once bound to its NUMA node a rank computes on that node's part of its mask only.
+        self._bound_threads = plan.threads if getattr(plan, "bound_threads", None) is None else plan.bound_threads
         self._starved = plan.starved  # said in the trace's summary too
         # Every local rank must build the same space: the ladder tops at the largest budget of any
         # local rank and each rank caps the knob at its own plan (see _apply), so the static plan
@@ -430,14 +434,15 @@ class OffloadTuning:
                    kernels_available=kernels_available, cuda_transport=cuda_transport)
 
     def _apply(self, setting: dict[str, Any]) -> None:
-        threads = min(int(setting["threads"]), self._own_threads)
         current = self._optimizer.settings
+        numa = setting.get("bind_numa")
+        bound = current.bind_numa if numa is None else bool(numa)
+        threads = min(int(setting["threads"]), self._bound_threads if bound else self._own_threads)
         kernel = str(setting.get("kernel", current.kernel))
         speculate = bool(setting.get("speculate", current.speculate))
         value = setting.get("backward_threads")
         backward = current.backward_threads if value is None else backward_thread_count(int(value), threads)
         ring = setting.get("ring_slots")
-        numa = setting.get("bind_numa")
         self._optimizer.apply_settings(
             replace(current, threads=threads, chunk_numel=int(setting["chunk_numel"]), kernel=kernel,  # type: ignore[arg-type]
                     speculate=speculate, backward_threads=backward,

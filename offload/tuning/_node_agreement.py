@@ -62,19 +62,21 @@ def node_agreement(*, timeout_s: float, owner: str) -> NodeAgreement:
     return NodeAgreement(make_agreement(None, timeout_s=timeout_s, owner=owner))
 
 
-def plan_with(agreement: NodeAgreement, *, threads: int | None) -> ThreadPlan:
-    """``plan_cpu_threads(threads=threads)`` with the masks exchanged through ``agreement``
-    (where it spans several ranks; in one process the plan is made exactly as without it)."""
+def plan_with(agreement: NodeAgreement, *, threads: int | None, bind_node: int | None = None) -> ThreadPlan:
+    """``plan_cpu_threads(threads=threads, bind_node=bind_node)`` with the masks exchanged through
+    ``agreement`` (where it spans several ranks; in one process the plan is made exactly as without it)."""
     if agreement.world_size > 1:
-        return plan_cpu_threads(threads=threads, agreement=agreement)
-    return plan_cpu_threads(threads=threads)
+        return plan_cpu_threads(threads=threads, agreement=agreement, bind_node=bind_node)
+    return plan_cpu_threads(threads=threads, bind_node=bind_node)
 
 
 def thread_plan(config: AutotuneConfig | None, *, threads: int | None, plan: ThreadPlan | None,
-                owner: str) -> tuple[ThreadPlan, NodeAgreement | None]:
+                owner: str, bind_node: int | None = None) -> tuple[ThreadPlan, NodeAgreement | None]:
     """The thread plan of an optimizer (``plan`` when given) and, when tuned (``config``), the
-    node agreement it was exchanged through, for the kernel vote and the tuner."""
+    node agreement it was exchanged through, for the kernel vote and the tuner. ``bind_node``: the
+    NUMA node this rank would bind to (``ThreadPlan.bound_threads``, for the ``bind_numa`` knob)."""
     agreement = node_agreement(timeout_s=config.timeout_s, owner=owner) if config is not None else None
     if plan is None:
-        plan = plan_with(agreement, threads=threads) if agreement is not None else plan_cpu_threads(threads=threads)
+        plan = (plan_with(agreement, threads=threads, bind_node=bind_node) if agreement is not None
+                else plan_cpu_threads(threads=threads, bind_node=bind_node))
     return plan, agreement
