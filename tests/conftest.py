@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -143,3 +147,34 @@ def train_summary(out: Path, *args: str) -> dict:
 
     assert train.main([*args, "--summary-json", str(out)]) == 0
     return json.loads(out.read_text())
+
+
+def fake_fingerprint(*, workload: Any, space: Any, local_world_size: int) -> Any:
+    """A tuner fingerprint keyed by the space alone (tests of the lock-in, no machine facts)."""
+    return SimpleNamespace(key=f"key-{space.digest()}", details={"space": space.to_dict()})
+
+
+def lock_in(space: Any, baseline: dict[str, Any], cost: Callable[[dict[str, Any]], float], *,
+            max_steps: int = 200) -> tuple[Any, int]:
+    """A real ``OnlineTuner`` over ``space``, fed the injected step time ``cost(setting)`` of the
+    setting it applied, until it locks in (at most ``max_steps``); returns (tuner, steps taken)."""
+    from autotune import AutotuneConfig, OnlineTuner, StepSample
+
+    current: dict[str, Any] = {}
+    tuner = OnlineTuner(space, baseline=baseline, apply=current.update, config=AutotuneConfig(),
+                        workload={"params": 1}, clock=itertools.count().__next__, fingerprint=fake_fingerprint)
+    tuner.start()
+    steps = 0
+    while tuner.state != "locked" and steps < max_steps:
+        tuner.observe(StepSample(time_s=cost(current), stages={}, spans=()))
+        steps += 1
+    return tuner, steps
+
+
+def until_locked(tuning: Any, *, max_steps: int = 100) -> dict[str, Any]:
+    """Call an ``OffloadTuning``'s ``after_step`` until its tuner locks in; its summary."""
+    for _ in range(max_steps):
+        tuning.after_step()
+        if tuning.tuner.state == "locked":
+            break
+    return tuning.tuner.summary()

@@ -10,20 +10,18 @@ step-time model of ``bench._stepmodel``), never with the clock.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from conftest import assert_bitwise, batch, make_model, param_groups
+from conftest import assert_bitwise, batch, lock_in, make_model, param_groups
 
-from autotune import AutotuneConfig, OnlineTuner, StepSample
+from autotune import AutotuneConfig
 from autotune.knobs import MAX_THREADS
 from bench._simulate_nodes import NODES
 from bench._stepmodel import Node, Workload
@@ -226,10 +224,6 @@ def test_the_optimizer_probes_the_knob_only_where_it_can_matter(
     opt.close()
 
 
-def _fingerprint(*, workload: Any, space: Any, local_world_size: int) -> Any:
-    return SimpleNamespace(key=f"key-{space.digest()}", details={"space": space.to_dict()})
-
-
 @pytest.mark.parametrize(("busy_cost", "winner"), [(0.3, 1), (0.0, 8)])
 def test_the_tuner_locks_in_few_backward_threads_where_busy_cores_slow_backward(
         busy_cost: float, winner: float) -> None:
@@ -241,7 +235,6 @@ def test_the_tuner_locks_in_few_backward_threads_where_busy_cores_slow_backward(
     space = offload_search_space(max_threads=8, baseline_threads=8, largest_slab=1 << 24, baseline_chunk=1 << 22,
                                  fixed_threads=False, speculate=True, backward_threads=True)
     assert space.names[0] == "backward_threads" and space.knobs[0].values == (1, 2, 8)
-    current: dict[str, Any] = {}
 
     def cost(setting: dict[str, Any]) -> float:
         threads = int(setting["threads"])
@@ -249,14 +242,7 @@ def test_the_tuner_locks_in_few_backward_threads_where_busy_cores_slow_backward(
         exposed_step = 0.2 * 8 / threads if setting["speculate"] else 0.6 * 8 / threads
         return (1.0 + busy_cost * backward / 8 if setting["speculate"] else 1.0) + exposed_step
 
-    tuner = OnlineTuner(space, baseline={"threads": 8, "chunk_numel": 1 << 22, "speculate": True, "backward_threads": 8},
-                        apply=current.update, config=AutotuneConfig(), workload={"params": 1},
-                        clock=itertools.count().__next__, fingerprint=_fingerprint)
-    tuner.start()
-    steps = 0
-    while tuner.state != "locked" and steps < 200:
-        tuner.observe(StepSample(time_s=cost(current), stages={}, spans=()))
-        steps += 1
+    tuner, steps = lock_in(space, {"threads": 8, "chunk_numel": 1 << 22, "speculate": True, "backward_threads": 8}, cost)
     summary = tuner.summary()
     assert tuner.state == "locked" and steps <= AutotuneConfig().probe_steps
     assert summary["winner"]["backward_threads"] == winner
@@ -372,13 +358,9 @@ def test_the_tuner_on_the_model_runs_backward_apart_only_where_it_pays(params: i
         backward = backward_thread_count(int(setting["backward_threads"]), threads) or threads
         return node.node_time([threads] * 8, chunk, [backward] * 8)
 
-    current: dict[str, Any] = {}
     baseline = {"threads": 15, "chunk_numel": 1 << 22, "speculate": True, "backward_threads": 15}
-    tuner = OnlineTuner(space, baseline=baseline, apply=current.update, config=AutotuneConfig(), workload={},
-                        clock=itertools.count().__next__, fingerprint=_fingerprint)
-    tuner.start()
-    while tuner.state != "locked":
-        tuner.observe(StepSample(time_s=model_time(current), stages={}, spans=()))
+    tuner, _ = lock_in(space, baseline, model_time)
+    assert tuner.state == "locked"
     winner = tuner.summary()["winner"]
     best = min(space.candidates(), key=model_time)
 

@@ -11,21 +11,19 @@ machine. The knob is probed only where the local masks span several NUMA nodes a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import platform
 import threading
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from conftest import assert_bitwise
+from conftest import assert_bitwise, lock_in, until_locked
 
-from autotune import AutotuneConfig, OnlineTuner, StepSample
+from autotune import AutotuneConfig
 from offload import CPUOffloadAdamW, OffloadSettings, StepStats, ThreadPlan
 from offload.state._pages import mbind_move, page_node, page_ranges, page_size
 from offload.threads._numa import bind_to_numa_node
@@ -328,29 +326,17 @@ def test_the_optimizer_probes_the_knob_only_where_masks_span_nodes(
         opt.close()
 
 
-def _fingerprint(*, workload: Any, space: Any, local_world_size: int) -> Any:
-    return SimpleNamespace(key=f"key-{space.digest()}", details={"space": space.to_dict()})
-
-
 @pytest.mark.parametrize(("gain", "winner"), [(0.2, True), (0.0, False)])
 def test_the_tuner_locks_in_binding_where_it_pays(gain: float, winner: bool) -> None:
     """Injected node times: bound is ``gain`` faster. It is locked in only where it pays; a tie
     keeps the baseline (unbound); within the default probe budget."""
     space = offload_search_space(max_threads=16, baseline_threads=16, largest_slab=1 << 26, baseline_chunk=1 << 22,
                                  fixed_threads=False, bind_numa=True)
-    current: dict[str, Any] = {}
 
     def cost(setting: dict[str, Any]) -> float:
         return (1.0 + abs(setting["threads"] - 8) / 16) * (1.0 - gain * setting["bind_numa"])
 
-    tuner = OnlineTuner(space, baseline={"threads": 16, "chunk_numel": 1 << 22, "bind_numa": False},
-                        apply=current.update, config=AutotuneConfig(), workload={"params": 1},
-                        clock=itertools.count().__next__, fingerprint=_fingerprint)
-    tuner.start()
-    steps = 0
-    while tuner.state != "locked" and steps < 200:
-        tuner.observe(StepSample(time_s=cost(current), stages={}, spans=()))
-        steps += 1
+    tuner, steps = lock_in(space, {"threads": 16, "chunk_numel": 1 << 22, "bind_numa": False}, cost)
     assert tuner.state == "locked" and steps <= AutotuneConfig().probe_steps
     assert tuner.summary()["winner"]["bind_numa"] is winner
     assert tuner.summary()["winner"]["threads"] == 8
@@ -379,20 +365,12 @@ def _tuning(opt: _FakeOptimizer, cache: Path) -> OffloadTuning:
                          objective="step", workload={"params": 1024, "test": "bind_numa"}, largest_slab=1024)
 
 
-def _until_locked(tuning: OffloadTuning) -> dict[str, Any]:
-    for _ in range(100):
-        tuning.after_step()
-        if tuning.tuner.state == "locked":
-            break
-    return tuning.tuner.summary()
-
-
 def test_the_locked_binding_reaches_apply_settings_and_round_trips_through_the_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache.json"
     opt = _FakeOptimizer()
     tuning = _tuning(opt, cache)
     assert "bind_numa" in tuning.tuner.space.names
-    summary = _until_locked(tuning)
+    summary = until_locked(tuning)
     assert summary["winner"]["bind_numa"] is True and not summary["cache_hit"]
     assert opt.settings.bind_numa is True
     assert {s.bind_numa for s in opt.applied} == {False, True}  # both probed
@@ -400,7 +378,7 @@ def test_the_locked_binding_reaches_apply_settings_and_round_trips_through_the_c
 
     again = _FakeOptimizer()
     tuning = _tuning(again, cache)  # the cached choice, re-checked on its first steps
-    summary = _until_locked(tuning)
+    summary = until_locked(tuning)
     assert summary["cache_hit"] and summary["winner"]["bind_numa"] is True
     assert again.settings.bind_numa is True
     tuning.close()
@@ -488,7 +466,7 @@ def test_a_bound_rank_runs_at_most_its_bound_threads() -> None:
     plan = replace(_plan(SPANNING), threads=4, planned_threads=4, local_threads=(4, 4), bound_threads=2)
     tuning = OffloadTuning(opt, AutotuneConfig(use_cache=False), plan=plan, fixed_threads=False, objective="step",
                            workload={"params": 1024, "test": "bound threads"}, largest_slab=1024)
-    _until_locked(tuning)
+    until_locked(tuning)
     assert {s.threads for s in opt.applied if s.bind_numa} <= {1, 2}
     assert 4 in {s.threads for s in opt.applied if not s.bind_numa}
     tuning.close()

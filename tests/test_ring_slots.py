@@ -12,22 +12,20 @@ times, never with the clock.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from _fake_cuda import FakeEvent, FakeOps, Log
-from conftest import assert_bitwise, make_model, param_groups
+from conftest import assert_bitwise, lock_in, make_model, param_groups, until_locked
 
-from autotune import AutotuneConfig, OnlineTuner, StepSample
+from autotune import AutotuneConfig
 from offload import CPUOffloadAdamW, OffloadSettings, StepStats, ThreadPlan
 from offload._settings import MAX_RING_SLOTS
 from offload.kernels._adamw import KernelSet, fused_adamw_
@@ -243,10 +241,6 @@ def test_the_optimizer_probes_the_knob_only_on_the_cuda_transport(
         opt.close()
 
 
-def _fingerprint(*, workload: Any, space: Any, local_world_size: int) -> Any:
-    return SimpleNamespace(key=f"key-{space.digest()}", details={"space": space.to_dict()})
-
-
 @pytest.mark.parametrize(("gain", "winner"), [(0.08, 4), (0.0, 2)])
 def test_the_tuner_locks_in_a_deeper_ring_where_it_pays(gain: float, winner: int) -> None:
     """Injected step times on the fake-CUDA space: each slot beyond 2 saves ``gain`` (copies ride
@@ -254,19 +248,11 @@ def test_the_tuner_locks_in_a_deeper_ring_where_it_pays(gain: float, winner: int
     the baseline's 2 (less pinned memory); the search fits the default probe budget."""
     space = offload_search_space(max_threads=4, baseline_threads=4, largest_slab=1 << 24, baseline_chunk=1 << 22,
                                  fixed_threads=False, kernels=("torch", "fused-mp"), ring_slots=True)
-    current: dict[str, Any] = {}
 
     def cost(setting: dict[str, Any]) -> float:
         return 1.0 * 4 / setting["threads"] ** 0.5 - gain * (setting["ring_slots"] - 2)
 
-    tuner = OnlineTuner(space, baseline={"threads": 4, "chunk_numel": 1 << 22, "kernel": "torch", "ring_slots": 2},
-                        apply=current.update, config=AutotuneConfig(), workload={"params": 1},
-                        clock=itertools.count().__next__, fingerprint=_fingerprint)
-    tuner.start()
-    steps = 0
-    while tuner.state != "locked" and steps < 200:
-        tuner.observe(StepSample(time_s=cost(current), stages={}, spans=()))
-        steps += 1
+    tuner, steps = lock_in(space, {"threads": 4, "chunk_numel": 1 << 22, "kernel": "torch", "ring_slots": 2}, cost)
     assert tuner.state == "locked" and steps <= AutotuneConfig().probe_steps
     assert tuner.summary()["winner"]["ring_slots"] == winner
     assert tuner.summary()["winner"]["threads"] == 4
@@ -297,20 +283,12 @@ def _tuning(opt: _FakeOptimizer, cache: Path) -> OffloadTuning:
                          cuda_transport=True)
 
 
-def _until_locked(tuning: OffloadTuning) -> dict[str, Any]:
-    for _ in range(100):
-        tuning.after_step()
-        if tuning.tuner.state == "locked":
-            break
-    return tuning.tuner.summary()
-
-
 def test_the_locked_depth_reaches_apply_settings_and_round_trips_through_the_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache.json"
     opt = _FakeOptimizer()
     tuning = _tuning(opt, cache)
     assert "ring_slots" in tuning.tuner.space.names
-    summary = _until_locked(tuning)
+    summary = until_locked(tuning)
     assert summary["winner"]["ring_slots"] == 4 and not summary["cache_hit"]
     assert opt.settings.ring_slots == 4
     assert {s.ring_slots for s in opt.applied} == set(RING_LADDER)  # each depth probed
@@ -318,7 +296,7 @@ def test_the_locked_depth_reaches_apply_settings_and_round_trips_through_the_cac
 
     again = _FakeOptimizer()
     tuning = _tuning(again, cache)  # the cached choice, re-checked on its first steps
-    summary = _until_locked(tuning)
+    summary = until_locked(tuning)
     assert summary["cache_hit"] and summary["winner"]["ring_slots"] == 4
     assert again.settings.ring_slots == 4
     tuning.close()
