@@ -178,3 +178,27 @@ def until_locked(tuning: Any, *, max_steps: int = 100) -> dict[str, Any]:
         if tuning.tuner.state == "locked":
             break
     return tuning.tuner.summary()
+
+
+class FakeTunable:
+    """What ``offload.tuning._glue.OffloadTuning`` sees of ``CPUOffloadAdamW`` (``Tunable``): the
+    settings in force, every ``apply_settings``, and a step of 0.8 s where ``fast(settings)``, else
+    1.0 s (the injected measurement)."""
+
+    def __init__(self, settings: Any, fast: Callable[[Any], bool]) -> None:
+        self.settings = settings
+        self.applied: list[Any] = []
+        self._fast = fast
+
+    @property
+    def last_stats(self) -> Any:
+        from offload import StepStats
+
+        step_s = 0.8 if self._fast(self.settings) else 1.0
+        return StepStats(step_s=step_s, d2h_s=0.0, adam_kernel_s=0.0, materialize_s=0.0, drain_s=0.0,
+                         threads=self.settings.threads, chunk_numel=self.settings.chunk_numel, num_chunks=1,
+                         numel=1024)
+
+    def apply_settings(self, settings: Any) -> None:
+        self.settings = settings
+        self.applied.append(settings)

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_bitwise, lock_in, until_locked
+from conftest import assert_bitwise, FakeTunable, lock_in, until_locked
 
 from autotune import AutotuneConfig
-from offload import CPUOffloadAdamW, OffloadSettings, StepStats, ThreadPlan
+from offload import CPUOffloadAdamW, OffloadSettings, ThreadPlan
 from offload.state._pages import mbind_move, page_node, page_ranges, page_size
 from offload.threads._numa import bind_to_numa_node
 from offload.tuning._glue import OffloadTuning, masks_span_numa_nodes, offload_search_space
@@ -342,32 +342,19 @@ def test_the_tuner_locks_in_binding_where_it_pays(gain: float, winner: bool) -> 
     assert tuner.summary()["winner"]["threads"] == 8
 
 
-class _FakeOptimizer:
-    """What the glue sees of ``CPUOffloadAdamW``; its step takes 1.0 s, 0.8 s bound."""
-
-    def __init__(self) -> None:
-        self.settings = OffloadSettings(threads=2, chunk_numel=1024, kernel="torch")
-        self.applied: list[OffloadSettings] = []
-
-    @property
-    def last_stats(self) -> StepStats:
-        step_s = 0.8 if self.settings.bind_numa else 1.0
-        return StepStats(step_s=step_s, d2h_s=0.0, adam_kernel_s=0.0, materialize_s=0.0, drain_s=0.0,
-                         threads=2, chunk_numel=1024, num_chunks=1, numel=1024)
-
-    def apply_settings(self, settings: OffloadSettings) -> None:
-        self.settings = settings
-        self.applied.append(settings)
+def _fake_optimizer() -> FakeTunable:
+    """Its step takes 1.0 s, 0.8 s bound."""
+    return FakeTunable(OffloadSettings(threads=2, chunk_numel=1024, kernel="torch"), lambda s: bool(s.bind_numa))
 
 
-def _tuning(opt: _FakeOptimizer, cache: Path) -> OffloadTuning:
+def _tuning(opt: FakeTunable, cache: Path) -> OffloadTuning:
     return OffloadTuning(opt, AutotuneConfig(cache_path=str(cache)), plan=_plan(SPANNING), fixed_threads=False,
                          objective="step", workload={"params": 1024, "test": "bind_numa"}, largest_slab=1024)
 
 
 def test_the_locked_binding_reaches_apply_settings_and_round_trips_through_the_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache.json"
-    opt = _FakeOptimizer()
+    opt = _fake_optimizer()
     tuning = _tuning(opt, cache)
     assert "bind_numa" in tuning.tuner.space.names
     summary = until_locked(tuning)
@@ -376,7 +363,7 @@ def test_the_locked_binding_reaches_apply_settings_and_round_trips_through_the_c
     assert {s.bind_numa for s in opt.applied} == {False, True}  # both probed
     tuning.close()
 
-    again = _FakeOptimizer()
+    again = _fake_optimizer()
     tuning = _tuning(again, cache)  # the cached choice, re-checked on its first steps
     summary = until_locked(tuning)
     assert summary["cache_hit"] and summary["winner"]["bind_numa"] is True
@@ -462,7 +449,7 @@ def test_the_rank_node_travels_with_the_mask_through_the_agreement() -> None:
 def test_a_bound_rank_runs_at_most_its_bound_threads() -> None:
     """The tuner's bind_numa=True reaches apply_settings with threads capped at the bound plan's
     count; unbound, at the plan's own."""
-    opt = _FakeOptimizer()
+    opt = _fake_optimizer()
     plan = replace(_plan(SPANNING), threads=4, planned_threads=4, local_threads=(4, 4), bound_threads=2)
     tuning = OffloadTuning(opt, AutotuneConfig(use_cache=False), plan=plan, fixed_threads=False, objective="step",
                            workload={"params": 1024, "test": "bound threads"}, largest_slab=1024)

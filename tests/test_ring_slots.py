@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from _fake_cuda import FakeEvent, FakeOps, Log
-from conftest import assert_bitwise, lock_in, make_model, param_groups, until_locked
+from conftest import assert_bitwise, FakeTunable, lock_in, make_model, param_groups, until_locked
 
 from autotune import AutotuneConfig
 from offload import CPUOffloadAdamW, OffloadSettings, StepStats, ThreadPlan
@@ -258,26 +258,12 @@ def test_the_tuner_locks_in_a_deeper_ring_where_it_pays(gain: float, winner: int
     assert tuner.summary()["winner"]["threads"] == 4
 
 
-class _FakeOptimizer:
-    """What the glue sees of ``CPUOffloadAdamW`` (``offload.tuning._glue.Tunable``); its step time
-    (the "step" objective) is 1.0 s, 0.8 s with a 4-slot ring (the injected measurement)."""
-
-    def __init__(self) -> None:
-        self.settings = replace(SETTINGS, threads=2, kernel="torch")
-        self.applied: list[OffloadSettings] = []
-
-    @property
-    def last_stats(self) -> StepStats:
-        step_s = 0.8 if self.settings.ring_slots == 4 else 1.0
-        return StepStats(step_s=step_s, d2h_s=0.0, adam_kernel_s=0.0, materialize_s=0.0, drain_s=0.0,
-                         threads=2, chunk_numel=1024, num_chunks=1, numel=1024)
-
-    def apply_settings(self, settings: OffloadSettings) -> None:
-        self.settings = settings
-        self.applied.append(settings)
+def _fake_optimizer() -> FakeTunable:
+    """Its step time (the "step" objective) is 1.0 s, 0.8 s with a 4-slot ring."""
+    return FakeTunable(replace(SETTINGS, threads=2, kernel="torch"), lambda s: s.ring_slots == 4)
 
 
-def _tuning(opt: _FakeOptimizer, cache: Path) -> OffloadTuning:
+def _tuning(opt: FakeTunable, cache: Path) -> OffloadTuning:
     return OffloadTuning(opt, AutotuneConfig(cache_path=str(cache)), plan=_plan(2), fixed_threads=False,
                          objective="step", workload={"params": 1024, "test": "ring_slots"}, largest_slab=1024,
                          cuda_transport=True)
@@ -285,7 +271,7 @@ def _tuning(opt: _FakeOptimizer, cache: Path) -> OffloadTuning:
 
 def test_the_locked_depth_reaches_apply_settings_and_round_trips_through_the_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache.json"
-    opt = _FakeOptimizer()
+    opt = _fake_optimizer()
     tuning = _tuning(opt, cache)
     assert "ring_slots" in tuning.tuner.space.names
     summary = until_locked(tuning)
@@ -294,7 +280,7 @@ def test_the_locked_depth_reaches_apply_settings_and_round_trips_through_the_cac
     assert {s.ring_slots for s in opt.applied} == set(RING_LADDER)  # each depth probed
     tuning.close()
 
-    again = _FakeOptimizer()
+    again = _fake_optimizer()
     tuning = _tuning(again, cache)  # the cached choice, re-checked on its first steps
     summary = until_locked(tuning)
     assert summary["cache_hit"] and summary["winner"]["ring_slots"] == 4
