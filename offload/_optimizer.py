@@ -35,10 +35,10 @@ from offload.state._layout import HostLayout
 from offload.state._masters import give_masters, loaded_seeds
 from offload.state._params import ParamRegistry, check_params, param_names
 from offload.state._placement import NumaBinder, NumaPlacement, NumaSwitch, PageMover
-from offload.threads._numa import rank_numa_node
 from offload.state._rebind import check_rebound
 from offload.state._slabs import HostSlabs
 from offload.state._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
+from offload.threads._numa import rank_numa_node
 from offload.threads._plan import ThreadPlan
 from offload.tuning._node_agreement import thread_plan
 from offload.tuning._glue import OffloadTuning

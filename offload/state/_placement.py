@@ -137,7 +137,8 @@ class NumaSwitch:
     """``bind_numa`` over an optimizer's life: the placement in force (None while off), bound at
     construction (:meth:`bind`, before the slabs are allocated) or between steps (:meth:`turn_on`:
     bind and move the pages), restored between steps or at close (:meth:`turn_off`: the pages
-    stay). A failed page move warns once per switch, whatever the tuner's toggling."""
+    stay). A failed page move is a WARNING once per optimizer, whatever the tuner's toggling (later
+    failures are logged at DEBUG and recorded in ``NumaPlacement.move_error``)."""
 
     def __init__(self, device: torch.device, binder: NumaBinder | None = None,
                  mover: PageMover | None = None) -> None:
