@@ -202,6 +202,14 @@ class NoiseModel:
         spikes = np.where(rng.random(ranks) < self.spike_prob, self.spike_factor, 1.0)
         return node * per_rank * spikes
 
+    def factors_array(self, rng: np.random.Generator, shape: tuple[int, ...], ranks: int) -> np.ndarray:
+        """:meth:`factors` for many steps at once: an array of ``shape + (ranks,)`` factors, each
+        ``[..., :]`` one step's (the same distribution; another draw order)."""
+        node = rng.lognormal(0.0, self.node_sigma, size=shape)[..., None]
+        per_rank = rng.lognormal(0.0, self.rank_sigma, size=shape + (ranks,))
+        spikes = np.where(rng.random(shape + (ranks,)) < self.spike_prob, self.spike_factor, 1.0)
+        return node * per_rank * spikes
+
 
 def pipeline_time(
     n_chunks: int, chunk_elems: Sequence[int] | None, *, d2h_s: Sequence[float], kernel_s: Sequence[float],

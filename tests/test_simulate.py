@@ -343,3 +343,28 @@ def test_the_oracle_bound_is_a_floor_that_more_samples_or_less_noise_lower() -> 
     long = oracle_bound(node, space.candidates(), threads_of, steps=60, seeds=300)
     assert short["median"]["above_2pct"] > long["median"]["above_2pct"]
     assert oracle_bound(node, space.candidates(), threads_of, steps=12, seeds=300) == short  # seeded
+    for stat in ("median", "mean"):  # the equal split is one of the splits the best one is chosen from
+        best = short["best_split"][stat]
+        assert best["above_2pct"] <= short[stat]["above_2pct"] and sum(best["split"]) == 12 - 3
+
+
+def test_the_oracle_says_how_many_steps_a_median_pick_needs() -> None:
+    """``steps_needed``: without noise the fewest steps it tries; under the model's noise on the
+    exclusive node (three candidates within 2.7 %) a median pick needs more steps than a mean
+    pick, and at that budget the best split meets the 2 % p95 while one step fewer does not."""
+    from bench._simulate_oracle import oracle_bound, steps_needed
+
+    node = simulate.build_node("2s60c-smt2-8r-exclusive")
+    space, _, caps = simulate.tuning_inputs(node, simulate.plan_node(node))
+    threads_of = lambda c: simulate.capped(c, caps)  # noqa: E731
+    quiet = NoiseModel(node_sigma=0.0, rank_sigma=0.0, spike_prob=0.0)
+    assert steps_needed(node, space.candidates(), threads_of, noise=quiet, seeds=50) == 8
+    by_median = steps_needed(node, space.candidates(), threads_of, seeds=300)
+    by_mean = steps_needed(node, space.candidates(), threads_of, statistic="mean", seeds=300)
+    assert by_median is not None and by_mean is not None and by_mean < by_median
+    assert oracle_bound(node, space.candidates(), threads_of, steps=by_median, seeds=300)["best_split"]["median"][
+        "p95"] <= 0.02
+    assert oracle_bound(node, space.candidates(), threads_of, steps=by_median - 1, seeds=300)["best_split"][
+        "median"]["p95"] > 0.02
+    with pytest.raises(ValueError, match="statistic='trimmed'"):
+        steps_needed(node, space.candidates(), threads_of, statistic="trimmed")
