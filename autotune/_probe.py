@@ -10,7 +10,7 @@ A session spends at most ``config.probe_steps`` training steps:
    thread count so far, ...), each enqueued into the study and decided from the results so far;
    then a seeded multivariate TPE sampler for what budget remains. Beyond the grid a candidate
    whose fastest step is clearly slower than the best so far stops after two measured steps
-   (:data:`EARLY_STOP_MARGIN`), which leaves room for more candidates.
+   (:data:`EARLY_STOP_MARGIN`; three when both may be stalls), which leaves room for more candidates.
 2. finals: the static plan and the best ``finalists - 1`` others are measured again, round-robin:
    ``final_rounds`` rounds (beyond the grid :data:`TPE_FINAL_ROUNDS`), each visit one warm-up
    step (the first step after a switch is slower, so it is discarded as in exploring) and one
@@ -35,6 +35,7 @@ from typing import Any, Iterator, Literal
 
 from autotune._config import AutotuneConfig
 from autotune._measurement import (
+    OUTLIER_FACTOR,
     Measurement,
     format_ms,
     gain_threshold,
@@ -60,6 +61,13 @@ EARLY_STOP_MARGIN = 0.05
 #: Measured steps before a candidate may be stopped early. Two, because a stall only ever slows a
 #: step: one slow sample may be a hiccup, the faster of two rarely is.
 EARLY_STOP_SAMPLES = 2
+#: ... unless even the faster of the two is a stall next to the best median so far (beyond
+#: :data:`~autotune._measurement.OUTLIER_FACTOR` of it): two stalls in a row look just like a
+#: candidate twice as slow, and on a node where one rank's stall stalls the step they are not rare
+#: (``python -m bench.simulate``: 15 % of node steps, so 2 % of candidates get two in a row; one
+#: such lost candidate locked in a 28 % slower setting). Such a candidate is stopped only after this
+#: many samples (three stalls in a row: 0.3 %).
+STALL_CONFIRM_SAMPLES = 3
 #: Beyond the grid the finals are one interleaved round of the finalists ...
 TPE_FINAL_ROUNDS = 1
 #: ... followed by up to this many duel rounds (the fastest finalist against the static plan, see
@@ -370,13 +378,18 @@ class ProbeSession:
     def _clearly_slower(self, key: Key) -> bool:
         """True when ``key``'s fastest measured step is beyond :data:`EARLY_STOP_MARGIN` of the best
         median explored so far. Only beyond the grid (a grid measures every candidate fully),
-        never for the static plan, nor before :data:`EARLY_STOP_SAMPLES` samples."""
+        never for the static plan, nor before :data:`EARLY_STOP_SAMPLES` samples (nor before
+        :data:`STALL_CONFIRM_SAMPLES` when even the fastest may be a stall)."""
         samples = self.samples[key]
         if self.plan.sampler != "tpe" or key == self.baseline or len(samples) < EARLY_STOP_SAMPLES:
             return False
         if not self.explored:
             return False
-        stopped = min(samples) > (1.0 + EARLY_STOP_MARGIN) * min(self.explored.values())
+        best = min(self.explored.values())
+        fastest = min(samples)
+        stopped = fastest > (1.0 + EARLY_STOP_MARGIN) * best
+        if stopped and fastest > OUTLIER_FACTOR * best and len(samples) < STALL_CONFIRM_SAMPLES:
+            return False  # every sample may be a stall: one more tells (see STALL_CONFIRM_SAMPLES)
         if stopped:
             logger.debug("%s: %s is clearly slower after %d samples; skipping the rest", self.owner,
                          self.space.describe(self.space.setting(key)), len(samples))

@@ -20,6 +20,7 @@ that statistic meets the target within that budget; only more samples, or a quie
 from __future__ import annotations
 
 import itertools
+import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -48,7 +49,7 @@ class _Draws:
 
     def __init__(self, node: Node, rank_times: Sequence[np.ndarray], noise: NoiseModel, seeds: int,
                  samples: int) -> None:
-        rng = np.random.default_rng([seeds, sum(map(ord, node.name))])
+        rng = np.random.default_rng([seeds, zlib.crc32(node.name.encode())])
         self.times = [np.max(t * noise.factors_array(rng, (seeds, samples), node.ranks), axis=-1) for t in rank_times]
         self._cache: dict[tuple[str, int, int], np.ndarray] = {}
 

@@ -466,6 +466,34 @@ def test_beyond_the_grid_a_coordinate_sweep_finds_a_best_that_needs_both_knobs()
     assert n[(4, 1 << 22)] == 2 and n[(16, 1 << 22)] >= 3
 
 
+def test_two_stalls_in_a_row_do_not_stop_a_candidate_but_a_slow_one_stops_after_a_third_sample():
+    """Early stopping beyond the grid: a candidate whose first two measured steps both stalled
+    (2x, as one rank's stall stalls a node's step) looks twice as slow; it gets a third sample,
+    which shows it is the fastest thread count, and the sweep goes on from it. A truly 2x slower
+    candidate stops after that third sample; one 10 % slower after two, as before."""
+    space = make_space(threads=(1, 2, 4, 8, 16), chunks=(1 << 20, 1 << 22, 1 << 25, 1 << 30))
+    baseline = {"threads": 16, "chunk_numel": 1 << 22}
+    separable = _separable(8, 1 << 25)
+    calls: dict[tuple[int, int], int] = {}
+
+    def cost(s: dict[str, Any]) -> float:
+        key = (s["threads"], s["chunk_numel"])
+        calls[key] = calls.get(key, 0) + 1
+        t = separable(s) * (2.0 if s["threads"] == 4 else 1.0)  # 4 threads: truly twice as slow
+        stalled = key == (8, 1 << 22) and calls[key] in (2, 3)  # its first two measured steps (after the warm-up)
+        return 2.0 * t if stalled else t
+
+    client = Client(cost)
+    tuner = make_tuner(client, space=space, baseline=baseline, config=AutotuneConfig(measure_steps=5, probe_steps=60))
+    client.run(tuner, 80)
+    s = tuner.summary()
+    n = {(m["candidate"]["threads"], m["candidate"]["chunk_numel"]): m["n"] for m in s["measurements"]}
+    assert s["sampler"] == "tpe" and s["winner"] == {"threads": 8, "chunk_numel": 1 << 25}
+    assert n[(8, 1 << 22)] >= 5  # not stopped: its third sample showed the two stalls for what they were
+    assert n[(4, 1 << 22)] == 3  # truly 2x slower: stopped once a third sample confirmed it
+    assert n[(8, 1 << 30)] == 2  # 10 % slower (1 + 0.03 x 5): stopped after two, no stall suspected
+
+
 def test_sweep_is_a_deterministic_function_of_the_results():
     from autotune._probe import sweep_next
 
