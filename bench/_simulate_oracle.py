@@ -1,8 +1,9 @@
 """An oracle bound for ``python -m bench.simulate``: how small the regret can be at all, for a
 given number of probe steps, under the step-time model's noise.
 
-The oracle is told the node's ``contenders`` truly fastest candidates up front (a real tuner has
-to find them first) and spends every one of ``steps`` probe steps on them: one warm-up each, the
+The oracle is told the node's ``contenders`` truly fastest distinct candidates up front (a real
+tuner has to find them first; two candidates that run the same, such as thread counts above a
+bound rank's cap, count once) and spends every one of ``steps`` probe steps on them: one warm-up each, the
 rest measured. It drops samples above 1.5x each contender's fastest (the tuner's stall rule) and
 picks the smallest median, or mean, of what is left. Two ways to share the samples:
 
@@ -78,14 +79,19 @@ def _contenders(node: Node, candidates: Sequence[dict[str, Any]], threads_of: Ca
                                           bind_numa=bool(c.get("bind_numa", False))))
 
     timed = sorted(((times(c), float(np.max(times(c)))) for c in candidates), key=lambda tt: tt[1])
-    return timed[:contenders]
+    distinct: list[tuple[np.ndarray, float]] = []
+    for rank_times, node_time in timed:  # one of each effective setting (bound threads above the cap repeat one)
+        if not any(np.array_equal(rank_times, kept) for kept, _ in distinct):
+            distinct.append((rank_times, node_time))
+    return distinct[:contenders]
 
 
 def _bound(draws: _Draws, truth: np.ndarray, steps: int) -> dict[str, Any]:
     k = len(truth)
     measured = max(k, steps - k)  # one warm-up per contender, at least one sample each
     per = measured // k
-    out: dict[str, Any] = {"steps": steps, "contenders": k, "samples_each": per}
+    out: dict[str, Any] = {"steps": steps, "contenders": k, "contender_s": [float(t) for t in truth],
+                           "samples_each": per}
     for name in _STATS:
         out[name] = _summary(_regrets(draws, name, [per] * k, truth))
     out["best_split"] = {}

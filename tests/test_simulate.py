@@ -366,5 +366,9 @@ def test_the_oracle_says_how_many_steps_a_median_pick_needs() -> None:
         "p95"] <= 0.02
     assert oracle_bound(node, space.candidates(), threads_of, steps=by_median - 1, seeds=300)["best_split"][
         "median"]["p95"] > 0.02
+    cyclic = simulate.build_node("2s60c-smt2-8r-cyclic")  # bound ranks cap 15 threads at 7-8: 15 runs as 8
+    space, _, caps = simulate.tuning_inputs(cyclic, simulate.plan_node(cyclic))
+    told = oracle_bound(cyclic, space.candidates(), lambda c: simulate.capped(c, caps), steps=12, seeds=20)
+    assert len(told["contender_s"]) == 3 and told["contender_s"] == sorted(set(told["contender_s"]))
     with pytest.raises(ValueError, match="statistic='trimmed'"):
         steps_needed(node, space.candidates(), threads_of, statistic="trimmed")
