@@ -35,6 +35,14 @@ def _oracle(n: dict[str, Any], key: str = "oracle") -> str:
             f"{_pct(best['mean']['p95'])}")
 
 
+def _above(n: dict[str, Any]) -> str:
+    r = n["regret"]
+    if "above_2pct" not in r:  # results of older versions lack it
+        return "-"
+    low, high = r["above_2pct_ci95"]
+    return f"{r['above_2pct'] * 100:.1f} % ({low * 100:.1f}-{high * 100:.1f})"
+
+
 def _needed(n: dict[str, Any]) -> str:
     o = n.get("oracle_steps_needed")  # results of older versions lack it
     if not o:
@@ -65,6 +73,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         "Regret = (true time of the locked-in winner - true best of the space) / true best, true = the model "
         "without noise. Probe overhead = extra step-equivalents the probing steps cost over running the true best. "
+        "Seeds above 2 % = the share of seeds whose regret exceeds 2 %, with its Wilson 95 % interval: the p95 "
+        "target holds when it is at most 5 %, and the interval says how sure this many seeds make that. "
         "Winner flips = the share of seeds that locked in another candidate than the most frequent winner. "
         "Oracle p95 = the p95 regret of an oracle told the 3 truly fastest candidates that spends the target's "
         "median probe steps on them alone (one warm-up each, the rest measured; spikes dropped as the tuner drops "
@@ -76,17 +86,18 @@ def render_markdown(result: dict[str, Any]) -> str:
         "median figure is above the target's median probe steps, no tuner that decides on medians (DESIGN.md) can "
         "meet the p95 target within them.",
         "",
-        "| node | ranks | seeds | candidates | regret median | regret p95 | regret max | probe steps (median/max) "
+        "| node | ranks | seeds | candidates | regret median | regret p95 | seeds above 2 % (95 % CI) | regret max "
+        "| probe steps (median/max) "
         "| probe overhead (steps) | winner flips | oracle p95 (median / mean) "
         f"| oracle p95 at {cfg['probe_steps']} (median / mean) | oracle needs (median / mean) | static plan regret "
         "| static rule oversubscribes | static rule / tuner | targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|---:|---|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|---:|---|---:|---|",
     ]
     for n in result["nodes"]:
         sr = n["static_rule"]
         lines.append(
             f"| {n['node']} | {n['ranks']} | {n['seeds']} | {n['n_candidates']} | {_pct(n['regret']['median'])} "
-            f"| {_pct(n['regret']['p95'])} | {_pct(n['regret']['max'])} | {n['probe_steps']['median']:g} / "
+            f"| {_pct(n['regret']['p95'])} | {_above(n)} | {_pct(n['regret']['max'])} | {n['probe_steps']['median']:g} / "
             f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_flips(n)} | {_oracle(n)} | {_oracle(n, 'oracle_budget')} | {_needed(n)} "
             f"| {_pct(n['baseline_regret'])} "
             f"| {'yes' if sr['oversubscribed'] else 'no'} ({sum(sr['threads'])} threads) "

@@ -372,3 +372,13 @@ def test_the_oracle_says_how_many_steps_a_median_pick_needs() -> None:
     assert len(told["contender_s"]) == 3 and told["contender_s"] == sorted(set(told["contender_s"]))
     with pytest.raises(ValueError, match="statistic='trimmed'"):
         steps_needed(node, space.candidates(), threads_of, statistic="trimmed")
+
+
+def test_the_share_of_seeds_above_two_percent_carries_a_wilson_interval() -> None:
+    """The report's "seeds above 2 %" interval: Wilson's (it never leaves [0, 1], holds the share,
+    and narrows as seeds grow); 0 of 100 still admits up to 3.7 %."""
+    low, high = simulate.wilson_interval(0, 100)
+    assert low == 0.0 and high == pytest.approx(0.037, abs=0.001)
+    low, high = simulate.wilson_interval(5, 100)
+    assert low < 0.05 < high and low == pytest.approx(0.0215, abs=0.001) and high == pytest.approx(0.1118, abs=0.001)
+    assert simulate.wilson_interval(10, 200)[1] - simulate.wilson_interval(10, 200)[0] < high - low
