@@ -3,8 +3,8 @@ given number of probe steps, under the step-time model's noise.
 
 The oracle is told the node's ``contenders`` truly fastest distinct candidates up front (a real
 tuner has to find them first; two candidates that run the same, such as thread counts above a
-bound rank's cap, count once) and spends every one of ``steps`` probe steps on them: one warm-up each, the
-rest measured. It drops samples above 1.5x each contender's fastest (the tuner's stall rule) and
+bound rank's cap, count once) and spends every one of ``steps`` probe steps on them: one warm-up
+each, the rest measured. It drops samples above 1.5x each contender's fastest (the tuner's stall rule) and
 picks the smallest median, or mean, of what is left. Two ways to share the samples:
 
 * equal shares (``median``, ``mean``);
@@ -46,7 +46,7 @@ _STATS = {"median": np.nanmedian, "mean": np.nanmean}
 
 class _Draws:
     """Seeded node times of the contenders: ``times[c][seed, i]`` is contender ``c``'s ``i``-th
-    measured step, and ``stat[name][c][n]`` the statistic of its first ``n`` steps, stalls dropped."""
+    measured step, and ``stat(name, c, n)`` the statistic of its first ``n`` steps, stalls dropped."""
 
     def __init__(self, node: Node, rank_times: Sequence[np.ndarray], noise: NoiseModel, seeds: int,
                  samples: int) -> None:
@@ -78,7 +78,7 @@ def _contenders(node: Node, candidates: Sequence[dict[str, Any]], threads_of: Ca
         return np.asarray(node.rank_times(threads_of(c), int(c["chunk_numel"]),
                                           bind_numa=bool(c.get("bind_numa", False))))
 
-    timed = sorted(((times(c), float(np.max(times(c)))) for c in candidates), key=lambda tt: tt[1])
+    timed = sorted(((t, float(np.max(t))) for t in map(times, candidates)), key=lambda tt: tt[1])
     distinct: list[tuple[np.ndarray, float]] = []
     for rank_times, node_time in timed:  # one of each effective setting (bound threads above the cap repeat one)
         if not any(np.array_equal(rank_times, kept) for kept, _ in distinct):
