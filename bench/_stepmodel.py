@@ -197,14 +197,11 @@ class NoiseModel:
 
     def factors(self, rng: np.random.Generator, ranks: int) -> np.ndarray:
         """One step's multiplicative noise for each rank."""
-        node = rng.lognormal(0.0, self.node_sigma)
-        per_rank = rng.lognormal(0.0, self.rank_sigma, size=ranks)
-        spikes = np.where(rng.random(ranks) < self.spike_prob, self.spike_factor, 1.0)
-        return node * per_rank * spikes
+        return self.factors_array(rng, (), ranks)
 
     def factors_array(self, rng: np.random.Generator, shape: tuple[int, ...], ranks: int) -> np.ndarray:
-        """:meth:`factors` for many steps at once: an array of ``shape + (ranks,)`` factors, each
-        ``[..., :]`` one step's (the same distribution; another draw order)."""
+        """Many steps' noise at once: an array of ``shape + (ranks,)`` factors, each ``[..., :]`` one
+        step's (``shape=()``: one step, the draws :meth:`factors` makes)."""
         node = rng.lognormal(0.0, self.node_sigma, size=shape)[..., None]
         per_rank = rng.lognormal(0.0, self.rank_sigma, size=shape + (ranks,))
         spikes = np.where(rng.random(shape + (ranks,)) < self.spike_prob, self.spike_factor, 1.0)
