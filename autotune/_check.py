@@ -1,25 +1,30 @@
-"""The re-check of a cached choice (local rank 0): :class:`CheckSession` measures it on the run's
-first steps and gives a :class:`CheckVerdict`: confirmed, or stale (re-tune).
+"""The re-check of a cached choice (local rank 0): :class:`CheckSession` compares it with the
+static plan on the run's first steps and gives a :class:`CheckVerdict`: kept, or stale (re-tune).
 
 A cached choice is re-checked because the machine may have changed in ways the fingerprint
-cannot see (other jobs, thermal limits, a noisy neighbour). Slower than recorded alone does not
-condemn it: when the whole machine is slower, every setting is, so the static plan is then
-measured beside it for as many steps and the choice is kept unless it lost to the static plan.
+cannot see (other jobs, thermal limits, a noisy neighbour). Today's samples are never compared
+with the recorded median: that record was made under other conditions, and on a noisy host it
+threw good choices away (issue 36: "clearly slower than recorded (median 3.98 ms / IQR 1.99 ms /
+n=3 (very noisy) vs 2.80 ms); re-tuning", then 28 steps of probing). Instead the choice and the
+static plan run ``recheck_rounds`` paired rounds (:mod:`autotune._paired`: each round one visit
+of each, the order alternating, each visit a warm-up step and a measured one), and the choice is
+kept unless the static plan is clearly faster *now*. A cached static plan has nothing to be
+compared with: it is measured for ``warmup_steps + measure_steps`` steps (the watch's reference)
+and kept.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass
 
 from autotune._config import AutotuneConfig
-from autotune._measurement import Measurement, format_ms, median_standard_error
-from autotune._probe import Key, Phase, Slot
-
-logger = logging.getLogger(__name__)
+from autotune._measurement import Measurement
+from autotune._paired import PairedComparison, round_order
+from autotune._probe import Key, Slot
 
 __all__ = ["CheckSession", "CheckVerdict"]
+
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,109 +32,78 @@ class CheckVerdict:
     """How a finished re-check ended."""
 
     stale: bool
-    """True: the choice is clearly slower than recorded (and than the static plan): re-tune."""
+    """True: the static plan is clearly faster than the cached choice today: re-tune."""
     reason: str
-    """Why the choice holds (empty when stale)."""
+    """Why the choice holds, or why it does not."""
     measurements: tuple[tuple[Key, Measurement], ...]
     """The re-check's measurements: the choice's, and the static plan's when it was measured beside it."""
     reference_s: float
-    """The choice's re-check median: the drift watch's reference once locked."""
+    """The choice's re-check median."""
+    paired: PairedComparison | None = None
+    """The choice's paired comparison with the static plan (None for a cached static plan)."""
 
 
 class CheckSession:
-    """Re-check of a cached choice: warm-up steps, then ``measure_steps`` measured ones.
+    """Re-check of a cached choice ``key`` against the static plan ``baseline_key``.
 
-    If the choice is clearly slower than recorded, the absolute comparison alone cannot tell a
-    choice gone bad from a machine that is slower for everyone (other jobs, a noisy neighbour):
-    :meth:`measure_baseline` then adds the same number of steps of the static plan, and
-    :meth:`still_ahead_of_baseline` compares the two measured side by side.
+    :attr:`slot` is the step about to run; :meth:`record` takes its node time and returns the next
+    slot, or None when the re-check is over (then :meth:`verdict`).
     """
 
-    def __init__(self, key: Key, recorded_median_s: float, config: AutotuneConfig) -> None:
+    def __init__(self, key: Key, baseline_key: Key, config: AutotuneConfig) -> None:
         self.key = key
-        self.recorded_median_s = recorded_median_s
+        self.baseline_key = baseline_key
         self.config = config
-        self.samples: list[float] = []
-        self.baseline_key: Key | None = None
-        self.baseline_samples: list[float] = []
-        self._queue = deque(self._slots(key, "check_warmup", "check"))
+        self.samples: dict[Key, list[float]] = {key: [], baseline_key: []}
+        self.rounds: list[dict[Key, float]] = []
+        self._queue: deque[Slot] = deque()
+        if key == baseline_key:
+            self._queue.extend([Slot(key, "check_warmup")] * config.warmup_steps)
+            self._queue.extend([Slot(key, "check")] * config.measure_steps)
+        else:
+            previous = None
+            for index in range(config.recheck_rounds):
+                self.rounds.append({})
+                for arm in round_order([key, baseline_key], index):
+                    if arm != previous:  # the arm that ended the round before runs on: no switch
+                        self._queue.extend([Slot(arm, "check_warmup", index)] * config.warmup_steps)
+                    self._queue.append(Slot(arm, "check", index))
+                    previous = arm
         self.slot: Slot | None = self._queue.popleft()
-
-    def _slots(self, key: Key, warmup: Phase, measure: Phase) -> list[Slot]:
-        return [Slot(key, warmup)] * self.config.warmup_steps + [Slot(key, measure)] * self.config.measure_steps
 
     def record(self, node_time: float) -> Slot | None:
         if self.slot is None:
             raise RuntimeError("the cache re-check has already finished")
         if self.slot.phase == "check":
-            self.samples.append(node_time)
-        elif self.slot.phase == "check_baseline":
-            self.baseline_samples.append(node_time)
+            self.samples[self.slot.key].append(node_time)
+            if self.slot.round >= 0:
+                self.rounds[self.slot.round][self.slot.key] = node_time
         self.slot = self._queue.popleft() if self._queue else None
         return self.slot
 
-    def measurement(self) -> Measurement:
-        return Measurement(tuple(self.samples), "re-check")
+    def measurement(self, key: Key | None = None) -> Measurement:
+        key = self.key if key is None else key
+        label = "re-check" if key == self.key else "re-check, static plan"
+        return Measurement(tuple(self.samples[key]), label)
 
-    def baseline_measurement(self) -> Measurement:
-        return Measurement(tuple(self.baseline_samples), "re-check, static plan")
-
-    def clearly_slower(self) -> bool:
-        """True if the re-check median exceeds the recorded one by more than ``recheck_tolerance``
-        and by more than the noise."""
-        m = self.measurement().without_outliers()
-        excess = m.median - self.recorded_median_s
-        beyond_tolerance = excess > self.config.recheck_tolerance * self.recorded_median_s
-        return beyond_tolerance and excess > self.config.noise_factor * median_standard_error(m)
-
-    def measure_baseline(self, baseline_key: Key) -> Slot:
-        """Queue the static plan's warm-up and measured steps; returns the next slot."""
-        if self.slot is not None or self.baseline_key is not None:
-            raise RuntimeError("the static plan is measured once, after the cached choice")
-        self.baseline_key = baseline_key
-        self._queue.extend(self._slots(baseline_key, "check_warmup", "check_baseline"))
-        self.slot = self._queue.popleft()
-        return self.slot
-
-    def still_ahead_of_baseline(self) -> bool:
-        """The cached choice, measured next to the static plan, is not slower than it by more than
-        ``min_gain``: whatever slowed the machine down slowed both, and the choice still holds."""
-        if self.baseline_key is None or not self.baseline_samples:
-            raise RuntimeError("the static plan was not measured")
-        choice = self.measurement().without_outliers().median
-        static = self.baseline_measurement().without_outliers().median
-        return choice <= static * (1.0 + self.config.min_gain)
-
-    def conclude(self, baseline_key: Key, *, described: str, owner: str) -> Slot | CheckVerdict:
-        """After the last measured step: the verdict, or the first slot of the static plan measured
-        beside the choice (once, when the choice is clearly slower than recorded and is not the
-        static plan itself). ``described``: the choice in words, for the log."""
-        measured = self.measurement()
-        recorded = format_ms(self.recorded_median_s)
-        reason = f"cached choice confirmed ({measured}; recorded median {recorded})"
-        measurements = [(self.key, measured)]
-        if self.clearly_slower():
-            if self.baseline_key is None and self.key != baseline_key:
-                # Slower than recorded: the choice, or the whole machine? Ask the static plan.
-                return self.measure_baseline(baseline_key)
-            if self.baseline_key is None or not self.still_ahead_of_baseline():
-                logger.warning(
-                    "%s: the cached choice %s is clearly slower than recorded (%s vs recorded median %s)%s; "
-                    "re-tuning",
-                    owner,
-                    described,
-                    measured,
-                    recorded,
-                    "" if self.baseline_key is None else f" and than the static plan ({self.baseline_measurement()})",
-                )
-                return CheckVerdict(stale=True, reason="", measurements=tuple(measurements), reference_s=measured.median)
-            static = self.baseline_measurement()
-            logger.info(
-                "%s: the cached choice %s is slower than recorded (%s vs %s) but so is the static plan (%s): "
-                "the machine is slower, the choice holds",
-                owner, described, measured, recorded, static,
-            )
-            reason = (f"cached choice confirmed against the static plan measured next to it ({measured} vs "
-                      f"{static}); both slower than recorded (median {recorded})")
-            measurements.append((self.baseline_key, static))
-        return CheckVerdict(stale=False, reason=reason, measurements=tuple(measurements), reference_s=measured.median)
+    def verdict(self, *, described: str) -> CheckVerdict:
+        """After the last step: kept unless the static plan was clearly faster in the paired rounds.
+        ``described``: the choice in words, for the reason."""
+        if self.slot is not None:
+            raise RuntimeError("the cache re-check has not finished")
+        choice = self.measurement()
+        if self.key == self.baseline_key:
+            return CheckVerdict(stale=False, reason=f"cached choice (the static plan) measured: {choice}",
+                                measurements=((self.key, choice),), reference_s=choice.median)
+        plan = PairedComparison.of(
+            [r[self.baseline_key] for r in self.rounds], [r[self.key] for r in self.rounds]
+        )
+        measurements = ((self.key, choice), (self.baseline_key, self.measurement(self.baseline_key)))
+        stale = plan.clearly_faster(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor)
+        if stale:
+            reason = f"the static plan is clearly faster than the cached choice {described} today: {plan.describe()}"
+        else:
+            reason = (f"cached choice {described} kept: the static plan runs at {plan.describe()} of it, "
+                      "not clearly faster")
+        return CheckVerdict(stale=stale, reason=reason, measurements=measurements, reference_s=choice.median,
+                            paired=plan.reversed())

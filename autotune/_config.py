@@ -46,8 +46,10 @@ class AutotuneConfig:
     min_gain: float = MIN_GAIN
     """Smallest relative gain over the static plan that may replace it."""
     noise_factor: float = NOISE_FACTOR
-    """A gain must also exceed this multiple of the standard error of the difference of the two
-    medians (winner, static plan), each estimated from its IQR and sample count."""
+    """How sure a decision must be, as a normal z-score: paired rounds decide with an exact
+    signed-rank test at the one-sided level it names (1.25: 10.6 %); without paired rounds (no
+    finals) a gain must exceed this multiple of the standard error of the difference of the two
+    medians, each estimated from its IQR and sample count."""
     tie_tolerance: float = TIE_TOLERANCE
     """Medians within this relative distance of the fastest count as tied (then the preferred knob values win)."""
     seed: int = 0
@@ -56,21 +58,22 @@ class AutotuneConfig:
     """Timeout of every collective of the tuner; a rank that does not answer in time fails the others."""
     force_retune: bool = False
     """Ignore a cached choice and probe again (the new result replaces the cache entry)."""
-    recheck_tolerance: float = 0.2
-    """A cached choice whose re-check median exceeds the recorded median by more than this fraction
-    (and the noise) is measured next to the static plan for as many steps; it is re-tuned only if
-    it is then slower than the static plan by more than ``min_gain``, so a machine that is slower
-    for every setting keeps its cached choice."""
-    drift_window: int = 0
-    """Locked steps per drift check (0: no drift watch). Each check costs one all-reduce of a float."""
-    drift_factor: float = 1.25
-    """A window is slow when its median (max over ranks) exceeds this multiple of the locked median."""
-    drift_patience: int = 2
-    """Consecutive slow windows before the drift is reported (and acted on)."""
-    drift_reprobe: bool = False
-    """Re-probe when drift is reported (else only log it)."""
-    max_reprobes: int = 1
-    """Most drift-triggered re-probes per run; each spends at most ``probe_steps`` steps."""
+    recheck_rounds: int = 4
+    """Paired rounds of a cache re-check: the cached choice and the static plan, one warm-up and one
+    measured step each per round, the order alternating. The choice is kept unless the static plan
+    is clearly faster in them (fewer than 4 rounds can never show that at the default
+    ``noise_factor``: the choice is then always kept). A cached static plan is measured for ``warmup_steps + measure_steps`` steps instead."""
+    watch: bool = True
+    """After lock-in, keep comparing the winner with the runner-up and the static plan in paired
+    rounds now and then, and switch (every rank at the same step) when one is clearly faster
+    (:mod:`autotune._watch`): a run follows a host whose load changes."""
+    watch_cost: float = 0.005
+    """The most the watch may cost, as a fraction of the locked steps' time (0.5 %): what its
+    rounds took beyond as many steps of the winner."""
+    watch_window: int = 4
+    """Latest paired rounds of one challenger that its switch test uses: a challenger clearly
+    faster in them is switched to. Short, so that rounds from before a change of load do not
+    outvote the rounds after it; 4 is the fewest that can decide (all four must agree)."""
     use_cache: bool = True
     """Read and write the tuning cache (clients build a ``TuningCache`` from the two fields below)."""
     cache_path: str | os.PathLike[str] | None = None
@@ -95,11 +98,11 @@ class AutotuneConfig:
             )
         _check_int("seed", self.seed, 0)
         _check_float("timeout_s", self.timeout_s, 0.0, strict=True)
-        _check_float("recheck_tolerance", self.recheck_tolerance, 0.0)
-        _check_int("drift_window", self.drift_window, 0)
-        _check_float("drift_factor", self.drift_factor, 1.0, strict=True)
-        _check_int("drift_patience", self.drift_patience, 1)
-        _check_int("max_reprobes", self.max_reprobes, 0)
+        _check_int("recheck_rounds", self.recheck_rounds, 1)
+        _check_float("watch_cost", self.watch_cost, 0.0, strict=True)
+        if self.watch_cost > 0.5:
+            raise ValueError(f"AutotuneConfig.watch_cost={self.watch_cost!r}: expected a fraction in (0, 0.5]")
+        _check_int("watch_window", self.watch_window, 1)
         for name in ("cache_path", "trace_dir"):
             value = getattr(self, name)
             text = os.fspath(value) if isinstance(value, os.PathLike) else value
@@ -107,7 +110,7 @@ class AutotuneConfig:
                 raise ValueError(f"AutotuneConfig.{name}={value!r}: expected None or a non-empty str or "
                                  "os.PathLike path")
             object.__setattr__(self, name, text)  # stored as str: equal configs compare equal
-        for name in ("force_retune", "drift_reprobe", "use_cache"):
+        for name in ("force_retune", "watch", "use_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AutotuneConfig.{name}={getattr(self, name)!r}: expected a bool")
         minimum = 2 * (self.warmup_steps + self.measure_steps)

@@ -5,9 +5,10 @@ This module alone spells the entry's JSON form (:meth:`CacheEntry.to_json`,
 
     {"winner": {...}, "baseline": {...}, "winner_median_s": float, "baseline_median_s": float,
      "measurements": [{"candidate": {...}, "samples": [float, ...]}, ...],
-     "probe_steps": int, "created_unix": float, "fingerprint": {...}, "probe_cost_s": float}
+     "probe_steps": int, "created_unix": float, "fingerprint": {...}, "probe_cost_s": float,
+     "runner_up": {...}}
 
-``fingerprint`` and ``probe_cost_s`` are optional: entries of older versions lack them and still
+``fingerprint``, ``probe_cost_s`` and ``runner_up`` are optional: entries of older versions lack them and still
 load (the field is then None), and an entry without them is written without the key.
 
 Values are checked for type only (knob dicts map str to a JSON scalar, ints fit in int64, floats
@@ -118,6 +119,8 @@ def _check_entry(entry: Any) -> None:
         raise CacheEntryError(f"fingerprint={entry['fingerprint']!r}: expected a dict")
     if "probe_cost_s" in entry:
         _check_seconds(entry["probe_cost_s"], "probe_cost_s")
+    if "runner_up" in entry:
+        _check_knobs(entry["runner_up"], "runner_up")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,6 +149,9 @@ class CacheEntry:
     """Seconds the session's probe steps took beyond as many steps at the winner's median
     (:func:`autotune._measurement.probe_cost_s`); None when not recorded (older versions, or a
     winner without a median): the JSON form then has no such key."""
+    runner_up: dict[str, Any] | None = None
+    """The setting the post-lock watch compared the winner with (the best other finalist, or the
+    static plan); None when not recorded: the JSON form then has no such key."""
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON form (plain, deep-copied values)."""
@@ -160,6 +166,7 @@ class CacheEntry:
             "created_unix": self.created_unix,
             **({} if self.fingerprint is None else {"fingerprint": copy.deepcopy(dict(self.fingerprint))}),
             **({} if self.probe_cost_s is None else {"probe_cost_s": self.probe_cost_s}),
+            **({} if self.runner_up is None else {"runner_up": dict(self.runner_up)}),
         }
 
     @classmethod
@@ -181,6 +188,7 @@ class CacheEntry:
             created_unix=value["created_unix"],
             fingerprint=copy.deepcopy(value.get("fingerprint")),
             probe_cost_s=value.get("probe_cost_s"),
+            runner_up=dict(value["runner_up"]) if "runner_up" in value else None,
         )
 
     @property
@@ -231,7 +239,7 @@ class CacheEntry:
 
 #: Keys every entry's JSON form has (``fingerprint`` and ``probe_cost_s`` may be absent: files of
 #: older versions).
-_OPTIONAL_KEYS = ("fingerprint", "probe_cost_s")
+_OPTIONAL_KEYS = ("fingerprint", "probe_cost_s", "runner_up")
 _REQUIRED_KEYS = tuple(f.name for f in fields(CacheEntry) if f.name not in _OPTIONAL_KEYS)
 
 

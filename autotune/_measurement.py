@@ -44,9 +44,10 @@ NOISE_FACTOR = 1.25
 #: Standard error of the median of ``n`` samples is about ``MEDIAN_SE_PER_IQR * IQR / sqrt(n)``:
 #: for normal noise sigma = IQR / 1.349 and the median's standard error is sqrt(pi / 2) sigma / sqrt(n).
 MEDIAN_SE_PER_IQR = math.sqrt(math.pi / 2.0) / 1.349
-#: A sample above this multiple of its candidate's fastest sample is an outlier (a hiccup of the machine:
-#: on a node the step time is the slowest rank's, so one rank's stall doubles a whole step) and
-#: is left out of the statistics the lock-in rule compares (see :meth:`Measurement.without_outliers`).
+#: A step this many times the best median so far may be a stall (on a node the step time is the
+#: slowest rank's, so one rank's stall doubles a whole step): exploring does not stop a candidate
+#: on two such samples alone (``autotune._probe.STALL_CONFIRM_SAMPLES``). No decision filters
+#: samples by it: a candidate's slow samples are its own (:mod:`autotune._paired`).
 OUTLIER_FACTOR = 1.5
 #: Default relative distance between medians under which two candidates count as equally fast.
 TIE_TOLERANCE = 0.005
@@ -121,16 +122,6 @@ class Measurement:
     def meets_confidence(self, threshold: float = IQR_WARN_THRESHOLD) -> bool:
         """True if the spread is small: IQR below ``threshold`` times the median."""
         return self.relative_iqr < threshold
-
-    def without_outliers(self, factor: float = OUTLIER_FACTOR) -> Measurement:
-        """The samples at most ``factor`` times the fastest one (which always stays).
-
-        A stall only ever makes a step slower, never faster, so the fastest sample is a safe
-        reference: a sample far above it is a hiccup however many of them there are, whereas
-        a few of them among a handful of samples shift the median and inflate the IQR.
-        """
-        limit = factor * min(self.samples)
-        return Measurement(tuple(v for v in self.samples if v <= limit), self.label)
 
     def extended(self, samples: Iterable[float]) -> Measurement:
         """A new measurement with more samples appended."""

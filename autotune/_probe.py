@@ -11,13 +11,20 @@ A session spends at most ``config.probe_steps`` training steps:
    then a seeded multivariate TPE sampler for what budget remains. Beyond the grid a candidate
    whose fastest step is clearly slower than the best so far stops after two measured steps
    (:data:`EARLY_STOP_MARGIN`; three when both may be stalls), which leaves room for more candidates.
-2. finals: the static plan and the best ``finalists - 1`` others are measured again, round-robin:
-   ``final_rounds`` rounds (beyond the grid :data:`TPE_FINAL_ROUNDS`), each visit one warm-up
-   step (the first step after a switch is slower, so it is discarded as in exploring) and one
-   measured step. Interleaving spreads slow drifts of the machine over every finalist instead of
-   favouring whoever was measured last. Beyond the grid, up to :data:`DUEL_ROUNDS` more rounds
-   of just the fastest finalist and the static plan follow while their comparison is undecided.
-3. decide (see :func:`choose`) on all samples of each finalist, outliers (stalls) left out.
+2. finals: the static plan and the best ``finalists - 1`` others (by the median of their
+   exploring samples, nothing filtered) are measured again in paired rounds
+   (:mod:`autotune._paired`): ``final_rounds`` rounds (beyond the grid :data:`TPE_FINAL_ROUNDS`),
+   each visiting every finalist once, one warm-up step (the first step after a switch is slower,
+   so it is discarded as in exploring) and one measured step per visit, the order reversed every
+   other round (A B C, then C B A). A change of load between rounds hits every finalist alike.
+   While the fastest finalist is not yet clearly faster than the static plan but still could be,
+   and the budget allows, duel rounds of just those two follow (at least
+   :data:`~autotune._paired.MIN_DECIDING_ROUNDS` rounds decide anything; beyond the grid the
+   budget reserves :data:`DUEL_ROUNDS` of them).
+3. decide (see :func:`decide_paired`) on the paired rounds alone: the trimmed mean of each
+   finalist's per-round ratios to the static plan. Exploring samples only pick the finalists; a
+   sample is never judged against its own candidate's fastest one (issue 36: a setting slow four
+   times in five won on its fifth).
 
 The schedule is planned up front (:func:`plan_budget`), so the budget is never exceeded; a guard
 decides early if it ever would be.
@@ -30,6 +37,7 @@ import logging
 import math
 import warnings
 from collections import deque
+from statistics import NormalDist
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
@@ -39,17 +47,19 @@ from autotune._measurement import (
     Measurement,
     format_ms,
     gain_threshold,
-    median_standard_error,
     significantly_faster,
 )
+from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison, round_order
 from autotune._space import Scalar, SearchSpace
 
 logger = logging.getLogger("autotune._tuner")
 
-__all__ = ["BudgetPlan", "Key", "Phase", "ProbeSession", "Slot", "choose", "plan_budget", "sweep_next"]
+__all__ = [
+    "BudgetPlan", "Key", "Phase", "ProbeSession", "Slot", "choose", "decide_paired", "plan_budget", "sweep_next",
+]
 
 Key = tuple[Scalar, ...]
-Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "check", "check_baseline"]
+Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "check", "watch_warmup", "watch"]
 
 #: Times the sampler may propose already-measured candidates before the session picks the next
 #: unmeasured one itself (categorical TPE repeats itself on small spaces).
@@ -68,11 +78,13 @@ EARLY_STOP_SAMPLES = 2
 #: such lost candidate locked in a 28 % slower setting). Such a candidate is stopped only after this
 #: many samples (three stalls in a row: 0.3 %).
 STALL_CONFIRM_SAMPLES = 3
-#: Beyond the grid the finals are one interleaved round of the finalists ...
+#: Beyond the grid the finals are one paired round of the finalists ...
 TPE_FINAL_ROUNDS = 1
 #: ... followed by up to this many duel rounds (the fastest finalist against the static plan, see
-#: ``ProbeSession._queue_duel``) while the comparison is undecided; the budget reserves them.
-DUEL_ROUNDS = 2
+#: ``ProbeSession._queue_duel``) while the comparison is undecided; the budget reserves them, so
+#: that one finals round and the duel reach :data:`~autotune._paired.MIN_DECIDING_ROUNDS`. A grid
+#: duels too, with what its plan leaves of the budget.
+DUEL_ROUNDS = MIN_DECIDING_ROUNDS - TPE_FINAL_ROUNDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +93,8 @@ class Slot:
 
     key: Key
     phase: Phase
+    round: int = -1
+    """The paired round the step belongs to (finals, duel, re-check, watch); -1 outside rounds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +108,13 @@ class BudgetPlan:
     finalists: int
     final_rounds: int
     steps: int
-    """Probe steps of the session if no candidate stops early: the worst case of a grid. Beyond
-    the grid, candidates stopped early let more be explored, always within ``probe_steps``."""
+    """Probe steps of the session if no candidate stops early and every reserved duel round runs
+    (each costs at most ``2 * (warmup_steps + 1)``). Beyond the grid, candidates stopped early let
+    more be explored; duel rounds beyond the reserved ones run while the budget allows; always
+    within ``probe_steps``."""
     duel_rounds: int = 0
-    """Rounds reserved for the duel after the finals beyond the grid (see :data:`DUEL_ROUNDS`);
-    a grid has none, so it never probes longer than ``steps``."""
+    """Duel rounds reserved after the finals, so that the best finalist and the static plan reach
+    :data:`~autotune._paired.MIN_DECIDING_ROUNDS` paired rounds (see :data:`DUEL_ROUNDS`)."""
 
 
 def _final_cost(n: int, config: AutotuneConfig, rounds: int) -> int:
@@ -118,12 +134,15 @@ def plan_budget(n_candidates: int, config: AutotuneConfig) -> BudgetPlan:
         return BudgetPlan("none", n_candidates, 0, 0, 0)
     rounds = config.final_rounds if config.finalists >= 2 else 0
     # Measuring every candidate beats sampling some of them: a grid with fewer final rounds (down
-    # to one) is preferred over sweep + TPE when the full finals do not fit.
+    # to one) is preferred over sweep + TPE when the full finals do not fit. The duel rounds that
+    # bring the best finalist and the static plan to MIN_DECIDING_ROUNDS are part of the plan:
+    # without them a grid could never decide to leave the static plan.
     for grid_rounds in range(rounds, 0, -1) if rounds else (0,):
-        grid_cost = n_candidates * per + _final_cost(n_candidates, config, grid_rounds)
+        duel = max(0, MIN_DECIDING_ROUNDS - grid_rounds) if grid_rounds else 0
+        grid_cost = n_candidates * per + _final_cost(n_candidates, config, grid_rounds) + _duel_cost(config, duel)
         if grid_cost <= config.probe_steps:
             finals = min(config.finalists, n_candidates) if grid_rounds else 0
-            return BudgetPlan("grid", n_candidates, finals, grid_rounds, grid_cost)
+            return BudgetPlan("grid", n_candidates, finals, grid_rounds, grid_cost, duel)
     options = [(min(rounds, TPE_FINAL_ROUNDS), d) for d in range(DUEL_ROUNDS, -1, -1)] if rounds else []
     for rounds_try, duel in options + [(0, 0)]:
         n = n_candidates - 1
@@ -279,23 +298,16 @@ class _OptunaOrder:
 def choose(
     space: SearchSpace, baseline: Key, measurements: dict[Key, Measurement], config: AutotuneConfig
 ) -> tuple[Key, str]:
-    """The lock-in rule (see :func:`_lock_in`), called once per session to decide."""
-    return _lock_in(space, baseline, measurements, config)
+    """The lock-in rule of a session without paired rounds (no finals: ``finalists`` < 2 or
+    ``final_rounds`` = 0), on every candidate's unfiltered samples. Returns ``(winner, reason)``.
 
-
-def _lock_in(
-    space: SearchSpace, baseline: Key, measurements: dict[Key, Measurement], config: AutotuneConfig
-) -> tuple[Key, str]:
-    """The lock-in rule. Returns ``(winner, reason)``.
-
-    Every measurement first loses its outliers (:meth:`Measurement.without_outliers`: stalls of
-    the machine). The fastest median wins, candidates within ``tie_tolerance`` of it count as
-    tied and the space's preference breaks the tie (fewer threads, then larger chunks). The
-    static plan stays if it is among the tied, or unless the winner beats it by more than
-    ``max(min_gain * median_plan, noise_factor * standard error of the difference of the
-    medians)`` (:func:`autotune._measurement.gain_threshold`).
+    The fastest median wins, candidates within ``tie_tolerance`` of it count as tied and the
+    space's preference breaks the tie (fewer threads, then larger chunks). The static plan stays
+    if it is among the tied, or unless the winner beats it by more than ``max(min_gain *
+    median_plan, noise_factor * standard error of the difference of the medians)``
+    (:func:`autotune._measurement.gain_threshold`). Nothing is filtered: a candidate's slow
+    samples are its own (a setting slow four times in five must not win on its fifth).
     """
-    measurements = {k: m.without_outliers() for k, m in measurements.items()}
     best = min(m.median for m in measurements.values())
     tied = [k for k, m in measurements.items() if m.median <= best * (1.0 + config.tie_tolerance)]
     if baseline in tied:
@@ -304,16 +316,65 @@ def _lock_in(
     base, win = measurements[baseline], measurements[winner]
     threshold = gain_threshold(base, win, min_gain=config.min_gain, noise_factor=config.noise_factor)
     gain = base.median - win.median
-    # The reason states the statistic that decided (medians without spikes: the table's
-    # "w/o spikes" column) and no ratio of its own: the lock-in line states the one ratio.
     if significantly_faster(win, base, min_gain=config.min_gain, noise_factor=config.noise_factor):
-        return winner, (
-            f"gain {format_ms(gain)} > threshold {format_ms(threshold)} on the medians without spikes"
-        )
+        return winner, f"gain {format_ms(gain)} > threshold {format_ms(threshold)} on the medians (unpaired)"
     return baseline, (
         f"best candidate {space.describe(space.setting(winner))} is not clearly faster than the static plan "
-        f"(gain {format_ms(gain)} <= threshold {format_ms(threshold)} on the medians without spikes)"
+        f"(gain {format_ms(gain)} <= threshold {format_ms(threshold)} on the medians, unpaired)"
     )
+
+
+def paired_comparisons(rounds: list[dict[Key, float]], baseline: Key) -> dict[Key, PairedComparison]:
+    """Every arm's :class:`PairedComparison` with ``baseline`` over the rounds that measured both."""
+    arms = {k for r in rounds for k in r if k != baseline}
+    out = {}
+    for key in arms:
+        common = [r for r in rounds if key in r and baseline in r]
+        if common:
+            out[key] = PairedComparison.of([r[key] for r in common], [r[baseline] for r in common])
+    return out
+
+
+def decide_paired(
+    space: SearchSpace, baseline: Key, rounds: list[dict[Key, float]], config: AutotuneConfig
+) -> tuple[Key, str, Key | None]:
+    """The lock-in rule on paired rounds. Returns ``(winner, reason, runner_up)``.
+
+    Each arm is compared with the static plan over the rounds that measured both
+    (:class:`~autotune._paired.PairedComparison`: trimmed mean of the per-round log-ratios). The
+    arm with the smallest ratio is the best; arms within ``tie_tolerance`` of it are tied and the
+    space's preference breaks the tie; the static plan (ratio 1) stays if it is among the tied,
+    or unless the best is clearly faster (:meth:`PairedComparison.clearly_faster`: a ratio under
+    ``1 - min_gain`` and an exact signed-rank test at the level ``noise_factor`` names). ``runner_up``: the best arm that is
+    neither the winner nor the static plan (the static plan when nothing else was measured
+    beside a winner), the post-lock watch's first challenger; None when nothing else was measured.
+    """
+    comparisons = paired_comparisons(rounds, baseline)
+    effects = {k: c.effect for k, c in comparisons.items()}
+    effects[baseline] = 0.0
+    best = min(effects.values())
+    tie = math.log1p(config.tie_tolerance)
+    tied = [k for k, e in effects.items() if e <= best + tie]
+    order = sorted(effects, key=lambda k: (effects[k], space.preference(space.setting(k))))
+    if baseline in tied:
+        others = [k for k in order if k != baseline]
+        return baseline, "the static plan is as fast as the fastest finalist (paired rounds)", (
+            others[0] if others else None
+        )
+    candidate = min(tied, key=lambda k: space.preference(space.setting(k)))
+    comparison = comparisons[candidate]
+    described = space.describe(space.setting(candidate))
+    if comparison.clearly_faster(min_gain=config.min_gain, noise_factor=config.noise_factor):
+        others = [k for k in order if k not in (candidate, baseline)]
+        return candidate, f"clearly faster than the static plan: {comparison.describe()}", (
+            others[0] if others else baseline
+        )
+    others = [k for k in order if k != baseline]
+    return baseline, (
+        f"best finalist {described} is not clearly faster than the static plan ({comparison.describe()}; "
+        f"a switch needs a ratio under {1.0 - config.min_gain:.3f} and a signed-rank p-value under "
+        f"{1.0 - NormalDist().cdf(config.noise_factor):.3f}, so {MIN_DECIDING_ROUNDS}+ rounds)"
+    ), (others[0] if others else None)
 
 
 class ProbeSession:
@@ -334,7 +395,11 @@ class ProbeSession:
         self.samples: dict[Key, list[float]] = {}
         self.explored: dict[Key, float] = {}
         self.finalists: list[Key] = []
+        self.rounds: list[dict[Key, float]] = []
+        """The paired rounds (finals and duel): each maps the arms it visited to their measured time."""
         self.winner: Key | None = None
+        self.runner_up: Key | None = None
+        """The best finalist that is not the winner (the static plan if another won): the watch's challenger."""
         self.reason = ""
         self._phase = "explore"
         self._queue: deque[Slot] = deque()
@@ -361,6 +426,10 @@ class ProbeSession:
         self.step_times.append(node_time)
         if slot.phase in ("measure", "final"):
             self.samples[slot.key].append(node_time)
+        if slot.phase == "final":
+            while len(self.rounds) <= slot.round:
+                self.rounds.append({})
+            self.rounds[slot.round][slot.key] = node_time
         if slot.phase == "measure" and self._clearly_slower(slot.key):
             while self._queue and self._queue[0].key == slot.key:
                 self._queue.popleft()
@@ -409,7 +478,7 @@ class ProbeSession:
 
     def _finish_candidate(self, key: Key) -> None:
         measurement = self.measurement(key)
-        self.explored[key] = measurement.without_outliers().median
+        self.explored[key] = measurement.median
         if self._order is not None:
             self._order.tell(key, self.explored[key], measured=len(self.explored))
         logger.info(
@@ -436,38 +505,44 @@ class ProbeSession:
         return None
 
     def _queue_duel(self) -> bool:
-        """After the planned finals: while the fastest finalist looks faster than the static plan
-        but not yet clearly (see :func:`choose`), and the noise could still carry its gain over
-        ``min_gain``, and the budget allows: one more interleaved round of just those two (more
-        samples shrink the standard errors). False when there is nothing to settle or no budget."""
-        if not self.plan.duel_rounds or self.steps + _duel_cost(self.config, 1) > self.config.probe_steps:
+        """After the planned finals: while the best finalist is not yet clearly faster than the
+        static plan but could still be (:meth:`PairedComparison.could_still_win`), and the budget
+        allows, one more paired round of just those two, in the alternating order. False when
+        there is nothing to settle or no budget."""
+        if self.steps + _duel_cost(self.config, 1) > self.config.probe_steps or not self.rounds:
             return False
-        measurements = {k: self.measurement(k) for k in self.finalists if self.samples[k]}
-        if self.baseline not in measurements:
-            return False
-        winner, _ = _lock_in(self.space, self.baseline, measurements, self.config)
+        winner, _, _ = decide_paired(self.space, self.baseline, self.rounds, self.config)
         if winner != self.baseline:
             return False  # already clearly faster
-        clean = {k: m.without_outliers() for k, m in measurements.items()}
-        base = clean[self.baseline].median
+        comparisons = paired_comparisons(self.rounds, self.baseline)
         best = min(
-            (k for k in clean if k != self.baseline),
-            key=lambda k: (clean[k].median, self.space.preference(self.space.setting(k))),
+            comparisons,
+            key=lambda k: (comparisons[k].effect, self.space.preference(self.space.setting(k))),
             default=None,
         )
         if best is None:
             return False
-        gain = base - clean[best].median
-        noise = self.config.noise_factor * math.hypot(
-            median_standard_error(clean[self.baseline]), median_standard_error(clean[best])
-        )
-        if gain <= self.config.tie_tolerance * base or gain + noise <= self.config.min_gain * base:
+        comparison = comparisons[best]
+        tie = math.log1p(self.config.tie_tolerance)
+        if comparison.effect >= -tie or not comparison.could_still_win(
+            min_gain=self.config.min_gain, noise_factor=self.config.noise_factor
+        ):
             return False  # as fast as the static plan, or short of the margin beyond any noise: settled
         logger.debug("%s: duel round: %s vs the static plan", self.owner, self.space.describe(self.space.setting(best)))
-        for key in (self.baseline, best):
-            self._queue.extend([Slot(key, "final_warmup")] * self.config.warmup_steps)
-            self._queue.append(Slot(key, "final"))
+        self._queue_round([self.baseline, best])
         return True
+
+    def _queue_round(self, arms: list[Key]) -> None:
+        """One paired round of ``arms`` in the alternating order; a visit that runs the setting
+        already running (the last arm of the round before) needs no warm-up step."""
+        index = len(self.rounds)
+        self.rounds.append({})
+        previous = self._queue[-1].key if self._queue else (self.slot.key if self.slot is not None else None)
+        for key in round_order(arms, index):
+            if key != previous:
+                self._queue.extend([Slot(key, "final_warmup", index)] * self.config.warmup_steps)
+            self._queue.append(Slot(key, "final", index))
+            previous = key
 
     def _queue_finals(self) -> None:
         others = sorted(
@@ -476,23 +551,31 @@ class ProbeSession:
         )
         self.finalists = [self.baseline] + others[: max(0, self.plan.finalists - 1)]
         logger.info(
-            "%s: finals: %d candidates re-measured interleaved, %d round(s)",
+            "%s: finals: %d candidates re-measured in %d paired round(s)",
             self.owner,
             len(self.finalists),
             self.plan.final_rounds,
         )
         for _ in range(self.plan.final_rounds):
-            for key in self.finalists:
-                self._queue.extend([Slot(key, "final_warmup")] * self.config.warmup_steps)
-                self._queue.append(Slot(key, "final"))
+            self._queue_round(self.finalists)
 
     def _decide(self) -> None:
+        rounds = [r for r in self.rounds if self.baseline in r and len(r) >= 2]
+        if rounds:
+            self.winner, self.reason, self.runner_up = decide_paired(self.space, self.baseline, rounds, self.config)
+            return
         pool = self.finalists or [k for k in self.samples if self.samples[k]]
         measurements = {k: self.measurement(k) for k in pool if self.samples[k]}
         if self.baseline not in measurements:
             self.winner, self.reason = self.baseline, "the static plan was not measured"
             return
         self.winner, self.reason = choose(self.space, self.baseline, measurements, self.config)
+        others = sorted((k for k in measurements if k != self.winner), key=lambda k: measurements[k].median)
+        self.runner_up = others[0] if others else None
+
+    def paired(self) -> dict[Key, PairedComparison]:
+        """Each finalist's paired comparison with the static plan (empty without rounds)."""
+        return paired_comparisons([r for r in self.rounds if len(r) >= 2], self.baseline)
 
     def measurements(self) -> list[tuple[Key, Measurement]]:
         """Every measured candidate, in the order it was first probed."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from autotune._measurement import COST_REFERENCE_STEPS, Measurement, format_ms, probe_cost_pct, probe_cost_s
+from autotune._paired import PairedComparison
 from autotune._space import Scalar, SearchSpace
 
 __all__ = ["NO_DECISION", "Decision", "Directive", "TunerState", "lock_in_table"]
@@ -40,7 +41,7 @@ class Decision:
     session_probe_steps: int
     """Probe steps of the session that decided (0 for a cached or single candidate)."""
     reference_s: float | None
-    """Median the drift watch compares locked windows with (None: the first window becomes it)."""
+    """The winner's step time at the decision: the watch's unit of cost (None: unmeasured)."""
     finalists: tuple[dict[str, Any], ...] = ()
     """The settings re-measured interleaved in the finals (empty without finals)."""
     measurements: tuple[dict[str, Any], ...] = ()
@@ -49,6 +50,11 @@ class Decision:
     """Seconds the session's probe steps took beyond as many steps at the winner's median
     (:func:`autotune._measurement.probe_cost_s`); 0 for a cache hit or one candidate (nothing
     probed), None when the winner is unmeasured."""
+    paired: tuple[dict[str, Any], ...] = ()
+    """The paired evidence that decided: ``{"candidate", "ratio", "rounds"}`` per arm compared with
+    the static plan (ratio: trimmed mean of per-round time ratios, below 1 faster)."""
+    runner_up: dict[str, Any] | None = None
+    """The setting the post-lock watch compares the winner with (None: nothing to compare)."""
 
     @classmethod
     def of(
@@ -66,6 +72,8 @@ class Decision:
         reference_s: float | None,
         probe_cost_s: float | None,
         finalists: Sequence[dict[str, Any]] = (),
+        paired: Sequence[tuple[Key, PairedComparison]] = (),
+        runner_up: Key | None = None,
     ) -> Decision:
         """A decision with its measurements turned into plain dicts (picklable, JSON-able)."""
         return cls(
@@ -80,6 +88,10 @@ class Decision:
             finalists=tuple(dict(f) for f in finalists),
             measurements=tuple({"candidate": space.setting(k), **m.to_dict()} for k, m in measurements),
             probe_cost_s=probe_cost_s,
+            paired=tuple(
+                {"candidate": space.setting(k), "ratio": c.ratio, "rounds": c.n} for k, c in paired
+            ),
+            runner_up=space.setting(runner_up) if runner_up is not None else None,
         )
 
     @classmethod
@@ -95,8 +107,10 @@ class Decision:
         steps: int,
         finalists: Sequence[dict[str, Any]] = (),
         step_times: Sequence[float] = (),
+        paired: Sequence[tuple[Key, PairedComparison]] = (),
+        runner_up: Key | None = None,
     ) -> Decision:
-        """A decision of a probing session: the medians (and the drift reference) from its
+        """A decision of a probing session: the medians (and the watch's reference) from its
         measurements, the probing cost from the node times of all its ``step_times``."""
         by_key = dict(measurements)
         win = by_key.get(winner)
@@ -114,6 +128,8 @@ class Decision:
             reference_s=win.median if win else None,
             finalists=finalists,
             probe_cost_s=probe_cost_s(step_times, win.median if win else None),
+            paired=paired,
+            runner_up=runner_up,
         )
 
     @property
@@ -122,8 +138,21 @@ class Decision:
         return self.winner == self.baseline
 
     @property
+    def paired_ratio(self) -> float | None:
+        """The winner's time / the static plan's, from the paired rounds that decided (None without)."""
+        for p in self.paired:
+            if p["candidate"] == self.winner and p["ratio"] > 0:
+                return float(p["ratio"])
+        return None
+
+    @property
     def speedup(self) -> float | None:
-        """Static plan median / winner median (None unless both were measured)."""
+        """How much faster than the static plan the winner is: from the paired rounds that decided
+        when there are some (1 / :attr:`paired_ratio`), else the static plan's median / the
+        winner's (None unless both were measured)."""
+        paired = self.paired_ratio
+        if paired is not None and self.sampler != "watch":
+            return 1.0 / paired
         if self.baseline_median_s and self.winner_median_s:
             return self.baseline_median_s / self.winner_median_s
         return None
@@ -149,6 +178,8 @@ class Decision:
             "finalists": [dict(f) for f in self.finalists],
             "probe_cost_s": self.probe_cost_s,
             "probe_cost_pct_of_1000_steps": self.probe_cost_pct,
+            "paired": [dict(p) for p in self.paired],
+            "runner_up": dict(self.runner_up) if self.runner_up is not None else None,
         }
 
     def cost_text(self) -> str:
@@ -179,6 +210,8 @@ NO_DECISION: dict[str, Any] = {
     "finalists": [],
     "probe_cost_s": None,
     "probe_cost_pct_of_1000_steps": None,
+    "paired": [],
+    "runner_up": None,
 }
 
 
@@ -202,23 +235,28 @@ class Directive:
     """Whether ranks send their spans with their step times (rank 0 has a trace); read at start."""
     cache_key: str | None = None
     """Rank 0's cache key (the fingerprint); read at start."""
+    watch_at: int | None = None
+    """A locked directive: the index of the step that starts the next watch round (None: none)."""
+    watch_phase: str = ""
+    """The phase of that step (``"watch_warmup"`` or ``"watch"``)."""
+    watch_setting: dict[str, Any] | None = None
+    """The setting that step runs."""
 
 
 def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, owner: str) -> str:
     """The lock-in line and its table, in ms, with one ratio: ``speedup`` (the medians' ratio,
-    the figure summary.json, the cache and ``python -m autotune show`` report). The lock-in
-    rule compares the medians without spikes: the reason states that gain and the table shows
-    that statistic ("w/o spikes", and how many samples it kept). The line also states the
-    probing cost (:meth:`Decision.cost_text`)."""
+    the figure summary.json, the cache and ``python -m autotune show`` report). The decision rests
+    on paired rounds: the reason states the paired ratio that decided, and the table's "paired"
+    column shows each finalist's trimmed-mean ratio to the static plan over its rounds (see
+    :mod:`autotune._paired`). The line also states the probing cost (:meth:`Decision.cost_text`)."""
     winner, baseline = decision.winner, decision.baseline
-    trimmed = {
-        space.key(m["candidate"]): Measurement(tuple(m["samples"])).without_outliers() for m in decision.measurements
-    }
+    paired = {space.key(p["candidate"]): p for p in decision.paired}
     if decision.kept_baseline:
         ratio = " (the static plan)"
     elif decision.speedup:
-        when = " when recorded" if decision.sampler == "cache" else ""
-        ratio = f", {decision.speedup:.3f}x faster than the static plan{when} (medians)"
+        when = " when recorded" if decision.sampler == "cache" and decision.paired_ratio is None else ""
+        how = "paired rounds" if decision.paired_ratio is not None else "medians"
+        ratio = f", {decision.speedup:.3f}x faster than the static plan{when} ({how})"
     else:
         ratio = ""
     head = (
@@ -229,14 +267,15 @@ def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, 
     )
     if not decision.measurements:  # "only one candidate", a cache hit: no table, no empty header
         return head
-    rows = [head, f"  {'candidate':<44} {'median ms':>10} {'w/o spikes':>10} {'IQR ms':>10} {'n':>5}"]
+    rows = [head, f"  {'candidate':<44} {'median ms':>10} {'IQR ms':>10} {'n':>4} {'paired ratio/rounds':>20}"]
     for m in sorted(decision.measurements, key=lambda m: m["median_s"]):
-        t = trimmed[space.key(m["candidate"])]
+        key = space.key(m["candidate"])
         mark = "*" if m["candidate"] == winner else " "
         note = " (static plan)" if m["candidate"] == baseline else ""
-        kept = f"{t.n}/{m['n']}"
+        p = paired.get(key)
+        shown = f"{p['ratio']:.3f}/{p['rounds']}" if p else ("1 (ref)" if m["candidate"] == baseline and paired else "-")
         rows.append(
             f"{mark} {space.describe(m['candidate']):<44} {m['median_s'] * 1e3:>10.3f}"
-            f" {t.median * 1e3:>10.3f} {m['iqr_s'] * 1e3:>10.3f} {kept:>5}{note}"
+            f" {m['iqr_s'] * 1e3:>10.3f} {m['n']:>4} {shown:>20}{note}"
         )
     return "\n".join(rows)

@@ -8,6 +8,7 @@ schedule, so the cache and the Optuna sampler live on one rank and cannot disagr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Mapping, Protocol
@@ -18,6 +19,7 @@ from autotune._config import AutotuneConfig
 from autotune._probe import ProbeSession
 from autotune._records import Decision, Directive, TunerState
 from autotune._space import SearchSpace
+from autotune._watch import Watch
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class FingerprintLike(Protocol):
 
 class Schedule:
     """Rank 0's schedule: :meth:`first` at start, :meth:`advance` after every probing or
-    re-check step, :meth:`new_session` when the drift watch re-probes."""
+    re-check or watch step, :meth:`new_session` when a re-check finds the cached choice stale."""
 
     def __init__(
         self,
@@ -69,6 +71,8 @@ class Schedule:
         self.check: CheckSession | None = None
         """The re-check of the cached choice (None without a cache hit)."""
         self._cached_entry: CacheEntry | None = None
+        self.watch: Watch | None = None
+        """The watch over the locked setting (None before lock-in, or without challengers)."""
 
     def directive(
         self,
@@ -104,7 +108,7 @@ class Schedule:
             assert entry is not None
             winner = self.space.check(entry.winner)
             self._cached_entry = entry
-            self.check = CheckSession(self.space.key(winner), float(entry.winner_median_s), self.config)
+            self.check = CheckSession(self.space.key(winner), self._baseline_key, self.config)
             assert self.check.slot is not None
             return self.directive(None, "checking", self.check.slot.phase, winner, cache_status=status)
         return self.new_session(None, cache_status=status)
@@ -143,7 +147,7 @@ class Schedule:
         return "hit", entry
 
     def new_session(self, step: int | None, *, cache_status: str | None = None) -> Directive:
-        """Start a probing session (at start, after a stale re-check, or on drift)."""
+        """Start a probing session (at start, or after a stale re-check)."""
         self.session = ProbeSession(self.space, self._baseline_key, self.config, owner=self.owner)
         plan = self.session.plan
         logger.info(
@@ -183,18 +187,23 @@ class Schedule:
                 steps=session.steps,
                 finalists=[self.space.setting(k) for k in session.finalists],
                 step_times=session.step_times,
+                paired=sorted(session.paired().items(), key=lambda kv: kv[1].effect),
+                runner_up=session.runner_up,
             )
             self._store(decision)
-            return self.directive(step, "locked", "locked", decision.winner, decision=decision)
+            return self._locked(step, decision)
+        if state == "locked":
+            return self._advance_watch(step, node_time)
         check = self.check
         assert check is not None and self._cached_entry is not None
         slot = check.record(node_time)
         if slot is None:
-            described = self.space.describe(self.space.setting(check.key))
-            outcome = check.conclude(self._baseline_key, described=described, owner=self.owner)
-            if isinstance(outcome, CheckVerdict):
-                return self._after_check(step, outcome)
-            slot = outcome
+            verdict = check.verdict(described=self.space.describe(self.space.setting(check.key)))
+            if verdict.stale:
+                logger.warning("%s: %s; re-tuning", self.owner, verdict.reason)
+            else:
+                logger.info("%s: %s", self.owner, verdict.reason)
+            return self._after_check(step, verdict)
         return self.directive(step, "checking", slot.phase, self.space.setting(slot.key))
 
     def _after_check(self, step: int, verdict: CheckVerdict) -> Directive:
@@ -214,8 +223,69 @@ class Schedule:
             steps=0,
             reference_s=verdict.reference_s,
             probe_cost_s=0.0,  # a confirmed cached choice: its re-check steps ran it, nothing was probed
+            paired=[(self.check.key, verdict.paired)] if verdict.paired is not None else (),
+            runner_up=self._runner_up(entry),
         )
-        return self.directive(step, "locked", "locked", decision.winner, decision=decision)
+        return self._locked(step, decision)
+
+    def _locked(self, step: int, decision: Decision) -> Directive:
+        """The directive that locks ``decision`` in, with the watch's first round when it has one."""
+        winner = self.space.key(decision.winner)
+        challengers = [self.space.key(decision.runner_up)] if decision.runner_up is not None else []
+        challengers.append(self._baseline_key)
+        ratios = {}
+        for p in decision.paired:  # each arm's ratio to the static plan: the winner's to a challenger follows
+            ratios[self.space.key(p["candidate"])] = float(p["ratio"])
+        mine = ratios.get(winner, 1.0)
+        expected = {k: r / mine for k, r in ratios.items()} | {self._baseline_key: 1.0 / mine}
+        self.watch = Watch(
+            winner, challengers, reference_s=decision.reference_s or 0.0, locked_at=step + 1, config=self.config,
+            expected_ratios=expected,
+        ) if decision.reference_s else None
+        return self._with_watch(self.directive(step, "locked", "locked", decision.winner, decision=decision), step)
+
+    def _with_watch(self, directive: Directive, step: int) -> Directive:
+        start = self.watch.next_start(step) if self.watch is not None else None
+        if start is None:
+            return directive
+        return dataclasses.replace(directive, watch_at=start.step, watch_phase=start.slot.phase,
+                                   watch_setting=self.space.setting(start.slot.key))
+
+    def _advance_watch(self, step: int, node_time: float) -> Directive:
+        """A watch step's node time in; the next watch step, or the end of the round (maybe a switch)."""
+        watch = self.watch
+        assert watch is not None
+        slot = watch.record(node_time)
+        if slot is not None:
+            return self.directive(step, "locked", slot.phase, self.space.setting(slot.key))
+        switch = watch.conclude()
+        decision = None
+        if switch is not None:
+            old, new = self.space.setting(switch.old), self.space.setting(switch.new)
+            reason = (f"watch: {self.space.describe(new)} clearly faster than {self.space.describe(old)} "
+                      f"({switch.comparison.describe()}); switched")
+            logger.warning("%s: step %d: %s", self.owner, step, reason)
+            decision = Decision.of(
+                self.space, self.baseline, winner=new, winner_median_s=watch.reference_s * switch.comparison.ratio,
+                baseline_median_s=None, reason=reason, measurements=[], sampler="watch", steps=0,
+                reference_s=watch.reference_s * switch.comparison.ratio, probe_cost_s=0.0,
+                paired=[(switch.new, switch.comparison)], runner_up=switch.old,
+            )
+            watch.reference_s = max(watch.reference_s * switch.comparison.ratio, 1e-9)
+        directive = self.directive(step, "locked", "locked", self.space.setting(watch.winner), decision=decision)
+        return self._with_watch(directive, step)
+
+    def _runner_up(self, entry: CacheEntry) -> Any:
+        """The watch's challenger for a kept cached choice: the entry's recorded runner-up when it
+        is a valid other candidate, else the static plan (None when the choice is the plan and no
+        runner-up was recorded)."""
+        winner = self.space.key(self.space.check(entry.winner))
+        recorded = entry.runner_up
+        if recorded is not None and self.space.contains(recorded):
+            key = self.space.key(recorded)
+            if key != winner:
+                return key
+        return self._baseline_key if winner != self._baseline_key else None
 
     def _store(self, decision: Decision) -> None:
         """Write the new choice to the cache (never fatal)."""
@@ -230,6 +300,7 @@ class Schedule:
                 measurements=tuple(decision.measurements),  # to_json keeps what an entry stores of each
                 probe_steps=decision.session_probe_steps,
                 probe_cost_s=decision.probe_cost_s,
+                runner_up=decision.runner_up,
                 created_unix=time.time(),
                 fingerprint=self.fingerprint_details,
             )

@@ -10,22 +10,25 @@ setting with the step index as a :class:`~autotune._records.Directive`; every ra
 Per step while probing (or re-checking a cached choice) the tuner runs two small collectives on
 its gloo group: an all-gather of ``(step, time_s, stages, spans)`` (the node time of a step is the
 maximum over local ranks; rank 0 also writes the per-rank stages to the trace) and a broadcast of
-the next setting. After lock-in it runs none, except the optional drift watch
-(:mod:`autotune._drift`): one all-reduce of one float every ``drift_window`` steps.
+the next setting. After lock-in it runs none, except during the watch's rounds
+(:mod:`autotune._watch`): four steps now and then, each with the same two collectives. Every
+rank learns when the next round starts, and what its first step runs, from the directive that
+ended the previous one, so a locked step between rounds only counts.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, Mapping, Protocol
 
 from autotune import knobs
 from autotune._agree import Agreement, AgreementError, AgreementMismatch, make_agreement
 from autotune._config import AutotuneConfig, StepSample
-from autotune._drift import DriftWatch
 from autotune._records import NO_DECISION, Decision, Directive, TunerState, lock_in_table
 from autotune._schedule import CacheLike, FingerprintLike, Schedule
 from autotune._space import SearchSpace, Setting
@@ -51,6 +54,18 @@ def _default_fingerprint(**kwargs: Any) -> FingerprintLike:
     return fingerprint(**kwargs)
 
 
+def _warn_at_exit(ref: weakref.ReferenceType[OnlineTuner]) -> Callable[[], None]:
+    """The interpreter-exit hook of a tuner started on local rank 0: the unfinished-tuning warning
+    of :meth:`OnlineTuner.close` for a script that ends without calling it."""
+
+    def hook() -> None:
+        tuner = ref()
+        if tuner is not None and not tuner._closed and tuner._state in ("probing", "checking"):
+            logger.warning("%s (at exit, without close())", tuner._unfinished())
+
+    return hook
+
+
 class OnlineTuner:
     """Probes the candidates of ``space`` during real training steps and locks in the fastest.
 
@@ -66,8 +81,8 @@ class OnlineTuner:
 
     Collectives: ``start()`` creates the group, checks that every local rank tunes the same
     space, static plan and config, and broadcasts rank 0's cache decision. Each probing or
-    re-check step runs two; a locked step none, or one all-reduce per ``drift_window`` steps with
-    the drift watch.
+    re-check step runs two, and so does each step of a watch round (:mod:`autotune._watch`); a
+    locked step between rounds none.
     """
 
     def __init__(
@@ -116,10 +131,13 @@ class OnlineTuner:
         self._decision: Decision | None = None
         self._collect_spans = False
         self._schedule: Schedule | None = None  # local rank 0 only
-        self._drift = DriftWatch(config, can_reprobe=len(space) > 1)
+        self._watch_next: Directive | None = None  # the directive that announced the next watch round
+        self._watch_steps = 0
+        self._switches = 0
         self._overhead_s = 0.0
         self._error: BaseException | None = None
         self._closed = False
+        self._at_exit: Callable[[], None] | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -131,6 +149,12 @@ class OnlineTuner:
     def current(self) -> dict[str, Any]:
         """The setting in effect for the next step (a copy)."""
         return dict(self._current)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the next :meth:`observe` uses the step's time (probing, re-checking, or a watch
+        round); when False a client may pass ``None`` instead of reading its clocks."""
+        return self._state in ("probing", "checking") or self._phase.startswith("watch")
 
     @property
     def rank(self) -> int:
@@ -153,30 +177,39 @@ class OnlineTuner:
             directive = self._schedule.first() if self._schedule is not None else None
             directive = self._agree.broadcast(directive, step=None, what="broadcast of the cache decision")
             self._follow(directive, step=None)
+            if self._agree.rank == 0 and self._state in ("probing", "checking"):
+                # Most scripts never call close(): a run that ends before tuning finished says so
+                # at exit all the same (the hook holds the tuner weakly and goes with close()).
+                self._at_exit = _warn_at_exit(weakref.ref(self))
+                atexit.register(self._at_exit)
         except BaseException as exc:
             self._fail(exc)
             raise
         finally:
             self._overhead_s += self._clock() - began
 
-    def observe(self, sample: StepSample) -> None:
-        """Record one finished training step; may apply the next setting before returning."""
+    def observe(self, sample: StepSample | None) -> None:
+        """Record one finished training step; may apply the next setting before returning.
+
+        ``sample`` may be None when :attr:`measuring` is False (a locked step between watch
+        rounds: only counted)."""
         if self._state == "new":
             raise RuntimeError(f"{OWNER}.observe() called before start()")
         if self._state == "failed":
             raise RuntimeError(f"{OWNER} failed earlier and cannot continue: {self._error}") from self._error
-        if not isinstance(sample, StepSample):
-            raise ValueError(f"{OWNER}.observe({sample!r}): expected a StepSample")
+        measuring = self.measuring
+        if not isinstance(sample, StepSample) and not (sample is None and not measuring):
+            raise ValueError(f"{OWNER}.observe({sample!r}): expected a StepSample"
+                             + (" (None only between watch rounds: see OnlineTuner.measuring)" if sample is None else ""))
         step = self._steps
         self._steps += 1
-        if self._state == "locked" and not self.config.drift_window:
-            return  # locked: nothing to do, not even reading the clock
+        if not measuring:
+            self._maybe_start_watch(step)  # locked: no clock, no collective
+            return
+        assert sample is not None
         began = self._clock()
         try:
-            if self._state in ("probing", "checking"):
-                self._observe_active(step, sample)
-            elif self.config.drift_window:
-                self._observe_locked(step, sample)
+            self._observe_active(step, sample)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -219,11 +252,13 @@ class OnlineTuner:
             "reason": decision["reason"],
             "measurements": list(decision["measurements"]),
             "finalists": list(decision["finalists"]),
+            "paired": list(decision["paired"]),
+            "runner_up": decision["runner_up"],
             "probe_cost_s": decision["probe_cost_s"],
             "probe_cost_pct_of_1000_steps": decision["probe_cost_pct_of_1000_steps"],
             "steps": self._steps,
-            "drift_events": self._drift.events,
-            "reprobes": self._drift.reprobes,
+            "watch_steps": self._watch_steps,
+            "switches": self._switches,
             "rank": self.rank,
             "local_world_size": self._agree.world_size if self._agree is not None else 1,
             "overhead_s": self._overhead_s,
@@ -233,11 +268,15 @@ class OnlineTuner:
         """Release the agreement's side channel. The tuner cannot be used afterwards.
 
         Closing while still probing or re-checking logs a warning on rank 0 saying how many steps
-        tuning needs: nothing was locked in or cached, so the next run would start over.
+        tuning needs: nothing was locked in or cached, so the next run would start over. A script
+        that never calls ``close()`` gets the same warning when the interpreter exits.
         """
         if self._state in ("probing", "checking") and self.rank == 0 and not self._closed:
             logger.warning("%s", self._unfinished())
         self._closed = True
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         if self._agree is not None:
             self._agree.close()
 
@@ -321,8 +360,10 @@ class OnlineTuner:
         ran_state, ran_phase, ran_setting = self._state, self._phase, dict(self._current)
         if self._state == "probing":
             self._probe_steps += 1
-        else:
+        elif self._state == "checking":
             self._check_steps += 1
+        else:
+            self._watch_steps += 1
         schedule = self._schedule
         directive = schedule.advance(step, node_time, ran_state) if schedule is not None else None
         if self._agree.rank == 0 and self._trace is not None:
@@ -340,26 +381,18 @@ class OnlineTuner:
             )
         self._follow(directive, step=step)
 
-    def _observe_locked(self, step: int, sample: StepSample) -> None:
-        """Drift watch: one all-reduce of a float every ``drift_window`` steps."""
-        agree = self._agree
-        assert agree is not None and self._decision is not None
-        drift = self._drift.observe(
-            float(sample.time_s), lambda local: agree.max_float(local, step=step, what="drift check")
-        )
-        if drift is None:
+    def _maybe_start_watch(self, step: int) -> None:
+        """Every rank: when the step after ``step`` starts a watch round, apply its first setting."""
+        announced = self._watch_next
+        if announced is None or announced.watch_at != step + 1:
             return
-        if agree.rank == 0:
-            logger.warning("%s", drift.message(owner=OWNER, step=step, setting=self.space.describe(self._current)))
-        if not drift.reprobe:
-            return
-        # Every rank saw the same all-reduced value, so every rank starts re-probing at this step.
-        if self._schedule is not None:
-            directive = self._schedule.new_session(step)
-        else:
-            phase = "warmup" if self.config.warmup_steps else "measure"
-            directive = Directive(step=step, state="probing", phase=phase, setting=dict(self.baseline))
-        self._follow(directive, step=step)
+        self._watch_next = None
+        setting = announced.watch_setting or self._current
+        if setting != self._current:
+            logger.debug("%s: rank %d: step %d: watch round: %s", OWNER, self.rank, step, self.space.describe(setting))
+            self._apply_fn(dict(setting))
+            self._current = dict(setting)
+        self._phase = announced.watch_phase
 
     def _follow(self, directive: Directive, *, step: int | None) -> None:
         """Every rank: apply the directive's setting (if it changed) and adopt its state."""
@@ -377,10 +410,15 @@ class OnlineTuner:
             self._cache_key = directive.cache_key
         if directive.decision is not None:
             self._lock(directive.decision, step)
+        if directive.state == "locked" and directive.phase == "locked":
+            # The next watch round, announced to every rank: it may start with the very next step.
+            self._watch_next = directive if directive.watch_at is not None else None
+            self._maybe_start_watch(self._steps - 1)
 
     def _lock(self, decision: Decision, step: int | None) -> None:
+        if decision.sampler == "watch":
+            self._switches += 1
         self._decision = decision
-        self._drift.lock(decision.reference_s)
         logger.debug(
             "%s: rank %d: step %s: locked %s (%s)",
             OWNER,
@@ -421,7 +459,10 @@ class OnlineTuner:
             "node_time_s": node_time,
             "ranks": {rank: {"time_s": row[1], **row[2]} for rank, row in enumerate(rows)},
             "next": directive.setting,
-            "decision": f"locked {self.space.describe(decision.winner)}" if decision else None,
+            "decision": (
+                f"{'switched to' if decision.sampler == 'watch' else 'locked'} {self.space.describe(decision.winner)}"
+                if decision else None
+            ),
             "clock_s": self._clock(),
         }
         if decision is not None:  # the lock-in row states what probing cost, as summary.json does

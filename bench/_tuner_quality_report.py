@@ -150,8 +150,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{cv['winner_label']} ({'same as' if cv['same_winner_as_first_run'] else 'DIFFERENT from'} the first run). "
         f"`first {cv['k']} steps` compares the second run's steps up to its lock-in with the first run's first "
         f"{cv['k']} (probing) steps."
-        + (" The re-check found the cached choice clearly slower than recorded (beyond `recheck_tolerance` and "
-           "the noise), so the tuner re-tuned: its probe steps are counted above." if cv["cache_status"] == "stale"
+        + (" The re-check found the static plan clearly faster than the cached choice in its paired rounds, "
+           "so the tuner re-tuned: its probe steps are counted above." if cv["cache_status"] == "stale"
            else ""),
         "",
         "| run | construct s | tuner start s | first step s (state init) | steps to lock | step() wall to lock s | "

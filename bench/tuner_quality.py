@@ -228,13 +228,13 @@ def _uptime() -> str:
 # ------------------------------------------------------------------------------------ phases
 def tune_run(work: Workload, *, seed: int, cache_path: Path, locked_steps: int,
              trace_dir: Path | None = None, keep: bool = False,
-             recheck_tolerance: float | None = None) -> tuple[dict[str, Any], Any]:
+             recheck_rounds: int | None = None) -> tuple[dict[str, Any], Any]:
     """Phase 1 (or the cache-hit run): train until the tuner locks, then ``locked_steps`` more.
 
-    ``recheck_tolerance``: ``AutotuneConfig.recheck_tolerance`` (None: its default). Returns the
+    ``recheck_rounds``: ``AutotuneConfig.recheck_rounds`` (None: its default). Returns the
     record and the optimizer (None unless ``keep``; else it is closed).
     """
-    config = _autotune_config(seed, recheck_tolerance, cache_path=str(cache_path),
+    config = _autotune_config(seed, recheck_rounds, cache_path=str(cache_path),
                               trace_dir=str(trace_dir) if trace_dir is not None else None)
     load_before = _load()
     cpu = _cpu_snapshot()
@@ -334,9 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--locked-steps", type=int, default=None,
                    help="steps after lock-in that give the locked step time (default 10; 3 quick)")
     p.add_argument("--seed", type=int, default=0, help="model, data, sweep order and first tuner seed")
-    p.add_argument("--recheck-tolerance", type=float, default=None,
-                   help="AutotuneConfig.recheck_tolerance of every run (default: its default); a large value "
-                        "makes the cache-hit run's re-check confirm whatever the machine's load (tests)")
+    p.add_argument("--recheck-rounds", type=int, default=None,
+                   help="AutotuneConfig.recheck_rounds of every run (default: its default); 1 makes the "
+                        "cache-hit run's re-check keep the cached choice whatever the machine's load (tests)")
     p.add_argument("--trace-dir", type=output_dir, default=None, help=f"tuner trace of repetition 0 ({PATH_RULE})")
     p.add_argument("--quick", action="store_true", help="small model, synthetic gradients, few rounds: a smoke run")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -362,9 +362,8 @@ def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
                             ("--seq-len", args.seq_len, 1), ("--seed", args.seed, 0)):
         if value < lo:
             p.error(f"{flag} {value}: expected an integer >= {lo}")
-    tol = args.recheck_tolerance
-    if tol is not None and not (math.isfinite(tol) and tol >= 0):
-        p.error(f"--recheck-tolerance {tol}: expected a finite number >= 0")
+    if args.recheck_rounds is not None and args.recheck_rounds < 1:
+        p.error(f"--recheck-rounds {args.recheck_rounds}: expected an integer >= 1")
     return args
 
 
@@ -387,15 +386,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                     args.grads)
         with tempfile.TemporaryDirectory(prefix="tuner_quality-") as tmp:
             tmpdir = Path(tmp)
-            tol = args.recheck_tolerance
+            tol = args.recheck_rounds
             rep0, _ = tune_run(work, seed=args.seed, cache_path=tmpdir / "cache-0.json",
-                               locked_steps=args.locked_steps, trace_dir=args.trace_dir, recheck_tolerance=tol)
+                               locked_steps=args.locked_steps, trace_dir=args.trace_dir, recheck_rounds=tol)
             logger.info("tuner: %s after %d probe steps", label(rep0["summary"]["winner"]),
                         rep0["summary"]["probe_steps"])
             # The second run: same cache file, same fingerprint; only the re-check should run. Its
             # optimizer (tuner locked) then serves the sweep: one optimizer alive at a time.
             second, opt = tune_run(work, seed=args.seed, cache_path=tmpdir / "cache-0.json",
-                                   locked_steps=args.locked_steps, keep=True, recheck_tolerance=tol)
+                                   locked_steps=args.locked_steps, keep=True, recheck_rounds=tol)
             logger.info("cache-hit run: %s, %d probe steps, %d re-check steps",
                         second["summary"]["cache_status"], second["summary"]["probe_steps"],
                         second["summary"]["check_steps"])
@@ -408,7 +407,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             reps = [rep0]
             for k in range(1, args.reps):
                 rec, _ = tune_run(work, seed=args.seed + k, cache_path=tmpdir / f"cache-{k}.json",
-                                  locked_steps=args.locked_steps, recheck_tolerance=tol)
+                                  locked_steps=args.locked_steps, recheck_rounds=tol)
                 logger.info("repetition %d: %s after %d probe steps", k, label(rec["summary"]["winner"]),
                             rec["summary"]["probe_steps"])
                 reps.append(rec)
@@ -430,7 +429,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                    "seed": args.seed, "quick": args.quick, "lr": LR, "betas": list(BETAS),
                    "weight_decay": WEIGHT_DECAY, "forward_backward_threads": plan.threads},
         "workload": {"params": work.numel, "param_groups": 2, "last_loss": work.last_loss},
-        "autotune_config": _config_dict(reps[0], args.recheck_tolerance),
+        "autotune_config": _config_dict(reps[0], args.recheck_rounds),
         "space": {"candidates": candidates, "static_plan": static, "n": len(candidates)},
         "target_regret": TARGET_REGRET,
         "headline": headline(analysis, reps, second),
@@ -454,18 +453,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return result
 
 
-def _autotune_config(seed: int, recheck_tolerance: float | None, **paths: Any) -> Any:
-    """The tuner's config of every run: defaults but the seed (and ``--recheck-tolerance``)."""
+def _autotune_config(seed: int, recheck_rounds: int | None, **paths: Any) -> Any:
+    """The tuner's config of every run: defaults but the seed (and ``--recheck-rounds``)."""
     from autotune import AutotuneConfig
 
-    extra = {} if recheck_tolerance is None else {"recheck_tolerance": recheck_tolerance}
+    extra = {} if recheck_rounds is None else {"recheck_rounds": recheck_rounds}
     return AutotuneConfig(seed=seed, **extra, **paths)
 
 
-def _config_dict(rep: dict[str, Any], recheck_tolerance: float | None) -> dict[str, Any]:
+def _config_dict(rep: dict[str, Any], recheck_rounds: int | None) -> dict[str, Any]:
     from dataclasses import asdict
 
-    cfg = asdict(_autotune_config(rep["seed"], recheck_tolerance))
+    cfg = asdict(_autotune_config(rep["seed"], recheck_rounds))
     cfg.pop("cache_path")
     cfg.pop("trace_dir")
     return cfg

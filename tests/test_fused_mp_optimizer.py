@@ -472,11 +472,11 @@ def test_search_space_has_a_kernel_knob_and_fewer_chunks() -> None:
         offload_search_space(**args, kernels=("torch", "fast"))
 
 
-def _tuned_run(dtype, *, settings: OffloadSettings, steps: int = 24, tmp_path=None):
+def _tuned_run(dtype, *, settings: OffloadSettings, steps: int = 34, tmp_path=None):
     from autotune import AutotuneConfig
 
     model = make_model(dtype)
-    config = AutotuneConfig(probe_steps=20, use_cache=False, finalists=2, final_rounds=1)
+    config = AutotuneConfig(probe_steps=30, use_cache=False, finalists=2, final_rounds=1)
     opt = CPUOffloadAdamW(param_groups(model), settings=settings, autotune=config)
     kernels = _train(model, opt, _schedule(opt), range(steps))
     out = [p.detach().clone() for p in model.parameters()]
@@ -495,7 +495,7 @@ def test_tuner_probes_the_kernel_on_bf16_and_never_changes_the_math(kernel) -> N
     assert set(kernels) == {"torch", "fused-mp"}, "both kernels were probed"
     model = make_model(torch.bfloat16)
     opt = CPUOffloadAdamW(param_groups(model), settings=_settings("torch"))
-    _train(model, opt, _schedule(opt), range(24))
+    _train(model, opt, _schedule(opt), range(34))
     assert_bitwise(got, list(model.parameters()), "tuned params vs untuned torch path")
     opt.close()
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("single_threaded_main")
 
 #: Fake step seconds per intra-op thread count: 2 threads is fastest, the static plan (4) is not.
 COSTS = {1: 3.0, 2: 1.0, 4: 2.0}
-CONFIG = dict(probe_steps=16, warmup_steps=1, measure_steps=2, finalists=2, final_rounds=1, timeout_s=30.0)
+CONFIG = dict(probe_steps=26, warmup_steps=1, measure_steps=2, finalists=2, final_rounds=1, timeout_s=30.0)
 
 
 def plan(threads: int = 4) -> ThreadPlan:
@@ -111,7 +111,7 @@ def test_bitwise_equal_to_unwrapped_across_probed_thread_counts(name: str, tmp_p
     ref = OPTIMIZERS[name](ref_model.parameters())
     opt = wrap(OPTIMIZERS[name](model.parameters()), tmp_path)
     used = record_threads(opt)
-    for step in range(16):
+    for step in range(30):
         with thread_limit(1):
             train(ref_model, ref, 1, wide_loss, first=step)
         train(model, opt, 1, wide_loss, first=step)
@@ -387,7 +387,7 @@ def test_second_run_hits_the_cache_and_the_cli_shows_it(tmp_path: Path) -> None:
     def run(trace: str) -> ThreadTunedOptimizer:
         model = wide_model()
         opt = wrap(torch.optim.AdamW(model.parameters(), fused=True), tmp_path, trace_dir=str(tmp_path / trace))
-        for step in range(16):
+        for step in range(30):
             train(model, opt, 1, wide_loss, first=step)
             if opt.tuner.state == "locked":
                 break

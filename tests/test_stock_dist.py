@@ -85,7 +85,7 @@ def _worker(rank: int, world_size: int, *, cache_path: str, trace_dir: str) -> d
     torch.set_num_threads(1)
     plan = ThreadPlan(threads=4, reason="test plan", source="plan", cpus=frozenset({0, 1}), local_world_size=2,
                       local_rank=rank, planned_threads=4, local_threads=(4, 4))
-    config = AutotuneConfig(probe_steps=16, warmup_steps=1, measure_steps=2, finalists=2, final_rounds=1,
+    config = AutotuneConfig(probe_steps=26, warmup_steps=1, measure_steps=2, finalists=2, final_rounds=1,
                             timeout_s=60.0, cache_path=cache_path, trace_dir=trace_dir)
 
     class Clock:
@@ -108,7 +108,7 @@ def _worker(rank: int, world_size: int, *, cache_path: str, trace_dir: str) -> d
         used: list[int] = []
         opt.register_step_pre_hook(lambda *_: used.append(torch.get_num_threads()))
         mismatches = []
-        for step in range(16):
+        for step in range(28):
             _train_step(((ref_model, ref), (model, opt)), step, rank)
             if not _same(_local(model.parameters()), _local(ref_model.parameters())):
                 mismatches.append(step)
@@ -136,10 +136,10 @@ def _worker(rank: int, world_size: int, *, cache_path: str, trace_dir: str) -> d
             opt2 = tune_step_threads(make(model2.parameters()), autotune=config, plan=plan, clock=Clock())
             set_optimizer_state_dict(model2, opt2, copy.deepcopy(got))
             resumed = []
-            for step in range(16, 28):
+            for step in range(28, 46):
                 _train_step(((ref_model, ref), (model2, opt2)), step, rank)
                 resumed.append(_same(_local(model2.parameters()), _local(ref_model.parameters())))
-                if opt2.tuner.state == "locked" and step >= 20:
+                if opt2.tuner.state == "locked" and step >= 32:
                     break
             second = opt2.tuner.summary()
             run["resumed_equal"] = all(resumed)

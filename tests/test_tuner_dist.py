@@ -34,6 +34,11 @@ def _cost(rank: int, setting: dict[str, Any]) -> float:
     return base * (0.95 if chunk == 1 << 22 else 1.0)
 
 
+def _slowdown(setting: dict[str, Any]) -> float:
+    """What a load that starts mid-run does to rank 1: large chunks become 3x slower."""
+    return 3.0 if setting["chunk_numel"] == 1 << 22 else 1.0
+
+
 def _node_optimum() -> dict[str, Any]:
     candidates = _space().candidates()
     return min(candidates, key=lambda s: max(_cost(0, s), _cost(1, s)))
@@ -77,7 +82,7 @@ def _tune(rank: int, *, space: Any, config: Any, steps: int, cache: Any = None, 
                 if stop_file:
                     Path(stop_file).write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP if stop == "sigstop" else signal.SIGKILL)
-        t = _cost(rank, tuner.current) * (3.0 if slow_from is not None and step >= slow_from else 1.0)
+        t = _cost(rank, tuner.current) * (_slowdown(tuner.current) if slow_from is not None and step >= slow_from else 1.0)
         tuner.observe(StepSample(time_s=t, stages={"step_s": t}))
         states.append(tuner.state)
     summary = tuner.summary()
@@ -91,11 +96,12 @@ def _worker_agree(rank: int, world_size: int, *, cache_path: str) -> dict[str, A
     records = _Records()
     logging.getLogger("autotune").addHandler(records)
     logging.getLogger("autotune").setLevel(logging.DEBUG)
-    config = AutotuneConfig(probe_steps=48, timeout_s=30.0, drift_window=4, drift_patience=2)
+    config = AutotuneConfig(probe_steps=60, timeout_s=30.0, watch_cost=0.05)
     cache = TuningCache(cache_path) if rank == 0 else None
-    # Probing ends after 44 steps; from step 48 on rank 1 alone runs 3x slower (drift).
-    first = _tune(rank, space=_space(), config=config, steps=60, cache=cache, slow_from=48 if rank == 1 else None)
-    second = _tune(rank, space=_space(), config=config, steps=8, cache=cache)
+    # Probing ends after 49 steps; from step 100 on rank 1 alone runs large chunks 3x slower: the
+    # node's optimum moves to the runner-up (small chunks), and the watch follows it.
+    first = _tune(rank, space=_space(), config=config, steps=400, cache=cache, slow_from=100 if rank == 1 else None)
+    second = _tune(rank, space=_space(), config=config, steps=20, cache=cache)
     return {"first": first, "second": second, "log": records.messages}
 
 
@@ -115,29 +121,35 @@ def test_ranks_apply_the_same_candidates_and_agree_on_the_node_optimum(tmp_path)
     assert _comparable(first0["summary"]) == _comparable(first1["summary"])
     summary = first0["summary"]
     assert summary["state"] == "locked"
-    assert summary["sampler"] == "grid"
     assert summary["local_world_size"] == 2
-    assert summary["probe_steps"] == 44
-    # Rank 0's own steps never slowed down: it learns of rank 1's drift through the max-reduce.
-    assert summary["drift_events"] == 1 and summary["reprobes"] == 0
+    assert summary["probe_steps"] == 8 * 4 + 11 + 3 + 3
     # The slow rank sets the pace: the node time is the max over ranks, so neither rank's own
-    # optimum (8 threads for rank 0, 1 thread for rank 1) wins, but the node's.
-    assert summary["winner"] == _node_optimum() == {"threads": 4, "chunk_numel": 1 << 22}
-    for m in summary["measurements"]:
+    # optimum (8 threads for rank 0, 1 thread for rank 1) won the lock-in, but the node's. After
+    # rank 1 slowed down (rank 0 learns of it only through the gathered node times) the watch
+    # switched both ranks, at the same step (the applied lists above are equal), to the faster
+    # runner-up.
+    locked = summary["measurements"]
+    for m in locked:
         expected = max(_cost(0, m["candidate"]), _cost(1, m["candidate"]))
         assert m["samples"] == pytest.approx([expected] * m["n"])
+    assert _node_optimum() == {"threads": 4, "chunk_numel": 1 << 22}
+    assert summary["switches"] == 1 and summary["sampler"] == "watch" and summary["watch_steps"] > 0
+    assert summary["winner"] == {"threads": 4, "chunk_numel": 1 << 20}  # the runner-up
+    switched = [s for s, setting in first0["applied"] if setting == summary["winner"] and s > 100]
+    assert switched, first0["applied"]
     # Every rank logs the decision; rank 0 alone logs the per-candidate lines and the table.
     assert any("locked" in line for line in r0["log"]) and any("locked" in line for line in r1["log"])
     per_candidate = re.compile(r"OnlineTuner: candidate \d+ of 8: ")
     assert sum(bool(per_candidate.match(line)) for line in r0["log"]) == len(_space())
     assert not any(per_candidate.match(line) for line in r1["log"])
-    # Second tuner: rank 0's cache hit is shared, nobody probes, both lock the cached winner.
+    # Second tuner: rank 0's cache hit is shared, nobody probes, both lock the cached winner (the
+    # lock-in's: a watch switch follows today's load and is not written to the cache).
     second0, second1 = r0["second"]["summary"], r1["second"]["summary"]
     assert _comparable(second0) == _comparable(second1)
     assert second0["cache_hit"] is True and second0["cache_status"] == "hit"
     assert second0["probe_steps"] == 0 and second0["state"] == "locked"
-    assert second0["winner"] == summary["winner"]
-    assert r0["second"]["applied"] == r1["second"]["applied"] == [[0, summary["winner"]]]
+    assert second0["winner"] == _node_optimum()
+    assert r0["second"]["applied"] == r1["second"]["applied"] and r0["second"]["applied"][0] == [0, _node_optimum()]
 
 
 def _worker_mismatch(rank: int, world_size: int) -> dict[str, Any]:

@@ -451,12 +451,14 @@ class OffloadTuning:
         )
 
     def after_step(self) -> None:
-        """Called at the end of every ``step()``; reads the step's stats only while tuning
-        (on CUDA, reading them waits for the step's copies)."""
+        """Called at the end of every ``step()``; reads the step's stats only while the tuner
+        measures (probing, a re-check, a watch round; on CUDA, reading them waits for the step's
+        copies). A locked step between watch rounds is only counted."""
         now = self._clock()
         previous, self._last_return = self._last_return, now
-        if self.tuner.state == "locked" and not self.tuner.config.drift_window:
-            return  # locked: nothing per step
+        if not self.tuner.measuring:
+            self.tuner.observe(None)  # locked: counted, nothing read
+            return
         stats = self._optimizer.last_stats
         if stats is None:
             return

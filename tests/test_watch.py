@@ -1,0 +1,189 @@
+"""The watch after lock-in, reached through the tuner's public injection points (fake step times
+in ``StepSample``s, an injected clock): paired rounds of the winner against the runner-up and the
+static plan, a switch when one is clearly faster, and a cost bounded by ``watch_cost``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from test_tuner_logic import BASELINE, Client, FakeTrace, make_space, make_tuner, table
+
+from autotune import AutotuneConfig, StepSample
+
+FAST, RUNNER = {"threads": 2, "chunk_numel": 1 << 22}, {"threads": 4, "chunk_numel": 1 << 22}
+
+
+class Shifting:
+    """Step times that change at a given step: a host whose load changes mid-run."""
+
+    def __init__(self, before: dict[tuple[int, int], float], after: dict[tuple[int, int], float], at: int,
+                 default: float = 2.0) -> None:
+        self.before, self.after, self.at, self.default = table(before, default), table(after, default), at, default
+        self.client: Client | None = None
+
+    def __call__(self, setting: dict[str, Any]) -> float:
+        assert self.client is not None
+        return (self.before if self.client.steps < self.at else self.after)(setting)
+
+
+def shifting_client(before: dict, after: dict, at: int, **kwargs: Any) -> Client:
+    cost = Shifting(before, after, at)
+    client = Client(cost, **kwargs)
+    cost.client = client
+    return client
+
+
+def watch_rows(trace: FakeTrace) -> list[dict[str, Any]]:
+    return [row for row in trace.rows if row["phase"].startswith("watch")]
+
+
+def test_the_watch_follows_a_load_change_to_the_runner_up():
+    # Before step 300 FAST wins by 10 %; then the load makes it 30 % slower than RUNNER.
+    before = {(2, 1 << 22): 0.9, (4, 1 << 22): 1.0, (8, 1 << 20): 1.2}
+    after = {(2, 1 << 22): 1.3, (4, 1 << 22): 1.0, (8, 1 << 20): 1.2}
+    client = shifting_client(before, after, at=300, noise=0.02, seed=1)
+    trace = FakeTrace()
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80), trace=trace)
+    client.run(tuner, 300)
+    s = tuner.summary()
+    assert s["winner"] == FAST and s["runner_up"] == RUNNER and s["switches"] == 0
+    client.run(tuner, 1200)
+    s = tuner.summary()
+    assert s["winner"] == RUNNER and client.current == RUNNER
+    assert s["sampler"] == "watch" and "clearly faster" in s["reason"]
+    switches = [r for r in trace.rows if (r["decision"] or "").startswith("switched to")]
+    assert len(switches) == s["switches"] >= 1
+    # The static plan (1.2) also beats the slowed winner (1.3): its turn may come first. Either
+    # way the run ends on the fastest, within a few rounds: a faster challenger costs nothing,
+    # so it is re-measured at once.
+    assert 300 < switches[-1]["step"] <= 300 + 200, [r["step"] for r in switches]
+    assert tuner.state == "locked"
+
+
+def test_the_watch_costs_at_most_its_share_of_the_run():
+    # The runner-up is 5 % slower, the static plan 60 % slower; the warm-up step after a switch costs 50 %.
+    costs = {(2, 1 << 22): 1.0, (4, 1 << 22): 1.05, (8, 1 << 20): 1.6}
+    client = Client(table(costs, default=2.0), switch_penalty=0.5)
+    trace = FakeTrace()
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80), trace=trace)
+    client.run(tuner, 80, until_locked=True)
+    locked_at = client.steps
+    client.run(tuner, 4000)
+    s = tuner.summary()
+    assert s["winner"] == FAST and s["switches"] == 0
+    rows = watch_rows(trace)
+    assert s["watch_steps"] == len(rows) > 0 and len(rows) % 4 == 0
+    challengers = {tuple(r["candidate"].values()) for r in rows if r["candidate"] != FAST}
+    assert challengers == {(4, 1 << 22), (8, 1 << 20)}  # the runner-up and the static plan, in turn
+    excess = math.fsum(r["node_time_s"] - 1.0 for r in rows)
+    locked_time = 1.0 * (client.steps - locked_at)
+    assert excess <= 0.005 * locked_time * 1.05, (excess, locked_time)
+    assert excess >= 0.002 * locked_time  # and it does use its allowance
+
+
+def test_rounds_alternate_the_order_and_pair_one_measured_step_of_each_arm():
+    costs = {(2, 1 << 22): 1.0, (4, 1 << 22): 1.05, (8, 1 << 20): 1.6}
+    client = Client(table(costs, default=2.0))
+    trace = FakeTrace()
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80, watch_cost=0.05), trace=trace)
+    client.run(tuner, 1500)
+    rows = watch_rows(trace)
+    rounds = [rows[i:i + 4] for i in range(0, len(rows), 4)]
+    assert len(rounds) >= 6
+    runner_rounds = [r for r in rounds if any(x["candidate"] == RUNNER for x in r)]
+    shapes = [[(x["phase"], x["candidate"] == FAST) for x in r] for r in runner_rounds[:2]]
+    assert shapes[0] == [("watch_warmup", False), ("watch", False), ("watch_warmup", True), ("watch", True)]
+    assert shapes[1] == [("watch", True), ("watch_warmup", False), ("watch", False), ("watch_warmup", True)]
+    # Between rounds the winner runs and nothing is measured or gathered.
+    assert all(r["state"] == "locked" for r in rows)
+
+
+def test_a_stable_host_with_noise_never_switches_to_a_slower_setting():
+    costs = {(2, 1 << 22): 1.0, (4, 1 << 22): 1.05, (8, 1 << 20): 1.6}
+    for seed in range(3):
+        client = Client(table(costs, default=2.0), noise=0.03, seed=seed)
+        tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80, watch_cost=0.05))
+        client.run(tuner, 2000)
+        s = tuner.summary()
+        assert s["winner"] == FAST and s["switches"] == 0, seed
+
+
+def test_without_the_watch_a_locked_tuner_measures_nothing():
+    client = Client(table({(2, 1 << 22): 1.0}, default=2.0))
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80, watch=False))
+    client.run(tuner, 80, until_locked=True)
+    applied = len(client.applied)
+    client.run(tuner, 500)
+    assert tuner.summary()["watch_steps"] == 0 and len(client.applied) == applied and not tuner.measuring
+
+
+def test_observe_none_is_for_steps_the_tuner_does_not_measure():
+    client = Client(table({(2, 1 << 22): 1.0}, default=2.0))
+    tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80))
+    assert tuner.measuring
+    with pytest.raises(ValueError, match="None only between watch rounds"):
+        tuner.observe(None)
+    client.run(tuner, 80, until_locked=True)
+    # Between rounds a client need not read its clocks: None counts the step.
+    steps = 0
+    while not tuner.measuring:
+        tuner.observe(None)
+        steps += 1
+    assert steps > 10 and tuner.summary()["steps"] == client.steps + steps
+    tuner.observe(StepSample(time_s=2.0))  # the watch round's first step is measured
+
+
+def test_a_single_candidate_has_nothing_to_watch():
+    client = Client(lambda s: 1.0)
+    tuner = make_tuner(client, space=make_space(threads=(8,), chunks=(1 << 20,)))
+    client.run(tuner, 500)
+    assert tuner.summary()["watch_steps"] == 0 and client.applied == [(0, BASELINE)]
+
+
+@pytest.mark.slow  # two training runs of 120 steps: seconds on 2 cores
+def test_watch_switches_keep_the_optimizer_bitwise_equal_to_one_fixed_setting():
+    """A real CPUOffloadAdamW under a real OnlineTuner whose injected step times make the watch
+    switch settings mid-training: the parameters and moments are bitwise those of a run at one
+    fixed setting (settings never change the numbers)."""
+    import torch
+    from conftest import assert_bitwise, batch, make_model, param_groups
+
+    from autotune import Knob, OnlineTuner, SearchSpace
+    from offload import CPUOffloadAdamW, OffloadSettings
+
+    space = SearchSpace((Knob("threads", (1, 2)), Knob("chunk_numel", (1024, 4096), prefer="high")))
+    plan = {"threads": 2, "chunk_numel": 1024}
+
+    def train(tuned: bool) -> tuple[torch.nn.Module, CPUOffloadAdamW, Any]:
+        model = make_model(torch.float32)
+        opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(threads=2, chunk_numel=1024))
+        tuner = None
+        if tuned:
+            def cost(setting: dict[str, Any]) -> float:  # (1, 4096) is fastest until step 50, then slowest
+                fast = setting == {"threads": 1, "chunk_numel": 4096}
+                return (0.5 if fast else 1.0) if step < 50 else (3.0 if fast else 1.0)
+
+            tuner = OnlineTuner(space, baseline=plan, config=AutotuneConfig(watch_cost=0.5),
+                                apply=lambda s: opt.apply_settings(OffloadSettings(**s)), workload={"params": 1})
+            tuner.start()
+        for step in range(120):
+            opt.zero_grad(set_to_none=True)
+            model(batch(step)).backward()
+            opt.step()
+            if tuner is not None:
+                tuner.observe(StepSample(time_s=cost(tuner.current)) if tuner.measuring else None)
+        return model, opt, tuner
+
+    model, opt, tuner = train(tuned=True)
+    summary = tuner.summary()
+    assert summary["switches"] >= 1 and summary["winner"] != {"threads": 1, "chunk_numel": 4096}
+    assert summary["watch_steps"] > 0
+    ref_model, ref_opt, _ = train(tuned=False)
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()), "params")
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise([opt.state[p][key] for p in model.parameters() if p in opt.state],
+                       [ref_opt.state[p][key] for p in ref_model.parameters() if p in ref_opt.state], key)
+    opt.close()
+    ref_opt.close()
