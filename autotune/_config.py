@@ -70,10 +70,12 @@ class AutotuneConfig:
     watch_cost: float = 0.005
     """The most the watch may cost, as a fraction of the locked steps' time (0.5 %): what its
     rounds took beyond as many steps of the winner."""
-    watch_window: int = 4
-    """Latest paired rounds of one challenger that its switch test uses: a challenger clearly
-    faster in them is switched to. Short, so that rounds from before a change of load do not
-    outvote the rounds after it; 4 is the fewest that can decide (all four must agree)."""
+    watch_window: int = 5
+    """Paired rounds of one challenger per switch test: a challenger faster than the winner in
+    every round of such a block (and by more than ``min_gain`` on the trimmed mean) is switched
+    to. Each block is tested once and dropped, so that rounds from before a change of load do
+    not outvote the rounds after it and repeated tests do not add up false alarms (one block of
+    two equal settings passes with probability 1/2**watch_window)."""
     use_cache: bool = True
     """Read and write the tuning cache (clients build a ``TuningCache`` from the two fields below)."""
     cache_path: str | os.PathLike[str] | None = None

@@ -82,9 +82,9 @@ STALL_CONFIRM_SAMPLES = 3
 TPE_FINAL_ROUNDS = 1
 #: ... followed by up to this many duel rounds (the fastest finalist against the static plan, see
 #: ``ProbeSession._queue_duel``) while the comparison is undecided; the budget reserves them, so
-#: that one finals round and the duel reach :data:`~autotune._paired.MIN_DECIDING_ROUNDS`. A grid
-#: duels too, with what its plan leaves of the budget.
-DUEL_ROUNDS = MIN_DECIDING_ROUNDS - TPE_FINAL_ROUNDS
+#: that exploring's pass (round 0), one finals round and the duel reach
+#: :data:`~autotune._paired.MIN_DECIDING_ROUNDS`. A grid plans its duel rounds the same way.
+DUEL_ROUNDS = MIN_DECIDING_ROUNDS - 1 - TPE_FINAL_ROUNDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +138,7 @@ def plan_budget(n_candidates: int, config: AutotuneConfig) -> BudgetPlan:
     # bring the best finalist and the static plan to MIN_DECIDING_ROUNDS are part of the plan:
     # without them a grid could never decide to leave the static plan.
     for grid_rounds in range(rounds, 0, -1) if rounds else (0,):
-        duel = max(0, MIN_DECIDING_ROUNDS - grid_rounds) if grid_rounds else 0
+        duel = max(0, MIN_DECIDING_ROUNDS - 1 - grid_rounds) if grid_rounds else 0
         grid_cost = n_candidates * per + _final_cost(n_candidates, config, grid_rounds) + _duel_cost(config, duel)
         if grid_cost <= config.probe_steps:
             finals = min(config.finalists, n_candidates) if grid_rounds else 0
@@ -341,40 +341,43 @@ def decide_paired(
     """The lock-in rule on paired rounds. Returns ``(winner, reason, runner_up)``.
 
     Each arm is compared with the static plan over the rounds that measured both
-    (:class:`~autotune._paired.PairedComparison`: trimmed mean of the per-round log-ratios). The
-    arm with the smallest ratio is the best; arms within ``tie_tolerance`` of it are tied and the
-    space's preference breaks the tie; the static plan (ratio 1) stays if it is among the tied,
-    or unless the best is clearly faster (:meth:`PairedComparison.clearly_faster`: a ratio under
-    ``1 - min_gain`` and an exact signed-rank test at the level ``noise_factor`` names). ``runner_up``: the best arm that is
-    neither the winner nor the static plan (the static plan when nothing else was measured
+    (:class:`~autotune._paired.PairedComparison`: trimmed mean of the per-round log-ratios). Only
+    arms clearly faster than the plan may replace it (:meth:`PairedComparison.clearly_faster`: a
+    ratio under ``1 - min_gain`` and an exact signed-rank test at the level ``noise_factor``
+    names); of those the smallest ratio wins, arms within ``tie_tolerance`` of it are tied and the
+    space's preference breaks the tie. Without such an arm the static plan stays. ``runner_up``:
+    the best arm that is neither the winner nor the static plan (the static plan when nothing else was measured
     beside a winner), the post-lock watch's first challenger; None when nothing else was measured.
     """
     comparisons = paired_comparisons(rounds, baseline)
     effects = {k: c.effect for k, c in comparisons.items()}
     effects[baseline] = 0.0
-    best = min(effects.values())
     tie = math.log1p(config.tie_tolerance)
-    tied = [k for k, e in effects.items() if e <= best + tie]
     order = sorted(effects, key=lambda k: (effects[k], space.preference(space.setting(k))))
-    if baseline in tied:
+    # Only an arm with the evidence can replace the static plan: one measured in fewer rounds
+    # (not the duel's) may look faster on them, but cannot outvote a duel that settled.
+    clear = [k for k, c in comparisons.items()
+             if c.clearly_faster(min_gain=config.min_gain, noise_factor=config.noise_factor)]
+    if not clear:
+        best = order[0]
         others = [k for k in order if k != baseline]
-        return baseline, "the static plan is as fast as the fastest finalist (paired rounds)", (
-            others[0] if others else None
-        )
-    candidate = min(tied, key=lambda k: space.preference(space.setting(k)))
-    comparison = comparisons[candidate]
-    described = space.describe(space.setting(candidate))
-    if comparison.clearly_faster(min_gain=config.min_gain, noise_factor=config.noise_factor):
-        others = [k for k in order if k not in (candidate, baseline)]
-        return candidate, f"clearly faster than the static plan: {comparison.describe()}", (
-            others[0] if others else baseline
-        )
-    others = [k for k in order if k != baseline]
-    return baseline, (
-        f"best finalist {described} is not clearly faster than the static plan ({comparison.describe()}; "
-        f"a switch needs a ratio under {1.0 - config.min_gain:.3f} and a signed-rank p-value under "
-        f"{1.0 - NormalDist().cdf(config.noise_factor):.3f}, so {MIN_DECIDING_ROUNDS}+ rounds)"
-    ), (others[0] if others else None)
+        if best == baseline or effects[best] > -tie:
+            return baseline, "the static plan is as fast as the fastest finalist (paired rounds)", (
+                others[0] if others else None
+            )
+        return baseline, (
+            f"best finalist {space.describe(space.setting(best))} is not clearly faster than the static plan "
+            f"({comparisons[best].describe()}; a switch needs a ratio under {1.0 - config.min_gain:.3f} and a "
+            f"signed-rank p-value under {1.0 - NormalDist().cdf(config.noise_factor):.3f}, so "
+            f"{MIN_DECIDING_ROUNDS}+ rounds)"
+        ), (others[0] if others else None)
+    best_effect = min(effects[k] for k in clear)
+    tied = [k for k in clear if effects[k] <= best_effect + tie]
+    winner = min(tied, key=lambda k: space.preference(space.setting(k)))
+    others = [k for k in order if k not in (winner, baseline)]
+    return winner, f"clearly faster than the static plan: {comparisons[winner].describe()}", (
+        others[0] if others else baseline
+    )
 
 
 class ProbeSession:
@@ -398,6 +401,7 @@ class ProbeSession:
         self.rounds: list[dict[Key, float]] = []
         """The paired rounds (finals and duel): each maps the arms it visited to their measured time."""
         self.winner: Key | None = None
+        self._duelist: Key | None = None
         self.runner_up: Key | None = None
         """The best finalist that is not the winner (the static plan if another won): the watch's challenger."""
         self.reason = ""
@@ -515,19 +519,25 @@ class ProbeSession:
         if winner != self.baseline:
             return False  # already clearly faster
         comparisons = paired_comparisons(self.rounds, self.baseline)
-        best = min(
+        tie = math.log1p(self.config.tie_tolerance)
+
+        def open_(key: Key) -> bool:
+            comparison = comparisons[key]
+            return comparison.effect < -tie and comparison.could_still_win(
+                min_gain=self.config.min_gain, noise_factor=self.config.noise_factor
+            )
+
+        # The duel keeps its challenger while it can still win: switching to whichever finalist
+        # looks best after each round would leave every one of them short of the rounds a
+        # decision needs when the budget ends (on bench.simulate, most kept static plans).
+        best = self._duelist if self._duelist in comparisons and open_(self._duelist) else min(
             comparisons,
             key=lambda k: (comparisons[k].effect, self.space.preference(self.space.setting(k))),
             default=None,
         )
-        if best is None:
-            return False
-        comparison = comparisons[best]
-        tie = math.log1p(self.config.tie_tolerance)
-        if comparison.effect >= -tie or not comparison.could_still_win(
-            min_gain=self.config.min_gain, noise_factor=self.config.noise_factor
-        ):
+        if best is None or not open_(best):
             return False  # as fast as the static plan, or short of the margin beyond any noise: settled
+        self._duelist = best
         logger.debug("%s: duel round: %s vs the static plan", self.owner, self.space.describe(self.space.setting(best)))
         self._queue_round([self.baseline, best])
         return True
@@ -549,13 +559,18 @@ class ProbeSession:
             (k for k in self.explored if k != self.baseline),
             key=lambda k: (self.explored[k], self.space.preference(self.space.setting(k))),
         )
-        self.finalists = [self.baseline] + others[: max(0, self.plan.finalists - 1)]
+        chosen = set(others[: max(0, self.plan.finalists - 1)])
+        # In the order they were explored (the static plan first): exploring was the first pass
+        # over them, so it is round 0, each finalist's time in it the median of its exploring
+        # samples; the finals' first round runs them in the reverse order (A B, then B A).
+        self.finalists = [self.baseline] + [k for k in self.explored if k in chosen]
         logger.info(
-            "%s: finals: %d candidates re-measured in %d paired round(s)",
+            "%s: finals: %d candidates re-measured in %d paired round(s) after exploring's",
             self.owner,
             len(self.finalists),
             self.plan.final_rounds,
         )
+        self.rounds.append({k: self.explored[k] for k in self.finalists})
         for _ in range(self.plan.final_rounds):
             self._queue_round(self.finalists)
 

@@ -11,10 +11,11 @@ How. A round is four steps, one measured step of each arm, the order alternating
 round of the same challenger (``c c' w w'`` then ``w c c' w'``, a primed step being the warm-up
 after a switch, discarded). The challengers take turns: the runner-up of the decision (close by
 construction) and the static plan; a challenger that was faster than the winner in its last round
-keeps the turn. After each round of a challenger, its last ``watch_window`` (4) rounds are tested
-as the lock-in tests finalists (:class:`~autotune._paired.PairedComparison`):
-if it is clearly faster, every rank switches to it at the same step (settings never change the
-numbers, so a switch is exact) and the old winner becomes a challenger.
+keeps the turn. Each block of ``watch_window`` (5) rounds of a challenger is tested once: if the
+challenger was faster in every round of it (a sign test at p = 1/32) and by more than ``min_gain``
+on the trimmed mean of the ratios (:class:`~autotune._paired.PairedComparison`), every rank
+switches to it at the same step (settings never change the numbers, so a switch is exact) and the
+old winner becomes a challenger.
 
 Cost. A round costs what its four steps took beyond four steps of the winner as measured in the
 same round (its *excess*: a slower challenger and the warm-up steps after a switch). The watch keeps the sum of the excesses
@@ -164,13 +165,17 @@ class Watch:
         self.spent_s += excess
         self.excesses[challenger].append(excess)
         self.rounds_run += 1
-        rounds = [r for r in self.rounds[challenger][-self.config.watch_window:] if len(r) == 2]
+        rounds = [r for r in self.rounds[challenger] if len(r) == 2]
         if not rounds or rounds[-1][challenger] >= rounds[-1][self.winner]:
             self._turn += 1  # the next challenger's turn; one that was faster just now is pressed on
-        if not rounds:
+        if len(rounds) < self.config.watch_window:
             return None
+        # A block of watch_window rounds is tested once, then dropped: sliding windows retested
+        # after every round would raise the false-alarm rate far above one block's.
+        self.rounds[challenger] = []
         comparison = PairedComparison.of([r[challenger] for r in rounds], [r[self.winner] for r in rounds])
-        if not comparison.clearly_faster(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor):
+        margin = -math.log1p(-min(self.config.min_gain, 0.999))
+        if not (all(v < 0.0 for v in comparison.log_ratios) and -comparison.effect > margin):
             return None
         old = self.winner
         self.winner = challenger

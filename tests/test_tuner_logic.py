@@ -299,10 +299,10 @@ def test_certain_winner_found_with_grid_and_settings_change_only_between_steps()
     s = tuner.summary()
     assert s["state"] == "locked" and s["sampler"] == "grid" and s["winner"] == best
     assert s["speedup"] == pytest.approx(valley(best)(BASELINE) / 1.0)
-    # 12 candidates x (1 warm-up + 3), two paired rounds of 3 finalists (the second starts with the
-    # arm that ended the first: no warm-up), then two duel rounds (P w | w P, each continuing the
-    # arm that ran): a switch needs 4 paired rounds that all agree (signed-rank p = 1/16).
-    assert s["probe_steps"] == 12 * 4 + (3 * 2 + 5) + (3 + 3) <= 80
+    # 12 candidates x (1 warm-up + 3) (exploring: paired round 0), two paired rounds of 3
+    # finalists (the second starts with the arm that ended the first: no warm-up); noise-free,
+    # three rounds decide (Yuen's statistic is infinite), so no duel round.
+    assert s["probe_steps"] == 12 * 4 + (3 * 2 + 5) <= 80
     assert len(s["measurements"]) == 12  # every candidate measured once
     assert s["measurements"][0]["candidate"] == BASELINE  # the static plan first
     # One apply per change of setting, none after lock-in; the step after the last probe runs the winner.
@@ -330,19 +330,18 @@ def test_finalists_are_remeasured_interleaved():
     finals = [(row["phase"], tuner.space.key(row["candidate"])) for row in trace.rows if row["phase"].startswith("final")]
     finalists = [tuner.space.key(c) for c in tuner.summary()["finalists"]]
     assert finalists[0] == tuner.space.key(BASELINE) and len(set(finalists)) == 3
-    # Paired rounds, the order reversed every other round (P a b | b a P | P b ...); a visit that
-    # continues the arm already running needs no warm-up. Then duel rounds of the winner and P.
+    # Exploring was round 0 (P first, the finalists in the order explored); the finals reverse it,
+    # then alternate (b a P | P a b); a visit that continues the arm already running needs no
+    # warm-up. Noise-free, three rounds decide: no duel.
     p, a, b = finalists
-    expected = [("final_warmup", p), ("final", p), ("final_warmup", a), ("final", a), ("final_warmup", b),
-                ("final", b), ("final", b), ("final_warmup", a), ("final", a), ("final_warmup", p), ("final", p)]
-    assert finals[:11] == expected
+    expected = [("final_warmup", b), ("final", b), ("final_warmup", a), ("final", a), ("final_warmup", p),
+                ("final", p), ("final", p), ("final_warmup", a), ("final", a), ("final_warmup", b), ("final", b)]
+    assert finals == expected
     winner = tuner.space.key(tuner.summary()["winner"])
-    assert finals[11:] == [("final", p), ("final_warmup", winner), ("final", winner), ("final", winner),
-                           ("final_warmup", p), ("final", p)]
     rounds = next(r for r in tuner.summary()["paired"] if tuner.space.key(r["candidate"]) == winner)["rounds"]
-    assert rounds == 4 and next(
+    assert rounds == 3 and next(
         m for m in tuner.summary()["measurements"] if tuner.space.key(m["candidate"]) == winner
-    )["n"] == 3 + 4
+    )["n"] == 3 + 2
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -394,10 +393,10 @@ def test_undecided_finals_are_settled_by_a_duel_with_the_static_plan():
     plan = plan_budget(len(space), AutotuneConfig())
     assert s["sampler"] == "tpe" and plan.duel_rounds >= 1 and s["winner"] == best and s["probe_steps"] <= 40
     finals = [(r["phase"], tuner.space.key(r["candidate"])) for r in trace.rows if r["phase"].startswith("final")]
-    duel = finals[plan.finalists * plan.final_rounds * 2:]
-    assert duel and {key for _, key in duel} == {(16, 1 << 22), (8, 1 << 22)}
-    measured = [key for phase, key in duel if phase == "final"]
-    assert measured.count((16, 1 << 22)) == measured.count((8, 1 << 22)) >= 1  # one visit each per round
+    measured = [key for phase, key in finals if phase == "final"]
+    duel = measured[plan.finalists * plan.final_rounds:]  # after the one planned round of every finalist
+    assert duel and set(duel) == {(16, 1 << 22), (8, 1 << 22)}
+    assert duel.count((16, 1 << 22)) == duel.count((8, 1 << 22)) >= 1  # one visit each per round
     # A grid never duels (it probes exactly its planned steps): see the do-no-harm case above.
 
 
@@ -767,12 +766,13 @@ def test_single_process_agreement_needs_no_process_group():
 def test_grid_with_fewer_final_rounds_beats_sampling_when_it_fits() -> None:
     from autotune._probe import plan_budget
 
-    # 51 steps; 8 candidates x 4 = 32; two rounds of 3 finalists (12) and two duel rounds (8) to
-    # reach the 4 paired rounds a switch needs would be 52; one round (6) and three duel rounds (12): 50.
-    config = AutotuneConfig(probe_steps=51)
+    # 47 steps; 8 candidates x 4 = 32 (exploring: round 0); two rounds of 3 finalists (12) and one
+    # duel round (4) to reach the 4 paired rounds a rank test needs would be 48; one round (6) and
+    # two duel rounds (8): 46.
+    config = AutotuneConfig(probe_steps=47)
     plan = plan_budget(8, config)
-    assert plan.sampler == "grid" and plan.explore == 8 and plan.final_rounds == 1 and plan.duel_rounds == 3
-    assert plan.steps == 50 <= config.probe_steps
+    assert plan.sampler == "grid" and plan.explore == 8 and plan.final_rounds == 1 and plan.duel_rounds == 2
+    assert plan.steps == 46 <= config.probe_steps
     # Two rounds still used when they fit; sampling when even one round does not.
-    assert plan_budget(8, AutotuneConfig(probe_steps=52)).final_rounds == 2
-    assert plan_budget(5, AutotuneConfig()).sampler == "grid" and plan_budget(6, AutotuneConfig()).sampler == "tpe"
+    assert plan_budget(8, AutotuneConfig(probe_steps=48)).final_rounds == 2
+    assert plan_budget(6, AutotuneConfig()).sampler == "grid" and plan_budget(7, AutotuneConfig()).sampler == "tpe"
