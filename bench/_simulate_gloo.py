@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 from autotune import AutotuneConfig
 from bench._simulate_nodes import build_node
-from bench._simulate_session import noise_table, plan_node, rank_session, result_row, run_seed, tuning_inputs
+from bench._simulate_session import (noise_table, plan_node, rank_session, result_row, run_seed, step_loads,
+                                     tuning_inputs)
 from bench._stepmodel import NoiseModel
 
 __all__ = ["gloo_check"]
@@ -39,7 +40,7 @@ def _gloo_worker(rank: int, world: int, port: int, name: str, seeds: list[int], 
             history: list[float] = []
             began = time.perf_counter()
             summary = rank_session(rank, None, node, space, baseline, caps, config, table, noise,
-                                    history if rank == 0 else None)
+                                    history if rank == 0 else None, loads=step_loads(node, seed, len(table)))
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, summary)
             if rank == 0:

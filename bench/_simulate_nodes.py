@@ -3,13 +3,17 @@
 The targets are judged on every node. The first three, :data:`REQUIRED_NODES` (two sockets of 60
 cores with NUMA-bound or shared masks, one 16-core socket), are the ones ``--quick`` runs; the
 others widen the picture (exclusive masks, overlap with backward, 2 ranks, a smaller 2-socket
-node whose 8 ranks share one mask, ranks whose cores span both sockets).
+node whose 8 ranks share one mask, ranks whose cores span both sockets). The ``-contended`` nodes
+are two of them on a shared host: load episodes of :mod:`bench._contention` come and go, and the
+truth is each setting's mean over the run's load, not its quiet time.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
+from bench._contention import Contention
 from bench._stepmodel import Hardware, Node, Workload
 
 __all__ = ["NODES", "REQUIRED_NODES", "build_node"]
@@ -67,6 +71,12 @@ def _one_socket(ranks: int = 1) -> Node:
                 description=f"1 socket x 16 cores x SMT2 (32 CPUs, 110 GB/s); {who}; {1e9 / ranks:.0e} params per rank")
 
 
+def _contended(node: Node, episodes: tuple[tuple[float, ...], ...], what: str) -> Node:
+    """``node`` on a shared host: load episodes (mean 100 steps, quiet spells mean 150) of ``episodes``."""
+    return replace(node, name=f"{node.name}-contended", contention=Contention(episodes=episodes),
+                   description=f"{node.description}; shared host: load episodes of {what}, 40 % of the steps")
+
+
 #: Node name -> builder. The first three are :data:`REQUIRED_NODES`; the others widen the picture.
 NODES: dict[str, Callable[[], Node]] = {
     "2s60c-smt2-8r-numa": lambda: _two_socket("numa"),
@@ -77,6 +87,13 @@ NODES: dict[str, Callable[[], Node]] = {
     "1s16c-smt2-2r": lambda: _one_socket(2),
     "2s32c-smt2-8r-shared": _small_two_socket_shared,
     "2s60c-smt2-8r-cyclic": lambda: _two_socket("cyclic"),
+    # A 2-rank workstation: a data loader's 4 workers, or a neighbour's 8-thread job.
+    "1s16c-smt2-2r-contended": lambda: _contended(
+        _one_socket(2), ((4.0,), (8.0,)), "4 or 8 busy threads (a data loader, a neighbour's job)"),
+    # An 8-GPU node: 8 ranks' data loaders (16 busy threads per socket), or a neighbour's job on socket 0.
+    "2s60c-smt2-8r-numa-contended": lambda: _contended(
+        _two_socket("numa"), ((16.0, 16.0), (30.0, 0.0)),
+        "16 busy threads per socket (data loaders) or 30 on socket 0 (a neighbour's job)"),
 }
 #: The nodes ``--quick`` runs (the targets are judged on every node of a run).
 REQUIRED_NODES = ("2s60c-smt2-8r-numa", "2s60c-smt2-8r-shared", "1s16c-smt2-1r")

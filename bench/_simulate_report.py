@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from bench import _stepmodel
+from bench import _contention, _stepmodel
 from bench._stepmodel import Hardware, NoiseModel, Workload
 from bench._simulate_oracle import MAX_STEPS
 
@@ -50,6 +50,41 @@ def _needed(n: dict[str, Any]) -> str:
     return " / ".join(f"> {MAX_STEPS}" if o[s] is None else str(o[s]) for s in ("median", "mean"))
 
 
+def _whole(n: dict[str, Any]) -> str:
+    w = n.get("whole_run")  # results of older versions lack it; None: not run
+    if not w:
+        return "-"
+    return f"{_pct(w['regret']['median'])} / {_pct(w['regret']['p95'])} ({w['seeds']})"
+
+
+def _whole_lines(n: dict[str, Any]) -> list[str]:
+    w = n.get("whole_run")
+    if not w:
+        return []
+    states = ", ".join(f"{k} {v:g}" for k, v in w["steps_by_state_median"].items())
+    return [
+        f"- whole run ({w['seeds']} seeds x {w['horizon']} steps, every step observed): regret median "
+        f"{_pct(w['regret']['median'])}, p95 {_pct(w['regret']['p95'])}, max {_pct(w['regret']['max'])}; had the "
+        f"first winner stayed: median {_pct(w['stay_regret']['median'])}, p95 {_pct(w['stay_regret']['p95'])}; "
+        f"median steps by state: {states}; setting switches after the first lock-in: median "
+        f"{w['switches_after_lock']['median']:g}, max {w['switches_after_lock']['max']} ({w['elapsed_s']:.1f} s "
+        "for these sessions)",
+    ]
+
+
+def _contention_lines(n: dict[str, Any]) -> list[str]:
+    c = n.get("contention")
+    if not c:
+        return []
+    kinds = " or ".join("(" + ", ".join(f"{x:g}" for x in k) + ")" for k in c["episodes"])
+    return [
+        f"- contention: load episodes of mean {c['mean_episode_steps']:g} steps after quiet spells of mean "
+        f"{c['mean_quiet_steps']:g}, busy threads per socket {kinds}; 'true s' below is the long-run mean over "
+        "the load process, 'quiet s' the time without load; each run's regret is measured against the "
+        "candidates' means over its own load trace",
+    ]
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """The Markdown report of a simulation ``result``."""
     cfg = result["config"]
@@ -86,18 +121,26 @@ def render_markdown(result: dict[str, Any]) -> str:
         "median figure is above the target's median probe steps, no tuner that decides on medians (DESIGN.md) can "
         "meet the p95 target within them.",
         "",
+        "Whole-run regret (median / p95, seeds) = what the steps of a run of the horizon's length cost (the true "
+        "node time of each step under its load, a switch's first step `warmup_penalty` slower, probing included, "
+        "every step passed to `observe()` and whatever the tuner applied after lock-in run) over as many steps of "
+        "the best fixed setting under the same load trace, minus 1 (`bench._simulate_truth`). Contended nodes "
+        "(`-contended`, `bench._contention`): load episodes come and go; a candidate's truth in a run is its mean "
+        "step time over that run's load trace (the horizon's steps), for the lock-in regret too; no oracle.",
+        "",
         "| node | ranks | seeds | candidates | regret median | regret p95 | seeds above 2 % (95 % CI) | regret max "
-        "| probe steps (median/max) "
+        "| whole-run regret median / p95 (seeds) | probe steps (median/max) "
         "| probe overhead (steps) | winner flips | oracle p95 (median / mean) "
         f"| oracle p95 at {cfg['probe_steps']} (median / mean) | oracle needs (median / mean) | static plan regret "
         "| static rule oversubscribes | static rule / tuner | targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|---:|---|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|---:|---|---:|---|",
     ]
     for n in result["nodes"]:
         sr = n["static_rule"]
         lines.append(
             f"| {n['node']} | {n['ranks']} | {n['seeds']} | {n['n_candidates']} | {_pct(n['regret']['median'])} "
-            f"| {_pct(n['regret']['p95'])} | {_above(n)} | {_pct(n['regret']['max'])} | {n['probe_steps']['median']:g} / "
+            f"| {_pct(n['regret']['p95'])} | {_above(n)} | {_pct(n['regret']['max'])} | {_whole(n)} "
+            f"| {n['probe_steps']['median']:g} / "
             f"{n['probe_steps']['max']} | {n['probe_overhead_steps_median']:.1f} | {_flips(n)} | {_oracle(n)} | {_oracle(n, 'oracle_budget')} | {_needed(n)} "
             f"| {_pct(n['baseline_regret'])} "
             f"| {'yes' if sr['oversubscribed'] else 'no'} ({sum(sr['threads'])} threads) "
@@ -136,13 +179,17 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"- probing cost: {n['probe_overhead_steps_median']:.1f} step-equivalents over running the true best for "
             f"{n['probe_steps']['median']:g} steps (slow candidates probed); the tuner's winner is "
             f"{n['tuner_vs_static_median']:.2f}x faster than the static rule (median)",
+            *_whole_lines(n),
+            *_contention_lines(n),
             "- winners (seeds): " + ", ".join(f"`{k}` {v}" for k, v in n["winners"].items()),
             "",
-            "| candidate | true s | vs best |",
-            "|---|---:|---:|",
         ]
+        quiet = n.get("quiet_s")
+        lines += (["| candidate | true s | vs best | quiet s |", "|---|---:|---:|---:|"] if quiet
+                  else ["| candidate | true s | vs best |", "|---|---:|---:|"])
         for cand, t in sorted(n["truth_s"].items(), key=lambda kv: kv[1]):
-            lines.append(f"| {cand} | {t:.4f} | {t / n['best']['true_s']:.3f} |")
+            lines.append(f"| {cand} | {t:.4f} | {t / n['best']['true_s']:.3f} |"
+                         + (f" {quiet[cand]:.4f} |" if quiet else ""))
         lines.append("")
     if result.get("what_if"):
         lines += [
@@ -192,8 +239,10 @@ def model_text() -> str:
     params = ", ".join(f"{k}={v}" for k, v in asdict(hw).items() if k not in ("sockets", "cores_per_socket", "smt"))
     wlp = ", ".join(f"{k}={v}" for k, v in asdict(wl).items() if k != "params")
     noise = ", ".join(f"{k}={v}" for k, v in asdict(nm).items())
+    load_doc = (_contention.__doc__ or "").strip()
     return (
         doc.split("\n\n", 1)[1]
+        + "\n\nLoad episodes (`bench._contention`, the `-contended` nodes): " + load_doc.split("\n\n", 1)[1]
         + f"\n\nDefault hardware parameters: {params}.\nDefault workload parameters: {wlp}.\nNoise: {noise}.\n"
         "Per-node overrides are in the JSON (`hardware`, `workload`). These numbers are assumptions, loosely "
         "calibrated on `bench/results/bandwidth-h200host.md`; the tuner never sees them, only noisy step times."
@@ -203,8 +252,9 @@ def model_text() -> str:
 def summary_line(n: dict[str, Any]) -> str:
     """One console line for a simulated node ``n`` (an entry of ``result["nodes"]``)."""
     return (
-        f"{n['node']:<28} seeds {n['seeds']:>3}  regret median {_pct(n['regret']['median']):>8}  p95 "
-        f"{_pct(n['regret']['p95']):>8}  probe steps {n['probe_steps']['median']:g}/{n['probe_steps']['max']}  "
+        f"{n['node']:<30} seeds {n['seeds']:>3}  regret median {_pct(n['regret']['median']):>8}  p95 "
+        f"{_pct(n['regret']['p95']):>8}  whole run {_whole(n):>22}  "
+        f"probe steps {n['probe_steps']['median']:g}/{n['probe_steps']['max']}  "
         f"flips {_flips(n):>8}  "
         f"static rule {'oversubscribes' if n['static_rule']['oversubscribed'] else 'ok'} "
         f"({n['static_rule']['vs_best']:.2f}x best)  {'met' if n['meets_targets'] else 'NOT MET'}  "

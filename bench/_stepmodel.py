@@ -51,6 +51,11 @@ Per rank and step (all local ranks step together, so they share the memory syste
    narrowed masks. Not modelled: the cost of the page move when the binding is switched on (a
    one-off between steps), and pages left on one socket by an "on" before an "off".
 
+8. Load episodes (``Node.contention``, :mod:`bench._contention`): ``load=`` gives each socket's busy
+   threads at a step; the loaded cores are not available, and a rank whose threads do not fit on
+   the free cores is slowed by the time share and barrier stalls of :func:`bench._contention.team_slowdown`
+   (its kernel rate, times the factor of step 2). ``load=()`` or zeros: the quiet model, unchanged.
+
 Noise per measured step: a node-wide lognormal factor, a per-rank lognormal factor and, per rank,
 a spike (``spike_factor``, 2x) with probability ``spike_prob``; the first step after a change of
 setting is ``warmup_penalty`` slower (the tuner discards it). Noise-free times give the ground truth.
@@ -64,6 +69,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from bench._contention import Contention, busy_core_ratio, team_slowdown
 from offload import CpuTopology
 
 __all__ = ["Hardware", "Node", "NoiseModel", "Workload", "overlap_pipeline", "pipeline_time"]
@@ -251,8 +257,10 @@ class Node:
     gpu_sockets: tuple[int, ...] = ()
     """The socket (NUMA node) of each rank's GPU, where a bound rank binds; () (default): GPU ``r``
     on socket ``r * sockets // ranks`` (an 8-GPU node: 0-3 on socket 0, 4-7 on socket 1)."""
+    contention: Contention | None = None
+    """Load episodes on this node (None: a quiet node; step 8 of the module doc)."""
     _classes: tuple[tuple[int, frozenset[int], int, int], ...] = field(default=(), repr=False, compare=False)
-    _cache: dict[tuple[tuple[int, ...], int, tuple[int, ...]], tuple[float, ...]] = field(
+    _cache: dict[tuple[tuple[int, ...], int, tuple[int, ...], tuple[float, ...]], tuple[float, ...]] = field(
         default_factory=dict, repr=False, compare=False, hash=False
     )
     _bound: list[Node] = field(default_factory=list, repr=False, compare=False, hash=False)
@@ -267,6 +275,9 @@ class Node:
                     f"Node {self.name!r}: rank {r} mask {sorted(mask)[:8]}...: expected a non-empty set of CPUs "
                     f"in 0..{len(valid) - 1}"
                 )
+        if self.contention is not None and len(self.contention.levels[0]) != self.hardware.sockets:
+            raise ValueError(f"Node {self.name!r}: contention episodes give busy threads for "
+                             f"{len(self.contention.levels[0])} sockets: expected {self.hardware.sockets}")
         # CPU classes: (socket, ranks whose masks hold the CPU) -> (cpus, physical cores, logical cpus)
         groups: dict[tuple[int, frozenset[int]], set[int]] = {}
         for cpu in sorted(frozenset().union(*self.masks)):
@@ -297,7 +308,8 @@ class Node:
             masks = tuple((m & self.hardware.socket_cpus(self.gpu_socket(r))) or m for r, m in enumerate(self.masks))
             self._bound.append(self if masks == self.masks else Node(
                 name=f"{self.name}-bound", hardware=self.hardware, masks=masks, workload=self.workload,
-                description=f"{self.description} (bound)", gpu_sockets=self.gpu_sockets))
+                description=f"{self.description} (bound)", gpu_sockets=self.gpu_sockets,
+                contention=self.contention))
         return self._bound[0]
 
     def _memory_split(self, r: int) -> dict[int, float]:
@@ -309,13 +321,23 @@ class Node:
             counts[s] = counts.get(s, 0) + 1
         return {s: c / len(mask) for s, c in counts.items()}
 
-    def kernel_rates(self, threads: Sequence[int]) -> tuple[list[float], list[int]]:
-        """Per rank: seconds per element of the CPU kernel, and the threads it runs with."""
+    def _load(self, load: Sequence[float]) -> tuple[float, ...]:
+        """``load`` checked: busy threads per socket, () when there are none."""
+        busy = tuple(float(x) for x in load)
+        if busy and (len(busy) != self.hardware.sockets or any(not (math.isfinite(x) and x >= 0) for x in busy)):
+            raise ValueError(f"Node {self.name!r}: load={list(load)!r}: expected {self.hardware.sockets} "
+                             "numbers >= 0 (busy threads per socket)")
+        return busy if any(busy) else ()
+
+    def kernel_rates(self, threads: Sequence[int], load: Sequence[float] = ()) -> tuple[list[float], list[int]]:
+        """Per rank: seconds per element of the CPU kernel, and the threads it runs with; ``load``:
+        busy threads per socket of a load episode (step 8)."""
         hw = self.hardware
         n = self.ranks
         t = [int(x) for x in threads]
         if len(t) != n or any(x < 1 for x in t):
             raise ValueError(f"Node {self.name!r}: threads={list(threads)!r}: expected {n} ints >= 1")
+        busy = self._load(load)
         # Threads of rank r in each class, in proportion to the class's share of r's mask.
         per_class: list[dict[int, float]] = []
         unit_per_thread: list[float] = []
@@ -355,32 +377,39 @@ class Node:
             )
             if any(r in owners and len(owners) > 1 for _, owners, _, _ in self._classes):
                 slow *= 1.0 + hw.shared_mask_penalty
+            if busy:  # step 8: the worst class of the rank's mask
+                slow *= max(team_slowdown(busy_core_ratio(sum(share.values()), cores,
+                                                          busy[sock] * cores / hw.cores_per_socket),
+                                          t[r], hw.oversub_penalty)
+                            for (sock, owners, cores, _), share in zip(self._classes, per_class) if r in owners)
             rates.append(max(mem_s, cpu_s) * slow)
         return rates, t
 
     def rank_times(self, threads: Sequence[int], chunk_numel: int,
-                   backward_threads: Sequence[int] | None = None, *, bind_numa: bool = False) -> tuple[float, ...]:
+                   backward_threads: Sequence[int] | None = None, *, bind_numa: bool = False,
+                   load: Sequence[float] = ()) -> tuple[float, ...]:
         """Noise-free objective of every rank (step time, or iteration time with overlap_backward);
         ``backward_threads``: each rank's threads for kernels started during backward (default:
         ``threads``; only with ``overlap_backward``); ``bind_numa``: every rank bound to its GPU's
-        socket (step 7)."""
+        socket (step 7); ``load``: busy threads per socket of a load episode (step 8)."""
         if bind_numa:
-            return self.bound().rank_times(threads, chunk_numel, backward_threads)
+            return self.bound().rank_times(threads, chunk_numel, backward_threads, load=load)
         backward = tuple(int(x) for x in (threads if backward_threads is None else backward_threads))
-        key = (tuple(int(x) for x in threads), int(chunk_numel), backward)
+        busy = self._load(load)
+        key = (tuple(int(x) for x in threads), int(chunk_numel), backward, busy)
         cache = self._cache
         if key in cache:
             return cache[key]
         if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel={chunk_numel!r}: expected an int >= 1")
-        rates, t = self.kernel_rates(threads)
+        rates, t = self.kernel_rates(threads, busy)
         wl, hw = self.workload, self.hardware
         n_chunks = math.ceil(wl.params / chunk_numel)
         sizes = [chunk_numel] * (n_chunks - 1) + [wl.params - chunk_numel * (n_chunks - 1)]
         d2h = [s * wl.d2h_bytes_per_elem / (hw.pcie_gbs * 1e9) for s in sizes]
         h2d = [s * wl.h2d_bytes_per_elem / (hw.pcie_gbs * 1e9) for s in sizes]
         if wl.overlap_backward:
-            result = self._iteration_times(rates, t, backward, sizes, d2h, h2d)
+            result = self._iteration_times(rates, t, backward, sizes, d2h, h2d, busy)
         else:
             fixed = [wl.chunk_overhead_s + wl.chunk_overhead_per_thread_s * x for x in t]
             result = tuple(
@@ -392,12 +421,12 @@ class Node:
         return result
 
     def _iteration_times(self, rates: list[float], t: list[int], backward: tuple[int, ...], sizes: list[int],
-                         d2h: list[float], h2d: list[float]) -> tuple[float, ...]:
+                         d2h: list[float], h2d: list[float], busy: tuple[float, ...]) -> tuple[float, ...]:
         """Every rank's iteration with overlap_backward (see the module doc, step 5)."""
         wl, hw = self.workload, self.hardware
         if len(backward) != self.ranks or any(b < 1 for b in backward):
             raise ValueError(f"Node {self.name!r}: backward_threads={list(backward)!r}: expected {self.ranks} ints >= 1")
-        early_rates, bt = self.kernel_rates(backward) if backward != tuple(t) else (rates, t)
+        early_rates, bt = self.kernel_rates(backward, busy) if backward != tuple(t) else (rates, t)
         n = len(sizes)
 
         def ranks_at(backward_s: float) -> list[tuple[float, float]]:
@@ -425,6 +454,7 @@ class Node:
         return tuple(wl.forward_s + max(end, backward_s) for end, _ in runs)
 
     def node_time(self, threads: Sequence[int], chunk_numel: int,
-                  backward_threads: Sequence[int] | None = None, *, bind_numa: bool = False) -> float:
+                  backward_threads: Sequence[int] | None = None, *, bind_numa: bool = False,
+                  load: Sequence[float] = ()) -> float:
         """Noise-free node objective: the slowest rank."""
-        return max(self.rank_times(threads, chunk_numel, backward_threads, bind_numa=bind_numa))
+        return max(self.rank_times(threads, chunk_numel, backward_threads, bind_numa=bind_numa, load=load))

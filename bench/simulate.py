@@ -24,8 +24,12 @@ is the same either way, and :func:`gloo_check` proves it: it re-runs some seeds 
 process per rank, each tuner building its own ``GlooAgreement``, and compares every decision
 (``--gloo-check-seeds``, part of the full run; a 2-rank check runs in the tests).
 
-Ground truth: the model's noise-free node time (max over ranks) of every candidate of the space.
-Regret of a run = (true time of the locked-in winner - true best) / true best.
+Ground truth: the model's noise-free node time (max over ranks) of every candidate of the space;
+on a ``-contended`` node (load episodes, :mod:`bench._contention`) each candidate's mean over the
+run's load trace (:mod:`bench._simulate_truth`). Regret of a run = (true time of the locked-in
+winner - true best) / true best. Whole-run regret (``--whole-run-seeds`` sessions per node run for
+``--horizon`` steps, every step observed): what the run's steps cost, probing included, over
+``--horizon`` steps of the best fixed setting, minus 1.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from bench._simulate_gloo import gloo_check
 from bench._simulate_oracle import oracle_bound, steps_needed
 from bench._simulate_session import DEFAULT_CHUNK_NUMEL, capped, plan_node, run_seed, tuning_inputs
 from bench._simulate_report import model_text, render_markdown, summary_line
+from bench._simulate_truth import NodeTruth, whole_run_row, whole_run_summary
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,10 @@ __all__ = [
 TARGET_MEDIAN_REGRET = 0.02
 TARGET_P95_REGRET = 0.02
 TARGET_MEDIAN_PROBE_STEPS = 32
+#: Steps of a whole run, and how many of each node's seeds run it (the first ones): the steps after
+#: lock-in cost little with today's tuner, but a tuner that watches after lock-in runs collectives.
+DEFAULT_HORIZON = 2000
+DEFAULT_WHOLE_RUN_SEEDS = 50
 
 
 # --------------------------------------------------------------------------- all seeds of a node
@@ -117,30 +126,51 @@ def simulate_node(
     keep_runs: bool = True,
     noise: NoiseModel | None = None,
     oracle: bool = True,
+    whole_run_seeds: int = 0,
+    horizon: int = DEFAULT_HORIZON,
 ) -> dict[str, Any]:
     """``seeds`` tuning sessions on node ``name`` and their regret statistics (``oracle``: with the
-    oracle bound of :mod:`bench._simulate_oracle` at the target's median probe steps)."""
+    oracle bound of :mod:`bench._simulate_oracle` at the target's median probe steps; not on a
+    contended node, whose oracle would need the load). The first ``whole_run_seeds`` sessions run
+    ``horizon`` steps and add the whole-run regret; the truth of a contended node's run is each
+    candidate's mean over that run's ``horizon`` steps of load."""
     config = config or AutotuneConfig(use_cache=False)
     node = build_node(name)
     plans = plan_node(node)
     space, baseline, caps = tuning_inputs(node, plans)
     candidates = space.candidates()
-    truth = {space.describe(c): node.node_time(capped(c, caps), int(c["chunk_numel"]),
-                                               bind_numa=bool(c.get("bind_numa", False))) for c in candidates}
+    truths = NodeTruth(node, candidates, space.describe, lambda c: capped(c, caps))
+    truth = truths.expected
     best_key = min(truth, key=truth.get)  # type: ignore[arg-type]
     best = truth[best_key]
     base_true = truth[space.describe(baseline)]
     statics = [p.static_rule_threads or 1 for p in plans]
-    static_true = node.node_time(statics, DEFAULT_CHUNK_NUMEL)
+    static_true = (node.node_time(statics, DEFAULT_CHUNK_NUMEL) if node.contention is None else sum(
+        w * node.node_time(statics, DEFAULT_CHUNK_NUMEL, load=lv)
+        for w, lv in zip(node.contention.level_weights, node.contention.levels)))
+    oracle = oracle and node.contention is None
     runs = []
+    whole_rows = []
     began = time.perf_counter()
-    for seed in range(first_seed, first_seed + seeds):
+    whole_s = 0.0
+    for i, seed in enumerate(range(first_seed, first_seed + seeds)):
         cfg = replace(config, seed=seed) if seed_per_run else config
-        out = run_seed(node, space, baseline, caps, seed, config=cfg, noise=noise)
-        win_true = truth[space.describe(out["winner"])]
+        whole = i < whole_run_seeds
+        t0 = time.perf_counter()
+        out = run_seed(node, space, baseline, caps, seed, config=cfg, noise=noise, steps=horizon if whole else None)
+        seed_truth = truths.of_seed(seed, horizon)
+        seed_best = min(seed_truth.values())
+        win_key = space.describe(out["winner"])
+        win_true = seed_truth[win_key]
         out["winner_true_s"] = win_true
-        out["regret"] = (win_true - best) / best
-        out["probe_overhead_steps"] = out["probe_true_s"] / best - out["probe_steps"]
+        out["regret"] = (win_true - seed_best) / seed_best
+        out["probe_overhead_steps"] = out["probe_true_s"] / seed_best - out["probe_steps"]
+        if truths.contended:
+            out["best_of_run"] = min(seed_truth, key=seed_truth.get)  # type: ignore[arg-type]
+        if whole:
+            out["whole_run"] = whole_run_row(truths, out, win_key, seed_truth, horizon)
+            whole_rows.append(out["whole_run"])
+            whole_s += time.perf_counter() - t0
         runs.append(out)
     elapsed = time.perf_counter() - began
     regrets = [r["regret"] for r in runs]
@@ -179,6 +209,10 @@ def simulate_node(
         "n_candidates": len(space),
         "baseline": baseline,
         "truth_s": truth,
+        # contended nodes: truth_s is the long-run mean over the load process, quiet_s the quiet time,
+        # and each run's regret is measured against the means over its own load trace
+        "contention": asdict(node.contention) if node.contention is not None else None,
+        "quiet_s": truths.quiet if truths.contended else None,
         "best": {"candidate": best_key, "true_s": best},
         "baseline_true_s": base_true,
         "baseline_regret": (base_true - best) / best,
@@ -204,6 +238,7 @@ def simulate_node(
         "tuner_vs_static_median": statistics.median(static_true / r["winner_true_s"] for r in runs),
         "winners": dict(sorted(winners.items(), key=lambda kv: -kv[1])),
         "flip_rate": flip_rate,
+        "whole_run": whole_run_summary(whole_rows, horizon, whole_s),
         "oracle": oracle_bound(node, candidates, lambda c: capped(c, caps), steps=TARGET_MEDIAN_PROBE_STEPS,
                                noise=noise) if oracle else None,
         # The same oracle spending the whole probe budget on the 3 fastest: where even it misses the
@@ -229,7 +264,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     nodes = []
     for name in args.nodes:
         logger.info("simulating %s over %d seeds", name, args.seeds)
-        nodes.append(simulate_node(name, args.seeds, first_seed=args.first_seed, config=config))
+        nodes.append(simulate_node(name, args.seeds, first_seed=args.first_seed, config=config,
+                                   whole_run_seeds=min(args.whole_run_seeds, args.seeds), horizon=args.horizon))
     variants = []
     if args.what_if_seeds:
         for key, (text, overrides) in VARIANTS.items():
@@ -241,7 +277,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 logger.info("what-if %s: %s over %d seeds", key, name, args.what_if_seeds)
                 res = simulate_node(name, args.what_if_seeds, first_seed=args.first_seed, config=cfg,
                                     seed_per_run=bool(overrides.get("seed_per_run")), keep_runs=False,
-                                    noise=noise, oracle=False)
+                                    noise=noise, oracle=False, horizon=args.horizon)
                 rows.append({k: res[k] for k in ("node", "seeds", "regret", "probe_steps", "kept_baseline_rate",
                                                  "best_measured_rate", "flip_rate", "meets_targets", "elapsed_s")})
             variants.append({"variant": key, "description": text, "config": asdict(cfg),
@@ -280,6 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
                    f"results are replaced only with --out-dir bench/results; {PATH_RULE})")
     p.add_argument("--what-if-seeds", type=int, default=None,
                    help="seeds per node of each what-if variant (default 20; 0 with --quick)")
+    p.add_argument("--whole-run-seeds", type=int, default=None,
+                   help=f"of each node's sessions, how many (the first ones) run --horizon steps for the whole-run "
+                        f"regret (default {DEFAULT_WHOLE_RUN_SEEDS}; all of them with --quick; 0: none)")
+    p.add_argument("--horizon", type=int, default=DEFAULT_HORIZON,
+                   help="training steps of a whole run, and of the load trace a contended node's truth averages over")
     p.add_argument("--gloo-check-seeds", type=int, default=None,
                    help="seeds of the first node re-run with one real process per rank over gloo, decisions "
                    "compared with the in-process run (default 5; 0 with --quick)")
@@ -307,6 +348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.seeds = 4
     if args.what_if_seeds is None:
         args.what_if_seeds = 0 if args.quick else 20
+    if args.whole_run_seeds is None:
+        args.whole_run_seeds = args.seeds if args.quick else DEFAULT_WHOLE_RUN_SEEDS
+    if args.whole_run_seeds < 0:
+        p.error(f"--whole-run-seeds={args.whole_run_seeds}: expected >= 0")
+    budget = AutotuneConfig().probe_steps
+    if args.horizon <= budget:
+        p.error(f"--horizon={args.horizon}: expected more steps than the probe budget ({budget})")
     if args.gloo_check_seeds is None:
         args.gloo_check_seeds = 0 if args.quick else 5
     args.nodes = names

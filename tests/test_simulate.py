@@ -382,3 +382,213 @@ def test_the_share_of_seeds_above_two_percent_carries_a_wilson_interval() -> Non
     low, high = simulate.wilson_interval(5, 100)
     assert low < 0.05 < high and low == pytest.approx(0.0215, abs=0.001) and high == pytest.approx(0.1118, abs=0.001)
     assert simulate.wilson_interval(10, 200)[1] - simulate.wilson_interval(10, 200)[0] < high - low
+
+
+# --------------------------------------------------------------------------- load episodes and whole runs
+
+CONTENDED = "1s16c-smt2-2r-contended"
+
+
+def test_load_trace_is_seeded_episodic_and_prefix_stable() -> None:
+    """The load is a function of (node, seed): the same trace every time, another for another seed;
+    its episodes last tens to hundreds of steps; a shorter trace is the longer one's start (so a
+    session that stops at lock-in sees the load of the same steps of a whole run)."""
+    from bench._contention import Contention, load_trace
+
+    c = Contention(episodes=((4.0,), (8.0,)))
+    a = load_trace(c, CONTENDED, 3, 20_000)
+    assert np.array_equal(a, load_trace(c, CONTENDED, 3, 20_000))
+    assert not np.array_equal(a, load_trace(c, CONTENDED, 4, 20_000))
+    assert not np.array_equal(a, load_trace(c, "another node", 3, 20_000))
+    assert np.array_equal(load_trace(c, CONTENDED, 3, 150), a[:150])
+    assert set(np.unique(a)) == {0, 1, 2}
+    assert abs(np.mean(a > 0) - c.loaded_share) < 0.08
+    starts = np.flatnonzero(np.diff((a > 0).astype(int)) == 1) + 1
+    ends = np.flatnonzero(np.diff((a > 0).astype(int)) == -1) + 1
+    lengths = [e - s for s, e in zip(starts, ends[ends > starts[0]])]
+    assert 60 < np.mean(lengths) < 150  # geometric, mean 100
+    with pytest.raises(ValueError, match="mean_episode_steps"):
+        Contention(episodes=((1.0,),), mean_episode_steps=0.5)
+    with pytest.raises(ValueError, match="same number of sockets"):
+        Contention(episodes=((1.0,), (1.0, 2.0)))
+    with pytest.raises(ValueError, match="sockets"):
+        replace(simulate.build_node(SMALL), contention=Contention(episodes=((1.0, 1.0),)))
+
+
+def test_an_episode_slows_a_team_by_how_far_it_exceeds_the_free_cores() -> None:
+    """The VM's case (2 cores, 4 busy threads): 1 thread is only time-shared (2.5x), a 2-thread team
+    also stalls in its barriers (6x). On the 16-core node under 8 busy threads, 2 ranks x 8 threads
+    (16 > 8 free cores) slow down, 2 x 4 (fit) not at all, and no setting slows outside an episode."""
+    from bench._contention import busy_core_ratio, team_slowdown
+
+    vm = Node(name="vm", hardware=Hardware(sockets=1, cores_per_socket=2, smt=1, background_threads=0.0),
+              masks=(frozenset(range(2)),), workload=Workload(params=1 << 24))
+    for threads, factor in ((1, 2.5), (2, 6.0)):
+        assert vm.kernel_rates([threads], load=(4,))[0][0] / vm.kernel_rates([threads])[0][0] == pytest.approx(factor)
+    assert busy_core_ratio(4, 16, 8.0) == 1.0 and team_slowdown(1.0, 8, 4.0) == 1.0
+    node, quiet_node = simulate.build_node(CONTENDED), simulate.build_node("1s16c-smt2-2r")
+    chunk = 1 << 24
+    for load in ((), (0.0,)):
+        assert node.rank_times([8, 8], chunk, load=load) == quiet_node.rank_times([8, 8], chunk)
+    quiet = {t: node.node_time([t, t], chunk) for t in (4, 8)}
+    loaded = {t: node.node_time([t, t], chunk, load=(8,)) for t in (4, 8)}
+    assert loaded[4] == quiet[4]
+    assert quiet[8] < quiet[4] and loaded[8] > 3 * quiet[8] and loaded[8] > loaded[4]
+    assert node.node_time([8, 8], chunk, load=(4,)) > 3 * quiet[8]  # 4 busy threads are enough against a full team
+    with pytest.raises(ValueError, match="load"):
+        node.node_time([8, 8], chunk, load=(1.0, 1.0))
+
+
+def _contended_inputs(name: str = CONTENDED):
+    node = simulate.build_node(name)
+    space, baseline, caps = simulate.tuning_inputs(node, simulate.plan_node(node))
+    return node, space, baseline, caps
+
+
+def test_contended_truth_is_each_settings_mean_over_the_runs_load() -> None:
+    """A candidate's truth in a contended run is the mean of its step times over the run's load
+    trace (here against a step-by-step sum); the long-run table weights the levels by their share.
+    The quiet best (8 threads a rank) is not the best under this load."""
+    from bench._contention import load_trace
+    from bench._simulate_truth import NodeTruth
+
+    node, space, _, caps = _contended_inputs()
+    truth = NodeTruth(node, space.candidates(), space.describe, lambda c: simulate.capped(c, caps))
+    levels = node.contention.levels
+    trace = load_trace(node.contention, node.name, 5, 400)
+    of_seed = truth.of_seed(5, 400)
+    for c in space.candidates()[::3]:
+        steps = [node.node_time(simulate.capped(c, caps), int(c["chunk_numel"]), load=levels[k]) for k in trace]
+        assert of_seed[space.describe(c)] == pytest.approx(sum(steps) / len(steps), rel=1e-12)
+    quiet_best = min(truth.quiet, key=truth.quiet.get)
+    assert quiet_best.startswith("threads=8") and min(truth.expected, key=truth.expected.get).startswith("threads=4")
+    weights = node.contention.level_weights
+    assert sum(weights) == pytest.approx(1.0) and truth.expected[quiet_best] == pytest.approx(
+        sum(w * node.node_time([8, 8], int(quiet_best.split("=")[-1]), load=lv) for w, lv in zip(weights, levels)))
+
+
+def test_whole_run_regret_is_zero_with_one_candidate() -> None:
+    from autotune import Knob as _Knob
+    from bench._simulate_session import Caps
+    from bench._simulate_truth import NodeTruth, whole_run_row
+
+    node, _, _, _ = _contended_inputs()
+    space = SearchSpace((_Knob("threads", (4,)), _Knob("chunk_numel", (1 << 24,))))
+    caps = Caps(own=(8, 8), bound=(8, 8))
+    out = simulate.run_seed(node, space, {"threads": 4, "chunk_numel": 1 << 24}, caps, seed=1, steps=300)
+    truth = NodeTruth(node, space.candidates(), space.describe, lambda c: simulate.capped(c, caps))
+    row = whole_run_row(truth, out, space.describe(out["winner"]), truth.of_seed(1, 300), 300)
+    assert row["regret"] == pytest.approx(0.0, abs=1e-12) and row["stay_regret"] == pytest.approx(0.0, abs=1e-12)
+    assert row["lock_step"] == 0 and row["steps_by_state"] == {"locked": 300} and row["switches_after_lock"] == 0
+
+
+_FIRST = {"threads": 8, "chunk_numel": 1 << 24}
+_SECOND = {"threads": 4, "chunk_numel": 1 << 24}
+
+
+class _ScriptedTuner:
+    """OnlineTuner's interface with a fixed script: 3 probing steps of the static plan, lock-in on
+    ``_FIRST``, then (as a post-lock watch may) a switch to ``_SECOND`` applied after step 100."""
+
+    def __init__(self, space, *, baseline, apply, **_):
+        self._apply, self._baseline, self.state, self._steps, self.current = apply, baseline, "new", 0, {}
+
+    def _set(self, setting):
+        self.current = dict(setting)
+        self._apply(dict(setting))
+
+    def start(self):
+        self.state = "probing"
+        self._set(self._baseline)
+
+    def observe(self, sample):
+        self._steps += 1
+        if self._steps == 3:
+            self.state = "locked"
+            self._set(_FIRST)
+        elif self._steps == 100:
+            self.state = "watching"
+            self._set(_SECOND)
+
+    def summary(self):
+        return {"winner": _FIRST, "state": self.state, "kept_baseline": False, "probe_steps": 3,
+                "sampler": "scripted", "reason": "scripted", "measurements": []}
+
+    def close(self):
+        pass
+
+
+def test_whole_run_pays_for_every_step_the_tuner_runs_after_lock_in() -> None:
+    """A run is priced step by step as it ran: a setting applied after lock-in (here by a scripted
+    tuner) is paid from the next step on, its first step with the warm-up penalty; the regret is
+    against the best fixed setting over the same load, and 'had it stayed' keeps the first winner."""
+    from bench._contention import load_trace
+    from bench._simulate_truth import NodeTruth, whole_run_row
+
+    node, space, baseline, caps = _contended_inputs()
+    horizon, seed = 400, 2
+    out = simulate.run_seed(node, space, baseline, caps, seed, steps=horizon, tuner_class=_ScriptedTuner)
+    rec = out["whole_run"]
+    levels = [node.contention.levels[k] for k in load_trace(node.contention, node.name, seed, horizon)]
+
+    def t(setting, step):
+        return node.node_time(simulate.capped(setting, caps), setting["chunk_numel"], load=levels[step])
+
+    warm = 1 + NoiseModel().warmup_penalty
+    expected = [t(baseline, s) for s in range(3)] + [t(_FIRST, 3) * warm] + [t(_FIRST, s) for s in range(4, 100)] \
+        + [t(_SECOND, 100) * warm] + [t(_SECOND, s) for s in range(101, horizon)]
+    assert rec["costs"] == pytest.approx(expected, rel=1e-12)
+    assert rec["lock_step"] == 3 and rec["switches_after_lock"] == 1 and rec["final"] == _SECOND
+    truth = NodeTruth(node, space.candidates(), space.describe, lambda c: simulate.capped(c, caps))
+    seed_truth = truth.of_seed(seed, horizon)
+    row = whole_run_row(truth, out, space.describe(_FIRST), seed_truth, horizon)
+    best = horizon * min(seed_truth.values())
+    assert row["regret"] == pytest.approx(sum(expected) / best - 1, rel=1e-9)
+    stayed = sum(expected[:4]) + sum(t(_FIRST, s) for s in range(4, horizon))
+    assert row["stay_regret"] == pytest.approx(stayed / best - 1, rel=1e-9)
+    assert row["steps_by_state"] == {"probing": 3, "locked": 97, "watching": 300}
+
+
+def test_a_whole_run_session_decides_as_a_lock_in_session() -> None:
+    """Running on past lock-in changes nothing up to it: the same noise and load per step."""
+    node, space, baseline, caps = _contended_inputs()
+    keys = ("winner", "probe_steps", "reason", "measured", "probe_true_s")
+    for seed in (0, 1):
+        short = simulate.run_seed(node, space, baseline, caps, seed)
+        whole = simulate.run_seed(node, space, baseline, caps, seed, steps=200)
+        assert {k: short[k] for k in keys} == {k: whole[k] for k in keys}
+        assert len(whole["whole_run"]["costs"]) == 200 and "whole_run" not in short
+
+
+def test_contended_simulation_reports_whole_run_regret(tmp_path) -> None:
+    rc = simulate.main(["--quick", "--seeds", "2", "--whole-run-seeds", "1", "--horizon", "120",
+                        "--nodes", f"{CONTENDED},{SMALL}", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "simulated_nodes.json").read_text())
+    contended, small = data["nodes"]
+    assert contended["contention"] is not None and contended["oracle"] is None and contended["quiet_s"]
+    assert small["contention"] is None and small["quiet_s"] is None and small["oracle"] is not None
+    node, space, _, caps = _contended_inputs()
+    from bench._simulate_truth import NodeTruth
+
+    truth = NodeTruth(node, space.candidates(), space.describe, lambda c: simulate.capped(c, caps))
+    for r in contended["runs"]:  # against the means over the run's own load, not the quiet times
+        of_seed = truth.of_seed(r["seed"], 120)
+        key = space.describe(r["winner"])
+        assert r["regret"] == pytest.approx(of_seed[key] / min(of_seed.values()) - 1)
+    for n in data["nodes"]:
+        w = n["whole_run"]
+        assert w["seeds"] == 1 and w["horizon"] == 120
+        assert "whole_run" in n["runs"][0] and "whole_run" not in n["runs"][1]
+        assert sum(n["runs"][0]["whole_run"]["steps_by_state"].values()) == 120
+        assert w["regret"]["median"] >= -1e-9
+    md = (tmp_path / "simulated_nodes.md").read_text()
+    assert "whole-run regret" in md and "quiet s" in md and "Load episodes" in md
+
+
+@pytest.mark.parametrize("argv, message", [(["--horizon", "40"], "--horizon"),
+                                           (["--whole-run-seeds", "-1"], "--whole-run-seeds")])
+def test_whole_run_options_are_checked(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        simulate.main(["--quick", *argv])
+    assert message in capsys.readouterr().err
