@@ -78,8 +78,14 @@ EARLY_STOP_SAMPLES = 2
 #: such lost candidate locked in a 28 % slower setting). Such a candidate is stopped only after this
 #: many samples (three stalls in a row: 0.3 %).
 STALL_CONFIRM_SAMPLES = 3
-#: Beyond the grid the finals are one paired round of the finalists ...
-TPE_FINAL_ROUNDS = 1
+#: Most samples beyond ``measure_steps`` that a candidate whose samples disagree wildly gets
+#: while exploring (``ProbeSession._disagrees``), budget permitting: with 5 samples its median
+#: survives two stalls, and a setting slow in most of its steps shows it.
+EXTRA_SAMPLES = 2
+#: Beyond the grid the finals are two paired rounds of the finalists (with exploring's pass, three:
+#: enough for Yuen's statistic to decide among them, so the finalist the duel settles is not
+#: picked on two rounds) ...
+TPE_FINAL_ROUNDS = 2
 #: ... followed by up to this many duel rounds (the fastest finalist against the static plan, see
 #: ``ProbeSession._queue_duel``) while the comparison is undecided; the budget reserves them, so
 #: that exploring's pass (round 0), one finals round and the duel reach
@@ -438,7 +444,10 @@ class ProbeSession:
             while self._queue and self._queue[0].key == slot.key:
                 self._queue.popleft()
         if slot.phase == "measure" and (not self._queue or self._queue[0].key != slot.key):
-            self._finish_candidate(slot.key)
+            if self._disagrees(slot.key) and self._room_for(1):
+                self._queue.appendleft(Slot(slot.key, "measure"))  # one more sample before it is ranked
+            else:
+                self._finish_candidate(slot.key)
         self.slot = self._next()
         if self.slot is not None and self.steps >= self.config.probe_steps:
             logger.warning(
@@ -467,6 +476,24 @@ class ProbeSession:
             logger.debug("%s: %s is clearly slower after %d samples; skipping the rest", self.owner,
                          self.space.describe(self.space.setting(key)), len(samples))
         return stopped
+
+    def _disagrees(self, key: Key) -> bool:
+        """The candidate's samples disagree wildly: its median is beyond :data:`OUTLIER_FACTOR` of
+        its fastest (most of its steps stalled, or its one fast step was luck). It gets more
+        samples, up to :data:`EXTRA_SAMPLES` beyond ``measure_steps``, rather than being ranked on
+        either story; what it is then is what its median says (never its fastest)."""
+        samples = self.samples[key]
+        if len(samples) >= self.config.measure_steps + EXTRA_SAMPLES or len(samples) < 2:
+            return False
+        return Measurement(tuple(samples)).median > OUTLIER_FACTOR * min(samples)
+
+    def _room_for(self, extra: int) -> bool:
+        """``extra`` more exploring steps still leave the planned rest of the session in the budget."""
+        per = self.config.warmup_steps + self.config.measure_steps
+        finals = self.plan.finalists * self.plan.final_rounds * (self.config.warmup_steps + 1)
+        duel = _duel_cost(self.config, self.plan.duel_rounds)
+        left = max(self.plan.explore - len(self.explored) - 1, 0) if self.plan.sampler == "grid" else 0
+        return self.steps + extra + left * per + finals + duel <= self.config.probe_steps
 
     def _can_explore(self) -> bool:
         """Grid: until every candidate is measured. Beyond it: while one more candidate fits the

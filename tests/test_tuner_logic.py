@@ -380,14 +380,14 @@ def test_do_no_harm_keeps_the_static_plan_for_a_gain_under_min_gain(caplog):
 
 
 def test_undecided_finals_are_settled_by_a_duel_with_the_static_plan():
-    # Beyond the grid, 8 % faster under 3 % noise: one paired round of finals cannot decide (a
-    # switch takes 4 rounds that agree), so the fastest finalist and the static plan get duel
-    # rounds (the budget reserves them), and the winner is then clearly faster.
+    # Beyond the grid, 4 % faster under 3 % noise: exploring (round 0) and the two planned rounds
+    # of finals do not yet make it clearly faster on this seed, so the fastest finalist and the
+    # static plan get duel rounds (the budget reserves one), and the winner is then clearly faster.
     space = make_space(threads=(1, 2, 4, 8, 16), chunks=(1 << 20, 1 << 22, 1 << 25, 1 << 30))
     baseline, best = {"threads": 16, "chunk_numel": 1 << 22}, {"threads": 8, "chunk_numel": 1 << 22}
-    client = Client(lambda s: 0.92 if s == best else 1.0 if s["threads"] == 16 else 1.3, noise=0.03, seed=5)
+    client = Client(lambda s: 0.96 if s == best else 1.0 if s["threads"] == 16 else 1.3, noise=0.03, seed=4)
     trace = FakeTrace()
-    tuner = make_tuner(client, space=space, baseline=baseline, config=AutotuneConfig(seed=5), trace=trace)
+    tuner = make_tuner(client, space=space, baseline=baseline, config=AutotuneConfig(seed=4), trace=trace)
     client.run(tuner, 60)
     s = tuner.summary()
     plan = plan_budget(len(space), AutotuneConfig())
