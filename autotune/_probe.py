@@ -537,9 +537,13 @@ class ProbeSession:
 
     def _queue_duel(self) -> bool:
         """After the planned finals: while the best finalist is not yet clearly faster than the
-        static plan but could still be (:meth:`PairedComparison.could_still_win`), and the budget
-        allows, one more paired round of just those two, in the alternating order. False when
-        there is nothing to settle or no budget."""
+        static plan but could still be (:meth:`PairedComparison.could_still_win`), or its rounds
+        disagree wildly (one 1.5x faster, another 1.5x slower: on a shared host a load that comes
+        and goes in bursts of a few steps), and the budget allows, one more paired round of just
+        those two, in the alternating order. False when there is nothing to settle or no budget.
+        (On this 2-core VM under two 2-thread torch loops, 4 of 20 sessions of stock AdamW kept the
+        static plan, 2.1-5.7x slower than 1 thread, on three rounds of which two fell in a burst
+        where the plan's 2 threads ran free.)"""
         if self.steps + _duel_cost(self.config, 1) > self.config.probe_steps or not self.rounds:
             return False
         winner, _, _ = decide_paired(self.space, self.baseline, self.rounds, self.config)
@@ -548,8 +552,12 @@ class ProbeSession:
         comparisons = paired_comparisons(self.rounds, self.baseline)
         tie = math.log1p(self.config.tie_tolerance)
 
+        wild = math.log(OUTLIER_FACTOR)
+
         def open_(key: Key) -> bool:
             comparison = comparisons[key]
+            if any(v < -wild for v in comparison.log_ratios) and any(v > wild for v in comparison.log_ratios):
+                return True  # the rounds disagree wildly (the load changed under them): more rounds
             return comparison.effect < -tie and comparison.could_still_win(
                 min_gain=self.config.min_gain, noise_factor=self.config.noise_factor
             )
