@@ -35,6 +35,9 @@ def check_arguments(*, autotune: Any, settings: Any, plan: Any) -> AutotuneConfi
 def adamw_defaults(*, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> dict[str, Any]:
     """The optimizer's defaults (torch AdamW's keys; betas as floats), checked."""
     if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            # torch.optim.AdamW's rule (and message): a float and a Tensor are never mixed.
+            raise ValueError(f"betas={betas!r}: betas must be either both floats or both Tensors")
         betas = (scalar("betas[0]", betas[0]), scalar("betas[1]", betas[1]))
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     defaults.update({"amsgrad": False, "maximize": False, "foreach": None})

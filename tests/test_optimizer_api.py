@@ -395,3 +395,28 @@ def test_meta_parameters_are_refused_saying_to_build_after_to_empty() -> None:
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     opt.close()
+
+
+def test_a_state_key_that_is_not_a_parameter_passes_through_state_dict_as_torch_keeps_it() -> None:
+    """torch's own test_state_dict_pre_hook puts ``optimizer.state["test"] = 1``: torch's
+    ``state_dict()`` returns the key unchanged, and so must ours (it raised TypeError)."""
+    model = make_model()
+    opt = CPUOffloadAdamW(param_groups(model))
+    ref = torch.optim.AdamW(param_groups(make_model()), fused=True)
+    for o, m in ((opt, model), (ref, None)):
+        if m is not None:
+            m(batch(0)).backward()
+            o.step()
+        o.state["test"] = 1
+    ours, theirs = opt.state_dict(), ref.state_dict()
+    assert ours["state"]["test"] == theirs["state"]["test"] == 1
+    assert all(isinstance(k, int) for k in ours["state"] if k != "test")
+    opt.close()
+
+
+def test_betas_mixing_a_float_and_a_tensor_are_refused_as_torch_refuses_them() -> None:
+    for betas in ((0.9, torch.tensor(0.999)), (torch.tensor(0.9), 0.999)):
+        with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+            torch.optim.AdamW([nn.Parameter(torch.zeros(2))], betas=betas)
+        with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+            CPUOffloadAdamW([nn.Parameter(torch.zeros(2))], betas=betas)

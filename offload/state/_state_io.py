@@ -61,11 +61,17 @@ def torch_shaped(sd: dict[str, Any], records: Sequence[ParamRecord]) -> dict[str
     """``Optimizer.state_dict()``'s ``sd`` with torch AdamW(fused=True)'s keys (see module doc)."""
     state = {}
     for key, entry in sd["state"].items():
-        if records[key].local().dtype == torch.float32:
+        # torch.optim keeps any key a user or a hook put into ``state`` ("test": 1) as it is.
+        if _param_index(key, records) and records[key].local().dtype == torch.float32:
             entry = {k: v for k, v in entry.items() if k != "master_param"}
         state[key] = entry
     groups = [{**g, **TORCH_FLAGS} for g in sd["param_groups"]]
     return {**sd, "state": state, "param_groups": groups}
+
+
+def _param_index(key: Any, records: Sequence[ParamRecord]) -> bool:
+    """``key`` of a state dict's ``state`` is a parameter's index (not a key a user put there)."""
+    return isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(records)
 
 
 def standalone(t: Tensor) -> Tensor:
@@ -82,7 +88,7 @@ def as_dtensor_state(sd: dict[str, Any], records: Sequence[ParamRecord]) -> dict
     """The state dict ``sd`` with the state of DTensor parameters as DTensors (see module doc)."""
     state = {}
     for key, entry in sd["state"].items():
-        layout = records[key].layout
+        layout = records[key].layout if _param_index(key, records) else None
         if layout is not None:
             entry = {k: as_dtensor(standalone(v), layout) if k != "step" and isinstance(v, Tensor) else v
                      for k, v in entry.items()}
