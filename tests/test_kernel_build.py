@@ -52,6 +52,9 @@ def test_a_build_says_so_before_compiling(tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="offload.kernels._build"):
         module, _ = KernelLoader(broken, tmp_path / "cache").get()
     assert module is None
-    lines = [r.getMessage() for r in caplog.records if "building the native AdamW kernel" in r.getMessage()]
-    assert len(lines) == 1 and "(first run, ~30 s)" in lines[0]
+    lines = [r for r in caplog.records if "building the native AdamW kernel" in r.getMessage()]
+    # A warning: a script that configured no logging prints it through the last-resort handler.
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "(first use on this machine, about 30 s; later runs reuse it)" in lines[0].getMessage()
+    lines = [r.getMessage() for r in lines]
     assert str(tmp_path / "cache" / "ext") in lines[0]

@@ -251,9 +251,11 @@ def _build_and_import(spec: BuildSpec) -> ModuleType:
     start = time.perf_counter()
     try:
         with _build_lock(spec.build_dir, _BUILD_WAIT_S):
-            if needs_build(spec):  # otherwise the first run is silent for the ~30 s compile
-                logger.info("building the native AdamW kernel (first run, ~30 s) in %s ...",
-                            spec.build_dir)
+            if needs_build(spec):
+                # A warning, so that a script that configured no logging says it too (through
+                # logging's last-resort handler): otherwise the first use looks hung for ~30 s.
+                logger.warning("building the native AdamW kernel (first use on this machine, about 30 s; "
+                               "later runs reuse it) in %s ...", spec.build_dir)
             module = cpp_extension.load(
                 name=spec.name,
                 sources=[str(spec.source)],
