@@ -98,7 +98,7 @@ def _worker_agree(rank: int, world_size: int, *, cache_path: str) -> dict[str, A
     logging.getLogger("autotune").setLevel(logging.DEBUG)
     config = AutotuneConfig(probe_steps=60, timeout_s=30.0, watch_cost=0.05)
     cache = TuningCache(cache_path) if rank == 0 else None
-    # Probing ends after 43 steps; from step 100 on rank 1 alone runs large chunks 3x slower: the
+    # Probing ends after 47 steps; from step 100 on rank 1 alone runs large chunks 3x slower: the
     # node's optimum moves to the runner-up (small chunks), and the watch follows it.
     first = _tune(rank, space=_space(), config=config, steps=400, cache=cache, slow_from=100 if rank == 1 else None)
     second = _tune(rank, space=_space(), config=config, steps=20, cache=cache)
@@ -122,7 +122,7 @@ def test_ranks_apply_the_same_candidates_and_agree_on_the_node_optimum(tmp_path)
     summary = first0["summary"]
     assert summary["state"] == "locked"
     assert summary["local_world_size"] == 2
-    assert summary["probe_steps"] == 8 * 4 + 11  # exploring (round 0) and two rounds decide, noise-free
+    assert summary["probe_steps"] == 8 * 4 + 11 + 4  # exploring (round 0), two final rounds, one duel round
     # The slow rank sets the pace: the node time is the max over ranks, so neither rank's own
     # optimum (8 threads for rank 0, 1 thread for rank 1) won the lock-in, but the node's. After
     # rank 1 slowed down (rank 0 learns of it only through the gathered node times) the watch

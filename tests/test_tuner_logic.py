@@ -300,9 +300,9 @@ def test_certain_winner_found_with_grid_and_settings_change_only_between_steps()
     assert s["state"] == "locked" and s["sampler"] == "grid" and s["winner"] == best
     assert s["speedup"] == pytest.approx(valley(best)(BASELINE) / 1.0)
     # 12 candidates x (1 warm-up + 3) (exploring: paired round 0), two paired rounds of 3
-    # finalists (the second starts with the arm that ended the first: no warm-up); noise-free,
-    # three rounds decide (Yuen's statistic is infinite), so no duel round.
-    assert s["probe_steps"] == 12 * 4 + (3 * 2 + 5) <= 80
+    # finalists (the second starts with the arm that ended the first: no warm-up), then one duel
+    # round of the best and the static plan: a switch needs 4 rounds.
+    assert s["probe_steps"] == 12 * 4 + (3 * 2 + 5) + 4 <= 80
     assert len(s["measurements"]) == 12  # every candidate measured once
     assert s["measurements"][0]["candidate"] == BASELINE  # the static plan first
     # One apply per change of setting, none after lock-in; the step after the last probe runs the winner.
@@ -332,16 +332,17 @@ def test_finalists_are_remeasured_interleaved():
     assert finalists[0] == tuner.space.key(BASELINE) and len(set(finalists)) == 3
     # Exploring was round 0 (P first, the finalists in the order explored); the finals reverse it,
     # then alternate (b a P | P a b); a visit that continues the arm already running needs no
-    # warm-up. Noise-free, three rounds decide: no duel.
+    # warm-up. Then one duel round of the winner and P (reversed again): a switch needs 4 rounds.
     p, a, b = finalists
     expected = [("final_warmup", b), ("final", b), ("final_warmup", a), ("final", a), ("final_warmup", p),
                 ("final", p), ("final", p), ("final_warmup", a), ("final", a), ("final_warmup", b), ("final", b)]
-    assert finals == expected
+    assert finals[:11] == expected
     winner = tuner.space.key(tuner.summary()["winner"])
+    assert [key for phase, key in finals[11:] if phase == "final"] == [winner, p]
     rounds = next(r for r in tuner.summary()["paired"] if tuner.space.key(r["candidate"]) == winner)["rounds"]
-    assert rounds == 3 and next(
+    assert rounds == 4 and next(
         m for m in tuner.summary()["measurements"] if tuner.space.key(m["candidate"]) == winner
-    )["n"] == 3 + 2
+    )["n"] == 3 + 3
 
 
 @pytest.mark.parametrize("seed", range(4))

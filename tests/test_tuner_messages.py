@@ -143,12 +143,12 @@ def test_probe_cost_sums_every_probe_step_against_the_winner(caplog) -> None:
         client.run(tuner, 40, until_locked=True)
     s = tuner.summary()
     assert s["winner"] == {"threads": 4, "chunk_numel": BASELINE["chunk_numel"]} and s["winner_median_s"] == fast
-    # explore (paired round 0): 1 warm-up + 3 measured each (P' P P P F' F F F); then two paired
-    # rounds, the order alternating, a warm-up step only after a switch: F P' P | P F' F; noise-free,
-    # three rounds decide. 7 steps of the static plan, each 2 ms slower; 4 switches (start, explore,
-    # 2 in the rounds).
-    assert s["probe_steps"] == 8 + 3 + 3
-    expected = 7 * (base - fast) + 4 * penalty
+    # explore (paired round 0): 1 warm-up + 3 measured each (P' P P P F' F F F); then three paired
+    # rounds (two of finals, one of duel: a switch needs 4), the order alternating, a warm-up step
+    # only after a switch: F P' P | P F' F | F P' P. 9 steps of the static plan, each 2 ms slower;
+    # 5 switches (start, explore, 3 in the rounds).
+    assert s["probe_steps"] == 8 + 3 + 3 + 3
+    expected = 9 * (base - fast) + 5 * penalty
     assert s["probe_cost_s"] == pytest.approx(expected)
     assert s["probe_cost_pct_of_1000_steps"] == pytest.approx(100 * expected / (1000 * fast))
     # the same as summing the trace's probe rows by hand
