@@ -99,10 +99,7 @@ class CheckSession:
             [r[self.baseline_key] for r in self.rounds], [r[self.key] for r in self.rounds]
         )
         measurements = ((self.key, choice), (self.baseline_key, self.measurement(self.baseline_key)))
-        # The rank test alone: a false "stale" costs a whole re-probe, so the re-check asks for the
-        # stricter of the lock-in's two tests (between equal settings it fires on about 1 in 16
-        # re-checks of 4 rounds; with Yuen's statistic as well, 1 in 7).
-        stale = plan.clearly_faster(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor, yuen=False)
+        stale = plan.clearly_faster(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor)
         if stale:
             reason = f"the static plan is clearly faster than the cached choice {described} today: {plan.describe()}"
         else:

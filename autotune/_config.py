@@ -46,8 +46,8 @@ class AutotuneConfig:
     min_gain: float = MIN_GAIN
     """Smallest relative gain over the static plan that may replace it."""
     noise_factor: float = NOISE_FACTOR
-    """How sure a decision must be, as a normal z-score: paired rounds decide with an exact
-    signed-rank test at the one-sided level it names (1.25: 10.6 %); without paired rounds (no
+    """How sure a decision must be, as a normal z-score: paired rounds decide with an exact paired
+    permutation test at the one-sided level it names (1.25: 10.6 %); without paired rounds (no
     finals) a gain must exceed this multiple of the standard error of the difference of the two
     medians, each estimated from its IQR and sample count."""
     tie_tolerance: float = TIE_TOLERANCE
@@ -72,7 +72,7 @@ class AutotuneConfig:
     rounds took beyond as many steps of the winner."""
     watch_window: int = 5
     """Paired rounds of one challenger per switch test: a challenger faster than the winner in
-    every round of such a block (and by more than ``min_gain`` on the trimmed mean) is switched
+    every round of such a block (and by more than ``min_gain`` on the ratio of means) is switched
     to. Each block is tested once and dropped, so that rounds from before a change of load do
     not outvote the rounds after it and repeated tests do not add up false alarms (one block of
     two equal settings passes with probability 1/2**watch_window)."""

@@ -21,10 +21,10 @@ A session spends at most ``config.probe_steps`` training steps:
    and the budget allows, duel rounds of just those two follow (at least
    :data:`~autotune._paired.MIN_DECIDING_ROUNDS` rounds decide anything; beyond the grid the
    budget reserves :data:`DUEL_ROUNDS` of them).
-3. decide (see :func:`decide_paired`) on the paired rounds alone: the trimmed mean of each
-   finalist's per-round ratios to the static plan. Exploring samples only pick the finalists; a
-   sample is never judged against its own candidate's fastest one (issue 36: a setting slow four
-   times in five won on its fifth).
+3. decide (see :func:`decide_paired`) on the paired rounds alone: each finalist's mean step time
+   over the static plan's in the rounds that measured both, and an exact paired permutation test.
+   Exploring samples only pick the finalists; a sample is never judged against its own
+   candidate's other samples (issue 36: a setting slow four times in five won on its fifth).
 
 The schedule is planned up front (:func:`plan_budget`), so the budget is never exceeded; a guard
 decides early if it ever would be.
@@ -82,9 +82,8 @@ STALL_CONFIRM_SAMPLES = 3
 #: while exploring (``ProbeSession._disagrees``), budget permitting: with 5 samples its median
 #: survives two stalls, and a setting slow in most of its steps shows it.
 EXTRA_SAMPLES = 2
-#: Beyond the grid the finals are two paired rounds of the finalists (with exploring's pass, three:
-#: enough for Yuen's statistic to decide among them, so the finalist the duel settles is not
-#: picked on two rounds) ...
+#: Beyond the grid the finals are two paired rounds of the finalists (with exploring's pass, three
+#: for every finalist, so the one the duel settles is not picked on two rounds) ...
 TPE_FINAL_ROUNDS = 2
 #: ... followed by up to this many duel rounds (the fastest finalist against the static plan, see
 #: ``ProbeSession._queue_duel``) while the comparison is undecided; the budget reserves them, so
@@ -347,9 +346,9 @@ def decide_paired(
     """The lock-in rule on paired rounds. Returns ``(winner, reason, runner_up)``.
 
     Each arm is compared with the static plan over the rounds that measured both
-    (:class:`~autotune._paired.PairedComparison`: trimmed mean of the per-round log-ratios). Only
-    arms clearly faster than the plan may replace it (:meth:`PairedComparison.clearly_faster`: a
-    ratio under ``1 - min_gain`` and an exact signed-rank test at the level ``noise_factor``
+    (:class:`~autotune._paired.PairedComparison`: the ratio of the mean step times). Only arms
+    clearly faster than the plan may replace it (:meth:`PairedComparison.clearly_faster`: a ratio
+    under ``1 - min_gain`` and an exact paired permutation test at the level ``noise_factor``
     names); of those the smallest ratio wins, arms within ``tie_tolerance`` of it are tied and the
     space's preference breaks the tie. Without such an arm the static plan stays. ``runner_up``:
     the best arm that is neither the winner nor the static plan (the static plan when nothing else was measured
@@ -374,7 +373,7 @@ def decide_paired(
         return baseline, (
             f"best finalist {space.describe(space.setting(best))} is not clearly faster than the static plan "
             f"({comparisons[best].describe()}; a switch needs a ratio under {1.0 - config.min_gain:.3f} and a "
-            f"signed-rank p-value under {1.0 - NormalDist().cdf(config.noise_factor):.3f}, so "
+            f"permutation p-value under {1.0 - NormalDist().cdf(config.noise_factor):.3f}, so "
             f"{MIN_DECIDING_ROUNDS}+ rounds)"
         ), (others[0] if others else None)
     best_effect = min(effects[k] for k in clear)

@@ -52,7 +52,7 @@ class Decision:
     probed), None when the winner is unmeasured."""
     paired: tuple[dict[str, Any], ...] = ()
     """The paired evidence that decided: ``{"candidate", "ratio", "rounds"}`` per arm compared with
-    the static plan (ratio: trimmed mean of per-round time ratios, below 1 faster)."""
+    the static plan (ratio: its mean step time over the plan's in the same rounds, below 1 faster)."""
     runner_up: dict[str, Any] | None = None
     """The setting the post-lock watch compares the winner with (None: nothing to compare)."""
 
@@ -247,7 +247,7 @@ def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, 
     """The lock-in line and its table, in ms, with one ratio: ``speedup`` (the medians' ratio,
     the figure summary.json, the cache and ``python -m autotune show`` report). The decision rests
     on paired rounds: the reason states the paired ratio that decided, and the table's "paired"
-    column shows each finalist's trimmed-mean ratio to the static plan over its rounds (see
+    column shows each finalist's mean-time ratio to the static plan over its rounds (see
     :mod:`autotune._paired`). The line also states the probing cost (:meth:`Decision.cost_text`)."""
     winner, baseline = decision.winner, decision.baseline
     paired = {space.key(p["candidate"]): p for p in decision.paired}

@@ -13,7 +13,7 @@ after a switch, discarded). The challengers take turns: the runner-up of the dec
 construction) and the static plan; a challenger that was faster than the winner in its last round
 keeps the turn. Each block of ``watch_window`` (5) rounds of a challenger is tested once: if the
 challenger was faster in every round of it (a sign test at p = 1/32) and by more than ``min_gain``
-on the trimmed mean of the ratios (:class:`~autotune._paired.PairedComparison`), every rank
+on the ratio of the mean step times (:class:`~autotune._paired.PairedComparison`), every rank
 switches to it at the same step (settings never change the numbers, so a switch is exact) and the
 old winner becomes a challenger.
 
