@@ -557,9 +557,10 @@ class ProbeSession:
             comparison = comparisons[key]
             if any(v < -wild for v in comparison.log_ratios) and any(v > wild for v in comparison.log_ratios):
                 return True  # the rounds disagree wildly (the load changed under them): more rounds
-            return comparison.effect < -tie and comparison.could_still_win(
-                min_gain=self.config.min_gain, noise_factor=self.config.noise_factor
-            )
+            # Faster in at least half of the rounds: more rounds tell, even where one stalled
+            # round has pulled its mean level with the plan's (a stall is not filtered: it is
+            # outweighed).
+            return comparison.could_still_win(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor)
 
         # The duel keeps its challenger while it can still win: switching to whichever finalist
         # looks best after each round would leave every one of them short of the rounds a
@@ -604,7 +605,8 @@ class ProbeSession:
             len(self.finalists),
             self.plan.final_rounds,
         )
-        self.rounds.append({k: self.explored[k] for k in self.finalists})
+        # Round 0's time of a finalist is the mean of its exploring samples: what its steps cost.
+        self.rounds.append({k: Measurement(tuple(self.samples[k])).mean for k in self.finalists})
         for _ in range(self.plan.final_rounds):
             self._queue_round(self.finalists)
 

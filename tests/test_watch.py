@@ -56,9 +56,10 @@ def test_the_watch_follows_a_load_change_to_the_runner_up():
     switches = [r for r in trace.rows if (r["decision"] or "").startswith("switched to")]
     assert len(switches) == s["switches"] >= 1
     # The static plan (1.2) also beats the slowed winner (1.3): its turn may come first. Either
-    # way the run ends on the fastest, within a few rounds: a faster challenger costs nothing,
-    # so it is re-measured at once.
-    assert 300 < switches[-1]["step"] <= 300 + 200, [r["step"] for r in switches]
+    # way the run ends on the fastest: after the gap to the next round (its cost, at most 0.5 %
+    # of the steps so far, sets it: 50-150 steps here), a faster challenger costs nothing and
+    # is pressed on, five rounds in a row.
+    assert 300 < switches[-1]["step"] <= 300 + 250, [r["step"] for r in switches]
     assert tuner.state == "locked"
 
 
