@@ -37,26 +37,18 @@ import logging
 import math
 import warnings
 from collections import deque
-from statistics import NormalDist
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 from autotune._config import AutotuneConfig
-from autotune._measurement import (
-    OUTLIER_FACTOR,
-    Measurement,
-    format_ms,
-    gain_threshold,
-    significantly_faster,
-)
+from autotune._decide import choose, decide_paired, paired_comparisons
+from autotune._measurement import OUTLIER_FACTOR, Measurement
 from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison, round_order
 from autotune._space import Scalar, SearchSpace
 
 logger = logging.getLogger("autotune._tuner")
 
-__all__ = [
-    "BudgetPlan", "Key", "Phase", "ProbeSession", "Slot", "choose", "decide_paired", "plan_budget", "sweep_next",
-]
+__all__ = ["BudgetPlan", "Key", "Phase", "ProbeSession", "Slot", "plan_budget", "sweep_next"]
 
 Key = tuple[Scalar, ...]
 Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "check", "watch_warmup", "watch"]
@@ -300,91 +292,6 @@ class _OptunaOrder:
             self._study.tell(trial, value)
 
 
-def choose(
-    space: SearchSpace, baseline: Key, measurements: dict[Key, Measurement], config: AutotuneConfig
-) -> tuple[Key, str]:
-    """The lock-in rule of a session without paired rounds (no finals: ``finalists`` < 2 or
-    ``final_rounds`` = 0), on every candidate's unfiltered samples. Returns ``(winner, reason)``.
-
-    The fastest median wins, candidates within ``tie_tolerance`` of it count as tied and the
-    space's preference breaks the tie (fewer threads, then larger chunks). The static plan stays
-    if it is among the tied, or unless the winner beats it by more than ``max(min_gain *
-    median_plan, noise_factor * standard error of the difference of the medians)``
-    (:func:`autotune._measurement.gain_threshold`). Nothing is filtered: a candidate's slow
-    samples are its own (a setting slow four times in five must not win on its fifth).
-    """
-    best = min(m.median for m in measurements.values())
-    tied = [k for k, m in measurements.items() if m.median <= best * (1.0 + config.tie_tolerance)]
-    if baseline in tied:
-        return baseline, "the static plan is as fast as the fastest candidate"
-    winner = min(tied, key=lambda k: space.preference(space.setting(k)))
-    base, win = measurements[baseline], measurements[winner]
-    threshold = gain_threshold(base, win, min_gain=config.min_gain, noise_factor=config.noise_factor)
-    gain = base.median - win.median
-    if significantly_faster(win, base, min_gain=config.min_gain, noise_factor=config.noise_factor):
-        return winner, f"gain {format_ms(gain)} > threshold {format_ms(threshold)} on the medians (unpaired)"
-    return baseline, (
-        f"best candidate {space.describe(space.setting(winner))} is not clearly faster than the static plan "
-        f"(gain {format_ms(gain)} <= threshold {format_ms(threshold)} on the medians, unpaired)"
-    )
-
-
-def paired_comparisons(rounds: list[dict[Key, float]], baseline: Key) -> dict[Key, PairedComparison]:
-    """Every arm's :class:`PairedComparison` with ``baseline`` over the rounds that measured both."""
-    arms = {k for r in rounds for k in r if k != baseline}
-    out = {}
-    for key in arms:
-        common = [r for r in rounds if key in r and baseline in r]
-        if common:
-            out[key] = PairedComparison.of([r[key] for r in common], [r[baseline] for r in common])
-    return out
-
-
-def decide_paired(
-    space: SearchSpace, baseline: Key, rounds: list[dict[Key, float]], config: AutotuneConfig
-) -> tuple[Key, str, Key | None]:
-    """The lock-in rule on paired rounds. Returns ``(winner, reason, runner_up)``.
-
-    Each arm is compared with the static plan over the rounds that measured both
-    (:class:`~autotune._paired.PairedComparison`: the ratio of the mean step times). Only arms
-    clearly faster than the plan may replace it (:meth:`PairedComparison.clearly_faster`: a ratio
-    under ``1 - min_gain`` and an exact paired permutation test at the level ``noise_factor``
-    names); of those the smallest ratio wins, arms within ``tie_tolerance`` of it are tied and the
-    space's preference breaks the tie. Without such an arm the static plan stays. ``runner_up``:
-    the best arm that is neither the winner nor the static plan (the static plan when nothing else was measured
-    beside a winner), the post-lock watch's first challenger; None when nothing else was measured.
-    """
-    comparisons = paired_comparisons(rounds, baseline)
-    effects = {k: c.effect for k, c in comparisons.items()}
-    effects[baseline] = 0.0
-    tie = math.log1p(config.tie_tolerance)
-    order = sorted(effects, key=lambda k: (effects[k], space.preference(space.setting(k))))
-    # Only an arm with the evidence can replace the static plan: one measured in fewer rounds
-    # (not the duel's) may look faster on them, but cannot outvote a duel that settled.
-    clear = [k for k, c in comparisons.items()
-             if c.clearly_faster(min_gain=config.min_gain, noise_factor=config.noise_factor)]
-    if not clear:
-        best = order[0]
-        others = [k for k in order if k != baseline]
-        if best == baseline or effects[best] > -tie:
-            return baseline, "the static plan is as fast as the fastest finalist (paired rounds)", (
-                others[0] if others else None
-            )
-        return baseline, (
-            f"best finalist {space.describe(space.setting(best))} is not clearly faster than the static plan "
-            f"({comparisons[best].describe()}; a switch needs a ratio under {1.0 - config.min_gain:.3f} and a "
-            f"permutation p-value under {1.0 - NormalDist().cdf(config.noise_factor):.3f}, so "
-            f"{MIN_DECIDING_ROUNDS}+ rounds)"
-        ), (others[0] if others else None)
-    best_effect = min(effects[k] for k in clear)
-    tied = [k for k in clear if effects[k] <= best_effect + tie]
-    winner = min(tied, key=lambda k: space.preference(space.setting(k)))
-    others = [k for k in order if k not in (winner, baseline)]
-    return winner, f"clearly faster than the static plan: {comparisons[winner].describe()}", (
-        others[0] if others else baseline
-    )
-
-
 class ProbeSession:
     """One tuning session's schedule. Call :attr:`slot` for the step about to run, then
     :meth:`record` with that step's node time; it returns the next slot, or None once decided."""
@@ -549,8 +456,6 @@ class ProbeSession:
         if winner != self.baseline:
             return False  # already clearly faster
         comparisons = paired_comparisons(self.rounds, self.baseline)
-        tie = math.log1p(self.config.tie_tolerance)
-
         wild = math.log(OUTLIER_FACTOR)
 
         def open_(key: Key) -> bool:

@@ -423,7 +423,9 @@ def _expect_fallback(caplog, loader, reason_part: str) -> str:
                                      [new_step_tensor()], steps_to_increment=[], hyper=hyper)
     assert not ok
     assert reason_part in reason, reason
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    # One warning for the fallback (besides the one that announces a build, when one starts).
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING
+                and "building the native AdamW kernel" not in r.getMessage()]
     assert len(warnings) == 1 and reason in warnings[0].getMessage()
     assert all(torch.equal(m, b) for m, b in zip(masters, before))
     return reason

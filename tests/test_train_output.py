@@ -61,7 +61,12 @@ def test_run_prints_the_legend_first_and_the_lock_in_where_it_happened(
     setting = lines[noted[0]].split("tuner locked in ")[1].split(":")[0].split()
     locked = {"threads": int(setting[1]), "chunk_numel": int(setting[3])}
     assert f"| threads {ran[k]['threads']} chunk {ran[k]['chunk_numel']} |" in lines[noted[0]]  # what it ran
-    assert k + 1 < len(ran) and all({key: r[key] for key in locked} == locked for r in ran[k + 1:])
+    # After lock-in every step runs the locked setting, but the watch's rounds (the trace's
+    # "watch" rows), which compare it now and then with the runner-up and the static plan.
+    traced = [json.loads(row) for row in (tmp_path / "t" / "run-1" / "trace.jsonl").read_text().splitlines()]
+    watched = {row["step"] for row in traced if str(row.get("phase", "")).startswith("watch")}
+    assert k + 1 < len(ran) and all({key: r[key] for key in locked} == locked or r["step"] in watched
+                                    for r in ran[k + 1:])
     summary = json.loads(out.read_text())
     assert summary["tuner"]["state"] == "locked" and summary["tuner"]["winner"] == locked
     assert {"step_s_median", "opt_s_median", "opt_stats_median", "step_times_s", "opt_times_s"} <= set(summary)

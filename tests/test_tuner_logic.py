@@ -28,7 +28,8 @@ from autotune import (
 )
 from autotune import _measurement, _paired, _space
 from autotune._measurement import gain_threshold, significantly_faster
-from autotune._probe import choose, plan_budget
+from autotune._decide import choose
+from autotune._probe import plan_budget
 
 THREADS = (1, 2, 4, 8)
 CHUNKS = (1 << 20, 1 << 21, 1 << 22)
