@@ -85,7 +85,6 @@ class Watch:
         """Excess seconds spent by the watch's rounds so far (a faster challenger's rounds credit it)."""
         self.rounds: dict[Key, list[dict[Key, float]]] = {c: [] for c in self.challengers}
         self.excesses: dict[Key, list[float]] = {c: [] for c in self.challengers}
-        self.rounds_run = 0
         self.switches = 0
         self._expected = dict(expected_ratios or {})
         self._winner_samples: deque[float] = deque(maxlen=8)
@@ -164,7 +163,6 @@ class Watch:
         excess = math.fsum(self._round_times) - len(self._round_times) * winner_now
         self.spent_s += excess
         self.excesses[challenger].append(excess)
-        self.rounds_run += 1
         rounds = [r for r in self.rounds[challenger] if len(r) == 2]
         if not rounds or rounds[-1][challenger] >= rounds[-1][self.winner]:
             self._turn += 1  # the next challenger's turn; one that was faster just now is pressed on
@@ -187,7 +185,3 @@ class Watch:
         self._turn = 0
         self.switches += 1
         return Switch(old=old, new=challenger, comparison=comparison)
-
-    def elapsed_allowance_s(self, step: int) -> float:
-        """The watch's allowance at step ``step``: ``watch_cost`` of the locked steps' time so far."""
-        return self.config.watch_cost * self.reference_s * max(step - self.locked_at, 0)

@@ -188,3 +188,12 @@ def test_watch_switches_keep_the_optimizer_bitwise_equal_to_one_fixed_setting():
                        [ref_opt.state[p][key] for p in ref_model.parameters() if p in ref_opt.state], key)
     opt.close()
     ref_opt.close()
+
+
+def test_the_permutation_test_beyond_the_exact_rounds_is_deterministic_and_agrees():
+    from autotune._paired import EXACT_ROUNDS, permutation_p
+
+    faster = [-1.0] * (EXACT_ROUNDS + 4) + [0.5, 0.5]
+    p = permutation_p(faster)
+    assert p == permutation_p(faster) and p < 0.01  # sampled flips, seeded by the data
+    assert permutation_p([1.0] * (EXACT_ROUNDS + 2)) > 0.99
