@@ -11,6 +11,7 @@ layout, a new ``Pipeline`` and the ``Launcher`` the state carried over. Every en
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -25,7 +26,8 @@ from offload.overlap._launcher import Launcher
 from offload.pipeline._cuda_transport import STAGING_SLOTS, CudaTransport, DeviceOps
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._step import collect_grads, ready_event, submit_step
+from offload.pipeline._signals import DeferredSignals
+from offload.pipeline._step import StepJobs, collect_grads, part_stepped, ready_event, submit_step
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
 from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
@@ -56,6 +58,7 @@ class HostSide(Optimizer):
     _clip: ClipRequest | None
     _stats: StatsBuilder | None
     _in_step: bool
+    _broken: str | None
 
     def _new_pipeline(self) -> Pipeline:
         """A worker for the current layout, over the transport of the parameters' device (the CUDA
@@ -94,9 +97,11 @@ class HostSide(Optimizer):
             self._overlap.bind(self._layout, self._pipeline)
         return relaid
 
-    def _step(self) -> None:
+    def _step(self, signals: DeferredSignals) -> None:
         """The body of ``step()`` (under ``no_grad``): skip a GradScaler overflow; else collect the
-        gradients, follow edits, judge the early chunks, submit the rest, drain, commit, stats."""
+        gradients, follow edits, judge the early chunks, submit the rest, drain, commit, stats.
+        ``signals``: those held during the step; one that arrives again cuts the step short
+        (``StepInterrupted``, raised after the drain; ``offload.pipeline._signals``)."""
         t0 = time.perf_counter()
         threads = self._settings.threads
         assert threads is not None
@@ -120,6 +125,10 @@ class HostSide(Optimizer):
             return hypers[group]
 
         event = ready_event(self._layout.registry.device)
+        # From here until the step's state is consistent again, an exception that escapes the
+        # handlers below (one raised asynchronously into this thread) leaves this mark, and the
+        # optimizer refuses to go on.
+        self._broken = "step() was interrupted part-way by an asynchronous exception"
         try:
             grads = collect_grads(self._layout, self.state)
             unseen = self._layout.device_weights.changed(self._layout.records, grads)  # CUDA: .data edits
@@ -131,22 +140,39 @@ class HostSide(Optimizer):
             self._follow_edits(grads, unseen)
             committed, speculated, out_of_place = early.start_step(
                 hyper_now=hyper_now, late=late, threads=threads, event=event) if early is not None else ({}, 0, set())
-        except BaseException:
-            if early is not None:
-                early.fail_start("step() (an error)")
+        except BaseException as exc:
+            mixed = early.fail_start("step() (an error)") if early is not None else []
+            self._broken = None
+            self._mark_mixed(mixed, exc)
             raise
 
         layout = self._layout
-        sub = submit_step(self._pipeline, layout, committed, grads, self.state, hyper_now=hyper_now,
-                          kernel=self._settings.kernel, threads=threads, event=event, out_of_place=out_of_place)
-        result = self._pipeline.drain()
+        sub = StepJobs()
+        error: BaseException | None = None
+        pipeline = self._pipeline
+        signals.on_repeat = functools.partial(pipeline.cancel, pipeline.step_index)
+        try:
+            submit_step(pipeline, layout, committed, grads, self.state, hyper_now=hyper_now,
+                        kernel=self._settings.kernel, threads=threads, event=event, out_of_place=out_of_place,
+                        out=sub)
+            result = pipeline.drain()
+        except BaseException as exc:  # on this thread: the worker finishes what was queued first
+            error = exc
+            result = pipeline.drain()
+        finally:
+            signals.on_repeat = None
+        error = error or result.error
         layout.items.release_grads()
         if early is not None:  # commits the out-of-place segments; a step where nothing landed drops them
-            early.finish_step(segments=out_of_place, grads=grads, updates=sub.updates,
-                              error=result.error is not None, swap=self._swap, grad_scale=scale)
+            mixed = early.finish_step(segments=out_of_place, grads=grads, updates=sub.updates,
+                                      error=error is not None, swap=self._swap, grad_scale=scale)
+        else:
+            mixed = part_stepped(layout, sub.updates, (), failed=False) if error is not None else []
+        self._broken = None
         # (the drain ordered the caller's stream after the weight copies that landed: order_caller)
-        if result.error is not None:
-            raise result.error
+        if error is not None:
+            self._mark_mixed(mixed, error)
+            raise error
         record(layout.records, grads)  # our writes bumped the versions
         layout.device_weights.record(layout.records, grads)  # (CUDA, after the copies: no sync)
         t1 = time.perf_counter()
@@ -156,6 +182,23 @@ class HostSide(Optimizer):
             kernel="fused-mp" if sub.native else "torch", speculated_chunks=speculated,
             committed_chunks=len(committed), speculation_paused=early is not None and early.paused,
             pinned_bytes=result.pinned_bytes, pinned_registrations=result.pinned_registrations)
+
+    def _mark_mixed(self, slots: Sequence[int], error: BaseException) -> None:
+        """A failed step left ``slots`` part-stepped: every later call refuses (``_refuse_broken``)
+        until a state dict is loaded, as a checkpoint taken now would hold the mix."""
+        if not slots:
+            return
+        records = self._layout.records
+        names = ", ".join(records[s].name for s in slots[:4]) + (f" and {len(slots) - 4} more" if len(slots) > 4 else "")
+        self._broken = (f"step() failed part-way ({type(error).__name__}: {error}) and left {len(slots)} "
+                        f"parameter(s) part-stepped ({names}): some of their elements, or their master and "
+                        "weight, come from different steps")
+
+    def _refuse_broken(self, what: str) -> None:
+        """``RuntimeError`` while a failed step left a mixed state (``_mark_mixed``)."""
+        if self._broken is not None:
+            raise RuntimeError(f"CPUOffloadAdamW.{what} refused: {self._broken}; load a checkpoint with "
+                               "load_state_dict() (or make a new optimizer) to go on")
 
     def _follow_edits(self, grads: dict[int, Tensor], unseen: Sequence[int] = ()) -> None:
         """Parameters edited since our last write: their masters follow them (``offload.state._edits``;

@@ -30,6 +30,7 @@ from offload.kernels._adamw import DEFAULT_KERNELS, KernelSet
 from offload.overlap._launcher import Launcher, ddp_comm_hook
 from offload.overlap._speculation import checksums_of
 from offload.pipeline._cuda_transport import DeviceOps
+from offload.pipeline._signals import DeferredSignals, StepInterrupted
 from offload.state._groups import check_options, check_param_group
 from offload.state._layout import HostLayout
 from offload.state._masters import give_masters, loaded_seeds
@@ -179,6 +180,7 @@ class CPUOffloadAdamW(HostSide):
             self._pipeline.on_worker(functools.partial(placement.first_touch, self._layout.slabs),
                                      threads=self._planned_threads)
         self._in_step = False
+        self._broken: str | None = None
         self._stats = None  # (the types of these: HostSide's annotations)
         self._clip = None  # set by clip_grad_norm_, taken by the next step()
         self._overlap: Launcher | None = None
@@ -275,6 +277,7 @@ class CPUOffloadAdamW(HostSide):
         """
         if not isinstance(settings, OffloadSettings):
             raise TypeError(f"settings={settings!r}: expected an OffloadSettings")
+        self._refuse_broken("apply_settings()")
         self._check_idle("apply_settings()")
         if settings.threads is None:
             settings = replace(settings, threads=self._planned_threads)
@@ -402,6 +405,7 @@ class CPUOffloadAdamW(HostSide):
         since the last step are followed first (``master_param`` is the edited weight), as the
         next step would.
         """
+        self._refuse_broken("state_dict()")
         self._check_idle("state_dict()")
         registry = self._layout.registry
         self._sync_edits([r.slot for r in registry if self.state.get(r.param)])
@@ -419,6 +423,8 @@ class CPUOffloadAdamW(HostSide):
         the parameter (trained or edited since, e.g. by torch's AdamW after our checkpoint) is
         dropped and the parameter wins, with one warning naming how many.
         """
+        if self._broken is not None:  # a step failed part-way: whatever it left, the loaded state replaces
+            self._pipeline.drain()
         self._check_idle("load_state_dict()", adopt=False)
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -438,6 +444,7 @@ class CPUOffloadAdamW(HostSide):
         layout.recheck_masters.update(slot for slot, value in entries if "master_param" in value)
         self.state = load_state(entries, layout)
         self.param_groups = merged_groups(groups, saved_groups, self.defaults)
+        self._broken = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -455,16 +462,23 @@ class CPUOffloadAdamW(HostSide):
                 loss = closure()
         if self._in_step:
             raise RuntimeError("CPUOffloadAdamW.step() is already running")
+        self._refuse_broken("step()")
         self._adopt_replaced_state()
         self._follow_groups()
-        self._in_step = True
-        try:
-            with torch.no_grad():
-                self._step()
-        finally:
-            self._in_step = False
-        # ---- Tuner observation point: the one place a tuner sees each step's StepStats. ----
-        # The tuner may call apply_settings here, between steps, at the same step on every rank.
-        if self._tuning is not None:
-            self._tuning.after_step()
+        # A signal whose handler raises would leave the step part-way: it is held until the step
+        # and the tuner's observation are done (offload.pipeline._signals), then its handler runs
+        # and what that raises leaves step(). The same signal again cuts the step short.
+        with DeferredSignals() as signals:
+            self._in_step = True
+            try:
+                with torch.no_grad():
+                    self._step(signals)
+            except StepInterrupted:
+                return loss  # the held signal's handler runs as the block exits
+            finally:
+                self._in_step = False
+            # ---- Tuner observation point: the one place a tuner sees each step's StepStats. ----
+            # The tuner may call apply_settings here, between steps, at the same step on every rank.
+            if self._tuning is not None:
+                self._tuning.after_step()
         return loss

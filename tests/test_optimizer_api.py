@@ -357,9 +357,16 @@ def test_worker_exception_reaches_step_and_the_worker_survives() -> None:
     opt = CPUOffloadAdamW(param_groups(model), settings=OffloadSettings(chunk_numel=1024, kernel="torch"),
                           kernels=KernelSet(fused_adamw=boom))
     model(batch(0)).backward()
+    checkpoint = opt.state_dict()  # before any step: empty
     with pytest.raises(MemoryError, match="injected"):
         opt.step()
     assert len(calls) == 3  # the chunks after the failing one were not touched
+    # The failing call may have written part of its chunk, and a parameter spans it: refused
+    # (tests/test_interrupted_step.py has every point and the exactness after recovering).
+    for call in (opt.step, opt.state_dict):
+        with pytest.raises(RuntimeError, match=r"part-stepped \(.*load_state_dict\(\)"):
+            call()
+    opt.load_state_dict(checkpoint)
     opt.step()  # the worker is still alive and serves the next step
     assert opt.last_stats is not None and opt.last_stats.num_chunks > 3
     opt.close()

@@ -13,6 +13,7 @@ and state together.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -169,6 +170,7 @@ def test_a_failure_after_committed_writes_keeps_weights_and_state_together(kerne
         opt.step()
     before = [p.detach().clone() for p in model.parameters()]
     steps_before = {id(p): float(st["step"]) for p, st in opt.state.items()}
+    checkpoint = copy.deepcopy(opt.state_dict())
     opt.zero_grad()
     start = calls.count
     _loss(model, 2).backward()
@@ -188,6 +190,14 @@ def test_a_failure_after_committed_writes_keeps_weights_and_state_together(kerne
         assert torch.equal(master.to(p.dtype), p.detach()), f"parameter {i}: master and weight disagree"
         advanced = float(st["step"]) - steps_before[id(p)]
         assert advanced == (1.0 if i in moved else 0.0) or p.numel() > SETTINGS.chunk_numel, i
+    # A parameter spanning chunks kept part of the update: refused until a checkpoint is loaded.
+    assert any(p.numel() > SETTINGS.chunk_numel for i, p in enumerate(model.parameters()) if i in moved)
+    with pytest.raises(RuntimeError, match="part-stepped"):
+        opt.step()
+    opt.load_state_dict(checkpoint)
+    with torch.no_grad():
+        for p, b in zip(model.parameters(), before):
+            p.copy_(b)
     for step in range(3, 5):  # training goes on
         opt.zero_grad()
         _loss(model, step).backward()

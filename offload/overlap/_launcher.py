@@ -33,7 +33,7 @@ from offload.overlap._hooks import GradHooks
 from offload.overlap._speculation import Checksums, Speculation, SpeculativeChunk, same_hyper
 from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._step import commit_generations, keep_views, ready_event, write_job
+from offload.pipeline._step import commit_generations, keep_views, part_stepped, ready_event, write_job
 from offload.state._edits import reseed
 from offload.state._groups import hyper_of
 from offload.state._items import fresh_items
@@ -262,15 +262,18 @@ class Launcher:
             logger.warning("CPUOffloadAdamW: a chunk started during backward failed (%s: %s); undone "
                            "at %s", type(result.error).__name__, result.error, what)
 
-    def fail_start(self, what: str) -> None:
+    def fail_start(self, what: str) -> list[int]:
         """``step()`` failed before its own jobs: where committed chunks' weights were submitted
         already, those chunks keep their update (state copied from the second generation, their
         parameters' counted steps), as an update in place that failed part-way would have; the
-        rest is dropped (:meth:`abandon`)."""
+        rest is dropped (:meth:`abandon`). Returns the slots that left part-stepped
+        (``part_stepped``)."""
+        mixed: list[int] = []
         if self._writes:
             assert self.pipeline is not None and self.layout is not None
             result = self.pipeline.drain()
             done = [j for j in self._writes if j.materialized]
+            mixed = part_stepped(self.layout, [], self._writes, failed=True)
             keep_views(self.layout, [it.view for j in done for it in j.items])
             self.speculation.reset_steps()
             self.speculation.publish_steps({it.view.slot for j in done for it in j.items})
@@ -280,19 +283,23 @@ class Launcher:
                 logger.warning("CPUOffloadAdamW: a chunk failed while step() failed (%s: %s)",
                                type(result.error).__name__, result.error)
         self.abandon(what)
+        return mixed
 
     def finish_step(self, *, segments: set[int], grads: Mapping[int, Tensor], updates: Sequence[ChunkJob],
-                    error: bool, swap: StorageSwap | None, grad_scale: Tensor | None) -> None:
+                    error: bool, swap: StorageSwap | None, grad_scale: Tensor | None) -> list[int]:
         """After ``step()``'s drain (``updates``: its jobs; ``error``: one failed): commit the
         ``segments`` updated out of place (``commit_generations``), and close the window. Nothing
         of the step landed (no update ran, no committed weights written): the early chunks are
-        dropped and the step counters put back."""
+        dropped and the step counters put back. Returns the slots a failure left part-stepped
+        (``part_stepped``)."""
         failed = error and not any(j.kernel_ran for j in updates) and not any(j.materialized for j in self._writes)
+        mixed = part_stepped(self.layout, updates, self._writes, failed=failed) if error else []
         if segments:
             assert self.layout is not None
             commit_generations(self.layout, segments, grads, [*self._committed, *updates],
                                error=error, failed=failed, swap=swap)
         self.end_step(grad_scale=grad_scale, failed=failed)
+        return mixed
 
     def end_step(self, *, grad_scale: Tensor | None, failed: bool = False) -> None:
         """The window closes; ``grad_scale``: what this step divided by (speculated next time);

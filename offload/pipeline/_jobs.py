@@ -108,8 +108,13 @@ class ChunkJob:
     """Per call: the slots and step tensors of its items (made with ``calls``)."""
     staging: Any = None
     """CUDA: the h2d ring slot the kernel wrote the new weights into (see CudaTransport)."""
+    kernel_started: bool = False
+    """The worker began the job's kernel calls: from here on a failure may leave the job's items
+    part-written (``offload.state._landed``)."""
     kernel_ran: bool = False
     """The job's kernel calls ran (read by the optimizer for early launches)."""
+    writing: bool = False
+    """Its weights are being written, or were (materialize began)."""
     materialized: bool = False
     """Its weights were written (materialize ran)."""
     coef_in_grads: bool = False

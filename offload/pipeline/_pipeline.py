@@ -129,9 +129,20 @@ class Pipeline:
             self.submit(job)
             return
         records: list[StageRecord] = []
+        job.writing = True
         self.transport.materialize(job, self._worker.slabs, records)
         job.materialized = True
         self._caller_records.extend(records)
+
+    @property
+    def step_index(self) -> int:
+        """The step the jobs queued now belong to (the drains so far); see :meth:`cancel`."""
+        return self._worker.steps
+
+    def cancel(self, step_index: int) -> None:
+        """Cut step ``step_index`` short (from any thread): the worker skips its jobs not started
+        and its drain reports ``StepInterrupted``; a later step is never affected."""
+        self._worker.cancel_at = step_index
 
     def wait_for(self, job: ChunkJob) -> None:
         """Wait until the worker processed (or skipped) ``job`` (its ``done`` event)."""

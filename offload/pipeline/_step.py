@@ -25,8 +25,8 @@ from offload.pipeline._pipeline import Pipeline
 from offload.state._layout import HostLayout
 from offload.state._slabs import StorageSwap, View
 
-__all__ = ["StepJobs", "collect_grads", "commit_generations", "keep_views", "ready_event", "submit_step",
-           "write_job"]
+__all__ = ["StepJobs", "collect_grads", "commit_generations", "keep_views", "part_stepped", "ready_event",
+           "submit_step", "write_job"]
 
 
 @dataclass(slots=True)
@@ -54,11 +54,13 @@ def write_job(early: ChunkJob, *, threads: int, event: Any) -> ChunkJob:
 def submit_step(pipeline: Pipeline, layout: HostLayout, committed: Mapping[int, ChunkJob],
                 grads: Mapping[int, Tensor], state: Mapping[Tensor, dict[str, Any]], *,
                 hyper_now: Callable[[int], Hyper], kernel: str, threads: int, event: Any,
-                out_of_place: Collection[int] = ()) -> StepJobs:
+                out_of_place: Collection[int] = (), out: StepJobs | None = None) -> StepJobs:
     """Submit the update job of every chunk not in ``committed`` (whose weight writes were
     submitted already, :func:`write_job`), see the module doc; ``out_of_place``: the slab
-    segments whose chunks update into the second generation."""
-    out = StepJobs()
+    segments whose chunks update into the second generation; ``out``: where the jobs are
+    recorded as they are made (each before it is queued), so a caller whose submission failed
+    part-way knows every job that may have run."""
+    out = StepJobs() if out is None else out
     items, records, sharded = layout.items, layout.records, layout.registry.sharded
     for chunk in layout.chunks:
         early = committed.get(chunk.index)
@@ -72,7 +74,7 @@ def submit_step(pipeline: Pipeline, layout: HostLayout, committed: Mapping[int, 
             job = ChunkJob(chunk=chunk.index, items=its, hyper=hyper, threads=threads, update=True,
                            materialize=True, ready_event=event, into_next=chunk.segment in out_of_place,
                            write_event=event)
-            out.updates.append(job)
+            out.updates.append(job)  # first: see ``out``
             pipeline.submit(job)
         n, native = items.summary(chunk, its)
         out.native = out.native or native
@@ -97,6 +99,38 @@ def commit_generations(layout: HostLayout, segments: Collection[int], grads: Map
         return
     slabs.carry(s.index for s in slabs.slots if s.segment in segments and s.index not in grads and slabs.used[s.index])
     slabs.swap(sorted(segments), swap)
+
+
+def part_stepped(layout: HostLayout, updates: Sequence[ChunkJob], writes: Sequence[ChunkJob], *,
+                 failed: bool) -> list[int]:
+    """The slots a failed step left part-stepped, after its drain: a parameter some of whose
+    elements have this step's update and others the last step's, or whose master and weight
+    disagree, or that a kernel call which raised may have written part of. ``updates``: the
+    step's update jobs (recorded before they were queued: :class:`StepJobs`); ``writes``: the
+    weight writes of the committed early chunks (their kernels ran during backward, into the
+    second generation); ``failed``: nothing of the step landed and the early chunks are dropped
+    (``Launcher.finish_step``). An element landed when its kernel ran and its weights were
+    written; an out-of-place update that did not land is not kept (``commit_generations``)."""
+    landed: dict[int, int] = {}
+    partial: set[int] = set()
+
+    def add(job: ChunkJob) -> None:
+        for it in job.items:
+            landed[it.view.slot] = landed.get(it.view.slot, 0) + it.view.numel
+
+    for job in updates:
+        if job.kernel_ran and job.materialized and not (failed and job.into_next):
+            add(job)
+        elif job.kernel_started or job.writing:  # a kernel call or a weight write raised part-way
+            partial.update(it.view.slot for it in job.items)
+    for job in writes:
+        if job.materialized:
+            add(job)
+        elif job.writing or not failed:  # written part-way, or its master kept and its weight not written
+            partial.update(it.view.slot for it in job.items)
+    slots = layout.slabs.slots
+    partial.update(s for s, n in landed.items() if n < slots[s].numel)
+    return sorted(partial)
 
 
 def keep_views(layout: HostLayout, views: Sequence[View]) -> None:

@@ -31,6 +31,7 @@ from offload.pipeline._jobs import ChunkJob, DrainResult, StageRecord
 from offload.state._items import KIND_TORCH
 from offload.kernels._adamw import KernelSet
 from offload.pipeline._operands import build_calls, call_steps
+from offload.pipeline._signals import StepInterrupted
 from offload.state._slabs import HostSlabs
 from offload.threads._plan import thread_limit
 from offload.pipeline._transport import Transport
@@ -87,6 +88,10 @@ class Worker:
         self._threads: int | None = None
         self._limit = contextlib.ExitStack()
         self.lists = lists
+        self.steps = 0
+        """Barriers processed: the step the queued jobs belong to (:meth:`Pipeline.cancel`)."""
+        self.cancel_at = -1
+        """Skip the jobs of this step (set by another thread: read once per job)."""
 
     def _use_threads(self, threads: int) -> None:
         if threads != self._threads:
@@ -132,8 +137,10 @@ class Worker:
 
     def _run_job(self, job: ChunkJob, pending: collections.deque[Any], lookahead: int) -> None:
         """One queued job (see :meth:`run`); an error is kept for the step's drain."""
+        if self.error is None and self.cancel_at == self.steps:
+            self.error = StepInterrupted("the step was cut short before this chunk")
         if self.error is not None:
-            return  # a failed step: leave the remaining chunks untouched
+            return  # a failed or cut step: leave the remaining chunks untouched
         try:
             if job.update and job.transfer is None:
                 self.transport.issue_d2h(job)
@@ -164,6 +171,7 @@ class Worker:
             self.transport.finish_d2h(job, self.slabs, self.records)
             self._kernel(job)
         if job.materialize:
+            job.writing = True
             self.transport.materialize(job, self.slabs, self.records)
             job.materialized = True
 
@@ -183,6 +191,7 @@ class Worker:
         # Each parameter's step goes up once per optimizer step, in the first chunk holding it
         # that runs (set.add returns None: the test adds the slot as it goes).
         hyper, speculate = job.hyper, job.speculate
+        job.kernel_started = True
         for (kind, fn, args), (slots, steps) in zip(calls, steps_of):
             new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
             if job.coef_in_grads and kind == KIND_TORCH:  # the operands are the products already
@@ -215,6 +224,7 @@ class Worker:
                                      pinned_bytes=pinned, pinned_registrations=registered)
         self.records, self.error = [], None
         self.stepped = set()
+        self.steps += 1
         barrier.done.set()
 
 
