@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Callable
@@ -409,10 +410,20 @@ class CPUOffloadAdamW(HostSide):
         self._check_idle("state_dict()")
         registry = self._layout.registry
         self._sync_edits([r.slot for r in registry if self.state.get(r.param)])
-        sd = torch_shaped(super().state_dict(), self._layout.records)
-        if not registry.sharded:
-            return sd
-        return as_dtensor_state(sd, self._layout.records)
+        # torch's state_dict() calls the post-hooks on what it built; they must see (and may
+        # replace) the dict returned, after the conversion: they run here instead.
+        post_hooks, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, OrderedDict()
+        try:
+            sd = torch_shaped(super().state_dict(), self._layout.records)
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        if registry.sharded:
+            sd = as_dtensor_state(sd, self._layout.records)
+        for post_hook in post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a state dict (from this class, or ``torch.optim.AdamW``) into the host slabs.

@@ -421,6 +421,27 @@ def test_a_state_key_that_is_not_a_parameter_passes_through_state_dict_as_torch_
     opt.close()
 
 
+def test_state_dict_post_hooks_see_and_may_replace_the_dict_returned() -> None:
+    """As torch's ``state_dict()`` runs them: a post-hook gets the dict that is returned (ours is
+    converted to torch's shape first: a bf16 parameter's ``master_param``, int keys), and what
+    a hook returns replaces it; pre-hooks run once, before."""
+    model = make_model(torch.bfloat16)
+    opt = CPUOffloadAdamW(param_groups(model))
+    model(batch(0)).backward()
+    opt.step()
+    calls: list[str] = []
+    seen: list[dict] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: (calls.append("post"), seen.append(sd)) and None)
+    sd = opt.state_dict()
+    assert calls == ["pre", "post"]
+    assert seen[0] is sd
+    assert all("master_param" in entry for entry in sd["state"].values())
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    assert opt.state_dict()["extra"] == 1
+    opt.close()
+
+
 def test_betas_mixing_a_float_and_a_tensor_are_refused_as_torch_refuses_them() -> None:
     for betas in ((0.9, torch.tensor(0.999)), (torch.tensor(0.9), 0.999)):
         with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
