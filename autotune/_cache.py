@@ -112,6 +112,8 @@ class TuningCache:
         path: the cache file; default ``autotune.knobs.cache_path()`` (``OFFLOAD_AUTOTUNE_CACHE``
             or the user's cache directory).
         lock_timeout_s: how long a write waits for the file lock before skipping persistence.
+        source: where ``path`` came from, named in the warning about a path that cannot be a
+            cache (default: the ``TuningCache`` argument, or ``OFFLOAD_AUTOTUNE_CACHE``).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class TuningCache:
         path: str | os.PathLike[str] | None = None,
         *,
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        source: str | None = None,
     ) -> None:
         timeout = lock_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
@@ -129,6 +132,11 @@ class TuningCache:
         self.lock_timeout_s = float(lock_timeout_s)
         self._failure: str | None = None  # why the latest _mutate did not persist
         self._quiet = False  # strict callers get the failure raised, not logged
+        if source is None:
+            source = "the TuningCache path" if path is not None else knobs.CACHE_VAR
+        self.source = source
+        """Where :attr:`path` came from (named in warnings)."""
+        self._warned_special = False  # a path that cannot be a cache is said once
 
     def __repr__(self) -> str:
         return f"TuningCache({str(self.path)!r})"
@@ -281,10 +289,13 @@ class TuningCache:
         return snap
 
     def _warn_special(self, problem: str) -> None:
+        if self._warned_special:
+            return
+        self._warned_special = True
         logger.warning(
             "Tuning cache %s: %s; never read, written or renamed: every lookup is a miss and nothing "
-            "is persisted (point OFFLOAD_AUTOTUNE_CACHE or --cache at a regular file)",
-            self.path, problem,
+            "is persisted (point %s at a regular file)",
+            self.path, problem, self.source,
         )
 
     def _warn_bad(self, snap: _Snapshot) -> None:

@@ -302,7 +302,8 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         space = step_threads_space(max_threads=top, baseline_threads=top, fixed_threads=fixed)
         cache = None
         if config.use_cache:
-            cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
+            cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path(),
+                                source="AutotuneConfig(cache_path=...)" if config.cache_path else knobs.CACHE_VAR)
         if config.trace_dir and (knobs.local_rank() or 0) == 0:
             self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
         self.tuner = OnlineTuner(space, baseline={"threads": top}, apply=self._apply, config=config,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune import TuningCache, knobs
+from autotune import AutotuneConfig, TuningCache, knobs
 from autotune._cache import SCHEMA_VERSION, CacheWriteError
 from autotune._cachefile import exclusive_lock
 from autotune._entry import CacheEntry, CacheEntryError
@@ -406,7 +406,7 @@ def test_cache_path_that_is_a_directory_warns(tmp_path: Path, caplog: pytest.Log
         assert cache.get("k") is None
         assert cache.put("k", make_entry()) is False
     assert path.is_dir()
-    assert len(cache_warnings(caplog)) >= 2
+    assert len(cache_warnings(caplog)) == 1  # said once, though both the read and the write met it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,6 +439,30 @@ def test_dev_null_is_never_renamed_replaced_or_locked_beside(tmp_path: Path, cap
     assert not list(dev.parent.glob("null.*")), list(dev.parent.glob("null.*"))
     assert cache.file_problem() == "is a character device, not a regular file"
     assert any("is a character device, not a regular file" in m for m in cache_warnings(caplog))
+
+
+def test_a_directory_as_cache_is_said_once_naming_where_the_path_came_from(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run that reads and writes its cache at a directory gets one warning, which names the
+    setting the path came from (the optimizer's AutotuneConfig, not an environment variable)."""
+    import torch
+
+    from offload import CPUOffloadAdamW, OffloadSettings
+
+    model = torch.nn.Linear(16, 16)
+    opt = CPUOffloadAdamW(model.parameters(), autotune=AutotuneConfig(cache_path=tmp_path, min_gain=0.5),
+                          settings=OffloadSettings(chunk_numel=1024))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(44):
+            model(torch.ones(2, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.tuner is not None and opt.tuner.state == "locked"
+    said = [m for m in cache_warnings(caplog) if "is a directory" in m]
+    assert len(said) == 1, said
+    assert "point AutotuneConfig(cache_path=...) at a regular file" in said[0]
+    assert TuningCache(tmp_path).source == "the TuningCache path"
+    opt.close()
 
 
 def test_fifo_as_cache_neither_blocks_nor_is_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

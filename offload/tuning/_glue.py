@@ -397,7 +397,8 @@ class OffloadTuning:
             baseline["bind_numa"] = False  # the default's behaviour (bind_numa=None: off)
         cache = None
         if config.use_cache:
-            cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path())
+            cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path(),
+                                source="AutotuneConfig(cache_path=...)" if config.cache_path else knobs.CACHE_VAR)
         # The tuner writes its cache and trace on local rank 0 only.
         self._trace: TraceWriter | None = None
         if config.trace_dir and (knobs.local_rank() or 0) == 0:
