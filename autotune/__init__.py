@@ -19,6 +19,7 @@ from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
 from autotune._trace import TraceWriter
 from autotune._config import AutotuneConfig, StepSample
 from autotune._tuner import OnlineTuner
+from autotune._session import TuningSession, cache_for, trace_for
 
 __all__ = [
     "Agreement",
@@ -35,8 +36,11 @@ __all__ = [
     "StepSample",
     "TraceWriter",
     "TuningCache",
+    "TuningSession",
+    "cache_for",
     "fingerprint",
     "geometric_ladder",
     "make_agreement",
     "powers_of_two",
+    "trace_for",
 ]

@@ -77,13 +77,17 @@ class AutotuneConfig:
     not outvote the rounds after it and repeated tests do not add up false alarms (one block of
     two equal settings passes with probability 1/2**watch_window)."""
     use_cache: bool = True
-    """Read and write the tuning cache (clients build a ``TuningCache`` from the two fields below)."""
+    """Read and write the tuning cache (``autotune._session.cache_for`` builds it from the field below)."""
     cache_path: str | os.PathLike[str] | None = None
     """Cache file (a ``Path`` is accepted and stored as ``str``); None: ``$OFFLOAD_AUTOTUNE_CACHE``
     or the user cache directory (``autotune.knobs``)."""
     trace_dir: str | os.PathLike[str] | None = None
-    """Directory for the trace files (trace.jsonl, trace.csv, trace.chrome.json, summary.json,
-    tuning.png; a ``Path`` is stored as ``str``); None: no trace."""
+    """Folder of the trace files (trace.jsonl, trace.csv, trace.chrome.json, summary.json,
+    tuning.png; a ``Path`` is stored as ``str``), written by each node's local rank 0 into a new
+    ``run-N`` folder of it per run (``latest`` links to the newest); None: no trace."""
+    trace_runs: bool = True
+    """Each run's trace goes into a new ``run-N`` folder of ``trace_dir``; False: into
+    ``trace_dir`` itself (a caller that made the run's folder, as the reference trainer does)."""
 
     def __post_init__(self) -> None:
         _check_int("probe_steps", self.probe_steps, 1)
@@ -112,7 +116,7 @@ class AutotuneConfig:
                 raise ValueError(f"AutotuneConfig.{name}={value!r}: expected None or a non-empty str or "
                                  "os.PathLike path")
             object.__setattr__(self, name, text)  # stored as str: equal configs compare equal
-        for name in ("force_retune", "watch", "use_cache"):
+        for name in ("force_retune", "watch", "use_cache", "trace_runs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"AutotuneConfig.{name}={getattr(self, name)!r}: expected a bool")
         minimum = 2 * (self.warmup_steps + self.measure_steps)

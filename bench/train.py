@@ -109,6 +109,7 @@ def _autotune_kwargs(args: argparse.Namespace, run_dir: Path | None) -> dict[str
             timeout_s=args.dist_timeout,
             cache_path=str(args.cache) if args.cache is not None else None,
             trace_dir=str(run_dir) if run_dir is not None else None,
+            trace_runs=False,  # run_dir is this run's folder already (_run_dir), with the trainer's files
         )
     }
 

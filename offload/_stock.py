@@ -77,14 +77,13 @@ import collections
 import inspect
 import logging
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from autotune import AutotuneConfig, Knob, OnlineTuner, SearchSpace, StepSample, TraceWriter, TuningCache, knobs
+from autotune import AutotuneConfig, Knob, OnlineTuner, SearchSpace, StepSample, TraceWriter, cache_for, trace_for
 from autotune import geometric_ladder
-from offload.tuning._glue import MAX_THREAD_CANDIDATES, global_rank
+from offload.tuning._glue import MAX_THREAD_CANDIDATES
 from offload.tuning._node_agreement import NodeAgreement, node_agreement, thread_plan
 from offload.threads._plan import ThreadPlan, thread_limit
 
@@ -300,14 +299,9 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         local = tuple(plan.local_threads) or (plan.threads,)
         top = plan.threads if fixed else max(local)
         space = step_threads_space(max_threads=top, baseline_threads=top, fixed_threads=fixed)
-        cache = None
-        if config.use_cache:
-            cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path(),
-                                source="AutotuneConfig(cache_path=...)" if config.cache_path else knobs.CACHE_VAR)
-        if config.trace_dir and (knobs.local_rank() or 0) == 0:
-            self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
+        self._trace = trace_for(config)
         self.tuner = OnlineTuner(space, baseline={"threads": top}, apply=self._apply, config=config,
-                                 workload=step_threads_workload(optimizer), cache=cache, trace=self._trace,
+                                 workload=step_threads_workload(optimizer), cache=cache_for(config), trace=self._trace,
                                  group=agreement)
         self.tuner.start()
 

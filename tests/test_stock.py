@@ -384,9 +384,9 @@ def test_refuses_what_it_cannot_tune(tmp_path: Path) -> None:
 def test_second_run_hits_the_cache_and_the_cli_shows_it(tmp_path: Path) -> None:
     from autotune._cli import main as cli
 
-    def run(trace: str) -> ThreadTunedOptimizer:
+    def run() -> ThreadTunedOptimizer:
         model = wide_model()
-        opt = wrap(torch.optim.AdamW(model.parameters(), fused=True), tmp_path, trace_dir=str(tmp_path / trace))
+        opt = wrap(torch.optim.AdamW(model.parameters(), fused=True), tmp_path, trace_dir=str(tmp_path / "runs"))
         for step in range(30):
             train(model, opt, 1, wide_loss, first=step)
             if opt.tuner.state == "locked":
@@ -394,13 +394,16 @@ def test_second_run_hits_the_cache_and_the_cli_shows_it(tmp_path: Path) -> None:
         opt.close()
         return opt
 
-    first = run("run1").tuner.summary()
+    first = run().tuner.summary()
     assert first["state"] == "locked" and first["cache_status"] == "miss" and first["winner"] == {"threads": 2}
-    second = run("run2").tuner.summary()
+    second = run().tuner.summary()
     assert second["cache_hit"] and second["probe_steps"] == 0 and second["winner"] == {"threads": 2}
     assert second["cache_key"] == first["cache_key"]
-    summary = json.loads((tmp_path / "run1" / "summary.json").read_text())
-    assert summary["winner"] == {"threads": 2} and (tmp_path / "run1" / "trace.jsonl").read_text().count("\n") >= 8
+    # each run its own folder of the trace directory: the first run's trace is still there
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("run-")) == ["run-1", "run-2"]
+    summary = json.loads((tmp_path / "runs" / "run-1" / "summary.json").read_text())
+    assert summary["winner"] == {"threads": 2} and (tmp_path / "runs" / "run-1" / "trace.jsonl").read_text().count("\n") >= 8
+    assert json.loads((tmp_path / "runs" / "run-2" / "summary.json").read_text())["cache_hit"]
     out = io.StringIO()
     assert cli(["show", "--json", "--cache", str(tmp_path / "cache.json")], stdout=out) == 0
     entries = json.loads(out.getvalue())

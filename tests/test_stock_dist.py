@@ -178,4 +178,4 @@ def test_fsdp2_cpu_offload_tunes_agrees_caches_and_stays_bitwise(tmp_path: Path)
         second = run["second"]
         assert second["state"] == "locked" and second["cache_hit"] and second["probe_steps"] == 0, (rank, second)
         assert second["winner"] == {"threads": 2}
-    assert cache.is_file() and (trace / "summary.json").is_file()
+    assert cache.is_file() and (trace / "run-1" / "summary.json").is_file()  # its run folder

@@ -82,7 +82,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, Callable, Literal, Protocol
 
@@ -94,11 +93,10 @@ from autotune import (
     OnlineTuner,
     SearchSpace,
     StepSample,
-    TraceWriter,
-    TuningCache,
+    cache_for,
     geometric_ladder,
-    knobs,
     powers_of_two,
+    trace_for,
 )
 from offload.tuning._node_agreement import NodeAgreement, node_agreement
 from offload.state._items import LOWP_DTYPES
@@ -111,7 +109,7 @@ from offload.threads._plan import ThreadPlan
 logger = logging.getLogger(__name__)
 
 __all__ = ["RING_LADDER", "OffloadTuning", "Tunable", "agreed_kernels", "backward_ladder", "backward_thread_count",
-           "cache_facts", "global_rank", "masks_span_numa_nodes", "offload_search_space", "offload_workload"]
+           "cache_facts", "masks_span_numa_nodes", "offload_search_space", "offload_workload"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -395,14 +393,9 @@ class OffloadTuning:
             baseline["ring_slots"] = RING_LADDER[0]  # today's depth (ring_slots=None)
         if numa:
             baseline["bind_numa"] = False  # the default's behaviour (bind_numa=None: off)
-        cache = None
-        if config.use_cache:
-            cache = TuningCache(Path(config.cache_path) if config.cache_path else knobs.cache_path(),
-                                source="AutotuneConfig(cache_path=...)" if config.cache_path else knobs.CACHE_VAR)
+        cache = cache_for(config)
         # The tuner writes its cache and trace on local rank 0 only.
-        self._trace: TraceWriter | None = None
-        if config.trace_dir and (knobs.local_rank() or 0) == 0:
-            self._trace = TraceWriter(Path(config.trace_dir), rank=global_rank())
+        self._trace = trace_for(config)
         workload = {**workload, **cache_facts(plan, native=bool(kernels) or optimizer.settings.kernel == "fused-mp")}
         self.tuner = OnlineTuner(
             space,
@@ -491,9 +484,3 @@ class OffloadTuning:
         self.tuner.close()
         self._agreement.close()
 
-
-def global_rank() -> int:
-    """This process's rank in the default group (0 without torch.distributed)."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
