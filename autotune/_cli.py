@@ -306,8 +306,8 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     plot = sub.add_parser("plot", help="draw a run's tuning.png (needs matplotlib)",
-                          description="Draw step time per step of a run directory, coloured by candidate, "
-                                      "the winner marked.")
+                          description="Draw step time per step of a run directory: colour = candidate, "
+                                      "marker shape = phase, a ring = the winner.")
     plot.add_argument("run_dir", metavar="DIR", help="run directory holding trace.jsonl, or a "
                       "trainer's --trace-dir (its newest run-N)")
     plot.add_argument("--output", "-o", metavar="PNG", help=f"image path (default: DIR/{TUNING_PNG})")

@@ -12,7 +12,7 @@ One run directory holds:
   stage of each chunk, plus a ``step`` lane;
 - ``summary.json``: what the tuner decided (baseline, winner, speed-up, probe steps, cache hit,
   fingerprint), written by :meth:`~TraceWriter.write_summary`;
-- ``tuning.png``: step time per step coloured by candidate, the winner marked; only when
+- ``tuning.png``: step time per step, colour = candidate, shape = phase, the winner ringed; only when
   matplotlib is installed (drawn by :mod:`autotune._plot`).
 
 The rows are whatever the tuner passes; the documented shape is ``{"step": int, "phase": str,
