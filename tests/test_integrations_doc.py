@@ -34,6 +34,7 @@ def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path)
 
 
 def test_every_client_has_a_section() -> None:
-    assert len(BLOCKS) == 5
-    for title in ("## HF Trainer", "## accelerate", "## Lightning", "## torchtitan", "## prime-rl"):
+    assert len(BLOCKS) == 6
+    for title in ("## HF Trainer", "## accelerate", "## Lightning", "## torchtitan", "## prime-rl",
+                  "## An in-house offload optimizer, tuned", "## What is tuned, per stack"):
         assert title in DOC
