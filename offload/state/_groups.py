@@ -48,7 +48,8 @@ def scalar(name: str, value: Any) -> float:
     """``value`` (a number or a 1-element tensor) as a float; ``ValueError`` naming ``name``."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name}={value!r}: expected a float or a 1-element tensor")
+            kind = "Tensor lr must be 1-element" if name == "lr" else f"Tensor {name} must be 1-element"
+            raise ValueError(f"{kind}: {name}={value!r}: expected a float or a 1-element tensor")
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}={value!r}: expected a float")
@@ -59,21 +60,25 @@ def check_hyper(where: str, group: dict[str, Any]) -> None:
     """``ValueError`` unless the group's lr, betas, eps and weight_decay are valid AdamW values."""
     lr = scalar("lr", group["lr"])
     if not (math.isfinite(lr) and lr >= 0.0):
-        raise ValueError(f"lr={group['lr']!r}{where}: expected a finite float >= 0")
+        raise ValueError(f"Invalid learning rate: {group['lr']} "
+                         f"(lr={group['lr']!r}{where}: expected a finite float >= 0)")
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas={betas!r}{where}: expected a pair (beta1, beta2)")
     for i, b in enumerate(betas):
         v = scalar(f"betas[{i}]", b)
         if not 0.0 <= v < 1.0:
-            raise ValueError(f"betas[{i}]={b!r}{where}: expected 0 <= beta < 1")
+            raise ValueError(f"Invalid beta parameter at index {i}: {b} "
+                             f"(betas[{i}]={b!r}{where}: expected 0 <= beta < 1)")
     eps = scalar("eps", group["eps"])
     if not (math.isfinite(eps) and eps >= 0.0):
-        raise ValueError(f"eps={group['eps']!r}{where}: expected a finite float >= 0")
+        raise ValueError(f"Invalid epsilon value: {group['eps']} "
+                         f"(eps={group['eps']!r}{where}: expected a finite float >= 0)")
     wd = scalar("weight_decay", group["weight_decay"])
     if not (math.isfinite(wd) and wd >= 0.0):
         raise ValueError(
-            f"weight_decay={group['weight_decay']!r}{where}: expected a finite float >= 0"
+            f"Invalid weight_decay value: {group['weight_decay']} "
+            f"(weight_decay={group['weight_decay']!r}{where}: expected a finite float >= 0)"
         )
 
 
