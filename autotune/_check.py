@@ -103,7 +103,7 @@ class CheckSession:
         if stale:
             reason = f"the static plan is clearly faster than the cached choice {described} today: {plan.describe()}"
         else:
-            reason = (f"cached choice {described} kept: the static plan runs at {plan.describe()} of it, "
+            reason = (f"cached choice {described} kept: the static plan was {plan.describe()}: "
                       "not clearly faster")
         return CheckVerdict(stale=stale, reason=reason, measurements=measurements, reference_s=choice.median,
                             paired=plan.reversed())
