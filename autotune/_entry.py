@@ -6,9 +6,9 @@ This module alone spells the entry's JSON form (:meth:`CacheEntry.to_json`,
     {"winner": {...}, "baseline": {...}, "winner_median_s": float, "baseline_median_s": float,
      "measurements": [{"candidate": {...}, "samples": [float, ...]}, ...],
      "probe_steps": int, "created_unix": float, "fingerprint": {...}, "probe_cost_s": float,
-     "runner_up": {...}}
+     "runner_up": {...}, "paired_ratio": float}
 
-``fingerprint``, ``probe_cost_s`` and ``runner_up`` are optional: entries of older versions lack them and still
+``fingerprint``, ``probe_cost_s``, ``runner_up`` and ``paired_ratio`` are optional: entries of older versions lack them and still
 load (the field is then None), and an entry without them is written without the key.
 
 Values are checked for type only (knob dicts map str to a JSON scalar, ints fit in int64, floats
@@ -121,6 +121,10 @@ def _check_entry(entry: Any) -> None:
         _check_seconds(entry["probe_cost_s"], "probe_cost_s")
     if "runner_up" in entry:
         _check_knobs(entry["runner_up"], "runner_up")
+    if "paired_ratio" in entry:
+        ratio = entry["paired_ratio"]
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (math.isfinite(ratio) and ratio > 0):
+            raise CacheEntryError(f"paired_ratio={ratio!r}: expected a finite ratio > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +156,9 @@ class CacheEntry:
     runner_up: dict[str, Any] | None = None
     """The setting the post-lock watch compared the winner with (the best other finalist, or the
     static plan); None when not recorded: the JSON form then has no such key."""
+    paired_ratio: float | None = None
+    """The winner's mean step time over the static plan's in the paired rounds that decided (what
+    the lock-in reported); None when not recorded (no paired rounds, older versions)."""
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON form (plain, deep-copied values)."""
@@ -167,6 +174,7 @@ class CacheEntry:
             **({} if self.fingerprint is None else {"fingerprint": copy.deepcopy(dict(self.fingerprint))}),
             **({} if self.probe_cost_s is None else {"probe_cost_s": self.probe_cost_s}),
             **({} if self.runner_up is None else {"runner_up": dict(self.runner_up)}),
+            **({} if self.paired_ratio is None else {"paired_ratio": self.paired_ratio}),
         }
 
     @classmethod
@@ -189,11 +197,16 @@ class CacheEntry:
             fingerprint=copy.deepcopy(value.get("fingerprint")),
             probe_cost_s=value.get("probe_cost_s"),
             runner_up=dict(value["runner_up"]) if "runner_up" in value else None,
+            paired_ratio=value.get("paired_ratio"),
         )
 
     @property
     def speedup(self) -> float | None:
-        """Static plan median / winner median when recorded; None unless a finite number."""
+        """How much faster than the static plan the winner was: 1 / :attr:`paired_ratio` where
+        recorded (as the lock-in said), else the static plan's median / the winner's; None unless
+        a finite number."""
+        if self.paired_ratio is not None and self.paired_ratio > 0:
+            return 1.0 / self.paired_ratio
         if not self.winner_median_s > 0:
             return None
         value = self.baseline_median_s / self.winner_median_s
@@ -239,7 +252,7 @@ class CacheEntry:
 
 #: Keys every entry's JSON form has (``fingerprint`` and ``probe_cost_s`` may be absent: files of
 #: older versions).
-_OPTIONAL_KEYS = ("fingerprint", "probe_cost_s", "runner_up")
+_OPTIONAL_KEYS = ("fingerprint", "probe_cost_s", "runner_up", "paired_ratio")
 _REQUIRED_KEYS = tuple(f.name for f in fields(CacheEntry) if f.name not in _OPTIONAL_KEYS)
 
 

@@ -301,6 +301,7 @@ class Schedule:
                 probe_steps=decision.session_probe_steps,
                 probe_cost_s=decision.probe_cost_s,
                 runner_up=decision.runner_up,
+                paired_ratio=decision.paired_ratio if decision.sampler != "watch" else None,
                 created_unix=time.time(),
                 fingerprint=self.fingerprint_details,
             )

@@ -108,6 +108,17 @@ def test_cache_entry_json_form_round_trips_and_names_a_bad_field(tmp_path: Path)
     assert CacheEntry.from_json(old).fingerprint is None and CacheEntry.from_json(old).to_json() == old
 
 
+def test_the_entry_speedup_is_the_paired_ratio_the_lock_in_reported() -> None:
+    """``python -m autotune show`` printed the medians' ratio (1.02x) beside the lock-in's paired
+    ratio (1.00x) for the same run: an entry records the paired ratio and its speedup is that."""
+    entry = CacheEntry.from_json({**make_entry(), "paired_ratio": 0.8})
+    assert entry.speedup == pytest.approx(1.25) and entry.to_json()["paired_ratio"] == 0.8
+    assert CacheEntry.from_json(make_entry()).speedup == 2.0  # older entries: the medians' ratio
+    for bad in (0.0, -1.0, float("inf"), True, "0.8"):
+        with pytest.raises(CacheEntryError, match="paired_ratio"):
+            CacheEntry.from_json({**make_entry(), "paired_ratio": bad})
+
+
 def test_the_probe_cost_is_an_optional_field_of_the_entry(tmp_path: Path) -> None:
     """Entries of older versions have no ``probe_cost_s``: they still load (None), and are
     written back without it; a new entry's cost round-trips and its share of 1000 steps at

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune import AutotuneConfig, Knob, SearchSpace, TuningSession
+from autotune import AutotuneConfig, Knob, SearchSpace, TuningCache, TuningSession
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,6 +82,8 @@ def test_a_session_times_steps_locks_in_the_fastest_and_writes_its_trace(tmp_pat
     session.close()
     session.close()  # idempotent
     assert json.loads((tmp_path / "t" / "run-1" / "summary.json").read_text())["winner"] == {"threads": 2}
+    (entry,) = TuningCache(tmp_path / "c.json").records().values()
+    assert entry.speedup == pytest.approx(session.summary()["speedup"])  # what `autotune show` prints
     again = TuningSession(SearchSpace((Knob("threads", (1, 2, 4)),)), baseline={"threads": 1},
                           apply=setting.update, config=config, workload={"what": "test"}, clock=clock)
     assert again.summary()["cache_hit"] and setting == {"threads": 2}
