@@ -1,7 +1,8 @@
 """CPU-offloaded AdamW: fp32 master weights and moments in host memory, a chunked pipelined step,
 per-stage timings, and a thread budget that never oversubscribes.
 
-Besides the optimizer, the thread plan and the stock-optimizer wrapper, the package exports the
+Besides the optimizer, the thread plan, the stock-optimizer wrapper and ``tune_deepspeed`` (DeepSpeed
+ZeRO-Offload's CPU Adam step; deepspeed is imported only when it is called), the package exports the
 types its injection points take (docs/architecture.md, "Injection points"): ``KernelSet`` (with
 its ``KernelLoader`` / ``ExtensionLoader``) for ``CPUOffloadAdamW(kernels=)``, ``NumaBinding``
 (what a ``numa_binder=`` returns), ``DeviceOps`` (what ``CPUOffloadAdamW(device_ops=)`` takes:
@@ -24,6 +25,7 @@ from offload.threads._numa import NumaBinding
 from offload._settings import OffloadSettings
 from offload._stats import StageSpan, StepStats
 from offload._stock import StepThreadsError, ThreadTunedOptimizer, tune_step_threads
+from offload.tuning._deepspeed import DeepSpeedTuning, DeepSpeedTuningError, tune_deepspeed
 from offload.threads._rule import RankCpus
 from offload.threads._plan import ThreadPlan, plan_cpu_threads, thread_limit
 from offload.threads._topology import CgroupCpuLimit, CpuTopology
@@ -32,6 +34,8 @@ __all__ = [
     "CPUOffloadAdamW",
     "CgroupCpuLimit",
     "CpuTopology",
+    "DeepSpeedTuning",
+    "DeepSpeedTuningError",
     "DeviceOps",
     "ExtensionLoader",
     "KernelLoader",
@@ -48,6 +52,7 @@ __all__ = [
     "TorchCudaOps",
     "plan_cpu_threads",
     "thread_limit",
+    "tune_deepspeed",
     "tune_step_threads",
 ]
 
