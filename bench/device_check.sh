@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in under 8 minutes on one GPU machine, in the order of issue 24
+# The checks that need a GPU, in under 8 minutes on one GPU machine, in the order of issues 24 and 40
 # (what most likely finds a defect first, so a cut-short run still says the most):
+#   0. prebuild: the native kernel built (or loaded from its cache) before anything is timed, with
+#      its seconds, the torch/CUDA versions, and which kernel kernel="auto" picks on this torch,
 #   1. python -m bench.device_checks (python -m bench.device_checks --list says what each asserts):
 #      races (in-place gradient changes queued behind a GPU sleep, step() without a sync, A -> B
 #      -> A; also with a copy stream slowed by GPU sleeps and with the CPU kernels slowed by a
-#      competing load), commits asserted, weights edited through .data followed (bf16/fp16, overlap on and
-#      off), host-device syncs counted in an overlapped backward and a clip,
+#      competing load), producer delays (GPU sleeps in backward pre-hooks: gradients final after
+#      their hooks fired) against an independent reference (torch's AdamW on fp32 masters), torch's
+#      and the native kernel, commits asserted, weights edited through .data followed (bf16/fp16,
+#      overlap on and off), host-device syncs counted in an overlapped backward and a clip,
 #   2. FSDP2 with overlap and DDP with attach_ddp under NCCL (torchrun, 1 process),
 #   3. GradScaler fp16 with overflow steps, peak GPU memory of a 256M-element parameter's
-#      backward + clip + step, a ~1B bf16 model's backward and step with and without overlap,
+#      backward + clip + step; then, in a step of its own, a ~1B bf16 model's backward and step
+#      with and without overlap,
 #   4. python -m bench.bandwidth --device cuda (copy throughput each way and the step; 50M
 #      parameters, fp32 and bf16, 2 thread counts),
 #   5. the CUDA tests (-k cuda over tests/test_cuda_*.py and the files with a cuda marker or test;
 #      -rs: a skipped native kernel shows),
 #   6. the trainer on the GPU with the offloaded optimizer: --overlap-backward --clip-grad-norm 1.0,
 #      and with --amp fp16 (125m GPT, 12 steps each).
-# The time limits are estimates: the script has not yet run on a GPU.
+# The time limits are estimates: the script has not yet run on a GPU. A step that runs past its
+# limit gets SIGABRT (then SIGKILL 10 s later): with PYTHONFAULTHANDLER=1 every Python thread's stack
+# goes to the log first, so a hang says where it hung; inside the checks, each check also dumps
+# the stacks after --watchdog-s (bench/device_checks.py) and a check that raises is reported and
+# the next one runs.
 # What it measured goes to bench/results/device/ (or $DEVICE_CHECK_OUT): the console log, pytest's
 # report, the bandwidth .json/.md, the checks' JSON lines, the trainer summaries, and status.txt
 # (each step's exit status).
@@ -42,13 +51,15 @@ TRAIN="-m bench.train --device cuda --model-size 125m --batch-size 8 --seq-len 5
 
 # name|timeout seconds|command (run with $PYTHON; word-split on purpose)
 STEPS=(
-  "checks-races|80|-m bench.device_checks --device cuda races commits data_edits syncs"
-  "checks-dist|50|-m torch.distributed.run --nproc-per-node 1 -m bench.device_checks --device cuda dist"
-  "checks-scale|80|-m bench.device_checks --device cuda scaler memory timing"
-  "bandwidth|45|-m bench.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 1 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
-  "pytest|120|-m pytest -q -rs -p no:cacheprovider -k cuda $CUDA_TESTS --junitxml $OUT/pytest.xml"
+  "prebuild|50|-m bench.device_checks --device cuda prebuild"
+  "checks-races|75|-m bench.device_checks --device cuda races producer commits data_edits syncs"
+  "checks-dist|40|-m torch.distributed.run --nproc-per-node 1 -m bench.device_checks --device cuda dist"
+  "checks-scale|30|-m bench.device_checks --device cuda scaler memory"
+  "checks-timing|50|-m bench.device_checks --device cuda timing"
+  "bandwidth|40|-m bench.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 1 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
+  "pytest|95|-m pytest -q -rs -p no:cacheprovider -k cuda $CUDA_TESTS --junitxml $OUT/pytest.xml"
   "train-overlap-clip|45|$TRAIN --overlap-backward --clip-grad-norm 1.0 --summary-json $OUT/train-overlap-clip.json"
-  "train-overlap-clip-amp|40|$TRAIN --overlap-backward --clip-grad-norm 1.0 --amp fp16 --summary-json $OUT/train-overlap-clip-amp.json"
+  "train-overlap-clip-amp|35|$TRAIN --overlap-backward --clip-grad-norm 1.0 --amp fp16 --summary-json $OUT/train-overlap-clip-amp.json"
 )
 
 if [ -n "${DEVICE_CHECK_PLAN:-}" ]; then
@@ -93,6 +104,7 @@ LOG="$OUT/device_check.log"
 : >"$LOG"
 : >"$OUT/status.txt"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONFAULTHANDLER=1  # SIGABRT from timeout below: every thread's stack, then the exit
 {
   echo "== environment ($(date -u +%FT%TZ))"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
@@ -106,7 +118,7 @@ for s in "${STEPS[@]}"; do
   echo "== $name (timeout ${limit}s): $PYTHON $cmd" | tee -a "$LOG"
   start=$(date +%s)
   # shellcheck disable=SC2086
-  timeout "$limit" "$PYTHON" $cmd 2>&1 | tee -a "$LOG"
+  timeout -s ABRT -k 10 "$limit" "$PYTHON" $cmd 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   echo "$name rc=$rc seconds=$(( $(date +%s) - start ))" | tee -a "$LOG" >>"$OUT/status.txt"
   [ "$rc" -eq 0 ] || failed=1

@@ -1,21 +1,26 @@
-"""The GPU checks of ``bench/device_check.sh``: races, commits, syncs, GradScaler, memory, timing.
+"""The GPU checks of ``bench/device_check.sh``: prebuild, races, commits, syncs, GradScaler, memory, timing.
 
     python -m bench.device_checks --list                          # the checks and what each asserts
     python -m bench.device_checks --device cuda races commits     # some of them, on the GPU
     python -m bench.device_checks --device cpu races commits      # the same assertions on the host
     torchrun --nproc-per-node 1 -m bench.device_checks --device cuda dist
 
-Each check prints one JSON line (its name, ``ok``, what it measured) and the command exits 1 if any
-check failed. Every check compares ``overlap_backward=True`` with ``False`` on the same loop,
-bitwise, or asserts a count; they run on ``--device cpu`` too (without the GPU-only parts: sleeps
-on the stream, sync counting, device memory), which is how CI checks the checks themselves
-(``tests/test_device_checks.py``). Written before a GPU was lent to this project: the CUDA parts
-are reviewed, not yet run.
+Each check prints one JSON line (its name, ``ok``, what it measured, the kernel that ran); one that
+raises anything is reported and the next runs, one past ``--watchdog-s`` has every thread's stack
+dumped (``bench._check_runner``); the command exits 1 if any failed. The race checks compare
+``overlap_backward=True`` with ``False`` on the same loop, bitwise; ``producer`` compares with an
+independent reference (torch's AdamW on fp32 masters); others assert a count. None reads
+``last_stats`` (a host wait for the step's weight copies) between a ``step()`` and the next
+forward: it would hand the forward finished copies whether or not ``step()`` ordered the stream.
+They run on ``--device cpu`` too (without the GPU-only parts: sleeps on the stream, sync counting,
+device memory), which is how CI checks the checks (``tests/test_device_checks.py``). Written
+before a GPU was lent to this project: the CUDA parts are reviewed, not yet run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -27,9 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench._check_runner import run_check
+from bench._device_perturb import CpuLoad, SlowCopies, delay_gradients, edit_after_backward
+
 __all__ = ["CHECKS", "main"]
 
-_SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time: long enough for a side stream to run ahead
+#: Seconds a check may run before every thread's stack is dumped to stderr (``--watchdog-s``):
+#: below each step's ``timeout`` in ``bench/device_check.sh``, above what a check should take.
+WATCHDOG_S = 40.0
 
 
 def _model(device: str, dtype: torch.dtype, *, width: int = 256, layers: int = 4, seed: int = 0) -> nn.Module:
@@ -37,61 +47,23 @@ def _model(device: str, dtype: torch.dtype, *, width: int = 256, layers: int = 4
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device=device, dtype=dtype)
 
 
-def _pair(device: str, dtype: torch.dtype, *, device_ops: Any = None, **kwargs: Any) -> list[tuple[nn.Module, Any]]:
-    """(model, optimizer) with overlap off, then on; the same weights; small chunks (several per
-    model, so some start during backward); ``device_ops``: the overlapped optimizer's."""
+def _optimizer(model: nn.Module, *, overlap: bool, kernel: str = "auto", device_ops: Any = None) -> Any:
+    """The checks' optimizer: small chunks (several per model, so some start during backward)."""
     from offload import CPUOffloadAdamW, OffloadSettings
 
+    return CPUOffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_backward=overlap,
+                           settings=OffloadSettings(threads=2, chunk_numel=1 << 15, kernel=kernel),  # type: ignore[arg-type]
+                           device_ops=device_ops)
+
+
+def _pair(device: str, dtype: torch.dtype, *, device_ops: Any = None, **kwargs: Any) -> list[tuple[nn.Module, Any]]:
+    """(model, optimizer) with overlap off, then on; the same weights; ``device_ops``: the
+    overlapped optimizer's."""
     out = []
     for overlap in (False, True):
         model = _model(device, dtype, **kwargs)
-        opt = CPUOffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_backward=overlap,
-                              settings=OffloadSettings(threads=2, chunk_numel=1 << 15),
-                              device_ops=device_ops if overlap else None)
-        out.append((model, opt))
+        out.append((model, _optimizer(model, overlap=overlap, device_ops=device_ops if overlap else None)))
     return out
-
-
-class _SlowCopies:
-    """The real CUDA device ops with a GPU sleep queued on the copy stream before each chunk's
-    copies: a copy engine that falls behind, so a chunk's gradients come down long after its
-    launch, while the loop goes on changing them."""
-
-    def __init__(self, ops: Any) -> None:
-        self._ops = ops
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ops, name)
-
-    def copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, **kwargs: Any) -> None:
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(_SLEEP_CYCLES // 4)
-        self._ops.copies(dsts, srcs, stream, **kwargs)
-
-
-class _CpuLoad:
-    """Two threads of CPU matrix products (GIL released) for the block: the optimizer's kernels
-    run slowly and late, so copies and in-place changes land around them."""
-
-    def __enter__(self) -> _CpuLoad:
-        import threading
-
-        self._stop = threading.Event()
-
-        def spin() -> None:
-            a = torch.randn(512, 512)
-            while not self._stop.is_set():
-                a @ a
-
-        self._threads = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
 
 
 def _batch(device: str, dtype: torch.dtype, step: int, width: int = 256) -> torch.Tensor:
@@ -109,42 +81,30 @@ def _differs(pair: list[tuple[nn.Module, Any]]) -> list[str]:
     return bad
 
 
-def _sleep(device: str) -> None:
-    if device == "cuda":
-        torch.cuda._sleep(_SLEEP_CYCLES)
-
-
-def _edit_after_backward(device: str, how: str) -> Callable[[nn.Module], None]:
-    """An in-place change of the gradients after backward, queued behind a GPU sleep so that a
-    copy stream that does not wait for it runs first: ``half`` (A -> A/2), ``aba`` (A -> 2A -> A,
-    the content step() sees is A again)."""
-
-    def edit(model: nn.Module) -> None:
-        with torch.no_grad():
-            _sleep(device)
-            for p in model.parameters():
-                p.grad.mul_(0.5 if how == "half" else 2.0)
-            if how == "aba":
-                _sleep(device)
-                for p in model.parameters():
-                    p.grad.mul_(0.5)
-
-    return edit
+def _counts(opt: Any) -> tuple[int, int]:
+    stats = opt.last_stats
+    return stats.speculated_chunks, stats.committed_chunks
 
 
 def _train(pair: list[tuple[nn.Module, Any]], device: str, dtype: torch.dtype, steps: Sequence[int],
            after_backward: Callable[[nn.Module], None] | None = None) -> list[tuple[int, int]]:
-    """Both optimizers through ``steps``; (speculated, committed) of the overlapped one per step."""
+    """Both optimizers through ``steps``; (speculated, committed) of the overlapped one per step.
+
+    No host sync between a ``step()`` and the next forward, as in a training loop: ``last_stats``
+    waits on the host for the step's weight copies, so a step's counts are read only once the
+    next forward is queued (the last step's after the loop)."""
     counts = []
-    for step in steps:
+    for i, step in enumerate(steps):
         for model, opt in pair:
             opt.zero_grad()
-            model(_batch(device, dtype, step)).float().square().mean().backward()
+            loss = model(_batch(device, dtype, step)).float().square().mean()
+            if i and opt is pair[1][1]:
+                counts.append(_counts(opt))  # the previous step's: this forward is queued already
+            loss.backward()
             if after_backward is not None:
                 after_backward(model)
             opt.step()  # no sync before: what a training loop does
-        stats = pair[1][1].last_stats
-        counts.append((stats.speculated_chunks, stats.committed_chunks))
+    counts.append(_counts(pair[1][1]))
     return counts
 
 
@@ -160,8 +120,8 @@ def check_races(device: str) -> dict[str, Any]:
     if device == "cuda":
         from offload import TorchCudaOps
 
-        variants["slow-copies-"] = (_SlowCopies(TorchCudaOps(torch.device(device))), nullcontext)
-        variants["cpu-load-"] = (None, _CpuLoad)
+        variants["slow-copies-"] = (SlowCopies(TorchCudaOps(torch.device(device))), nullcontext)
+        variants["cpu-load-"] = (None, CpuLoad)
     out: dict[str, Any] = {}
     for variant, (ops, load) in variants.items():
         for dtype in (torch.float32, torch.bfloat16):
@@ -169,9 +129,10 @@ def check_races(device: str) -> dict[str, Any]:
                 pair = _pair(device, dtype, device_ops=ops)
                 _train(pair, device, dtype, range(2))
                 with load():
-                    counts = _train(pair, device, dtype, range(2, 6), after_backward=_edit_after_backward(device, how))
+                    counts = _train(pair, device, dtype, range(2, 6), after_backward=edit_after_backward(device, how))
                 bad = _differs(pair)
-                out[f"{variant}{dtype}-{how}"] = {"differs": bad[:5], "speculated/committed": counts}
+                out[f"{variant}{dtype}-{how}"] = {"differs": bad[:5], "speculated/committed": counts,
+                                                  "kernel": pair[1][1].settings.kernel}
                 # (a chunk that read A/2, its worker having got to it after the change, rightly
                 # commits: only the bits are asserted)
                 assert not bad, f"{variant}{dtype} {how}: overlap differs from overlap off in {bad[:5]}"
@@ -185,9 +146,102 @@ def check_commits(device: str) -> dict[str, Any]:
         pair = _pair(device, dtype)
         counts = _train(pair, device, dtype, range(6))[1:]  # the first step only calibrates
         bad = _differs(pair)
-        out[str(dtype)] = {"speculated/committed": counts, "differs": bad[:5]}
+        out[str(dtype)] = {"speculated/committed": counts, "differs": bad[:5], "kernel": pair[1][1].settings.kernel}
         assert not bad, f"{dtype}: overlap differs from overlap off in {bad[:5]}"
         assert all(s == c and s > 0 for s, c in counts), f"{dtype}: not every started chunk committed {counts}"
+    return out
+
+
+def check_prebuild(device: str) -> dict[str, Any]:
+    """Builds (or loads from its cache) the native kernel before any timed step, and says what runs
+    here: torch, CUDA, the CPU capability, whether fused-mp builds (and why not), whether
+    ``kernel="auto"`` picks it (only on a torch build where it is verified bitwise torch's kernel)
+    and the build's seconds. Fails only where a C++ toolchain is there and the build failed."""
+    from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_available
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if device == "cuda":
+        t0 = time.perf_counter()
+        torch.cuda.init()
+        out["gpu"] = torch.cuda.get_device_name()
+        out["cuda_init_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    ok, reason = fused_mp_available()  # the first call in a process builds or loads the extension
+    out.update(build_s=round(time.perf_counter() - t0, 2), fused_mp=ok, reason=reason,
+               auto="fused-mp" if ok and bitwise_matches_torch() else "torch")
+    assert ok or reason.startswith(("no C++ compiler", "ninja is not installed")), (
+        f"the native kernel failed to build on a machine with a toolchain: {reason}")
+    return out
+
+
+def _reference(device: str, dtype: torch.dtype, steps: Sequence[int]) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """An independent run of the loop: torch.optim.AdamW(fused=True) on fp32 masters on the host,
+    stepped from the upcast gradients, the weights the masters rounded to the model's dtype; host
+    syncs anywhere. Its weights and moments (per parameter) after ``steps``."""
+    model = _model(device, dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, fused=True)
+    for step in steps:
+        for p in params:
+            p.grad = None
+        model(_batch(device, dtype, step)).float().square().mean().backward()
+        for m, p in zip(masters, params):
+            m.grad = p.grad.float().cpu()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+    return model, [opt.state[m] for m in masters]
+
+
+def check_producer(device: str) -> dict[str, Any]:
+    """Gradients that become final after their hooks fired (a GPU sleep queued in every layer's
+    backward pre-hook, before the ops that produce its gradients), overlap on, no sync anywhere in
+    the loop: the weights and moments equal an independent reference (torch's AdamW on fp32 masters
+    on the host) bitwise (within assert_close's tolerance for fused-mp on a torch build where it
+    is not verified bitwise), and the last step commits every chunk it started (a gradient copied
+    before it was final fails its checksum and is redone). With torch's kernel and, where it
+    builds, the native one forced (it writes the weights into the h2d ring and the early places)."""
+    from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_available
+
+    steps = range(6)
+    kernels = ["torch"] + (["fused-mp"] if fused_mp_available()[0] else [])
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ref_model, ref_state = _reference(device, dtype, steps)
+        for kernel in kernels:
+            model = _model(device, dtype)
+            calls = delay_gradients(model, device)
+            opt = _optimizer(model, overlap=True, kernel=kernel)
+            try:
+                with warnings.catch_warnings():  # (the first layer's input needs no gradient: said once per hook)
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+                    for step in steps:
+                        opt.zero_grad()
+                        model(_batch(device, dtype, step)).float().square().mean().backward()
+                        opt.step()  # no sync before, none after until the next forward
+                exact = opt.settings.kernel == "torch" or bitwise_matches_torch()
+                bad = []
+                for i, (p, r, rs) in enumerate(zip(model.parameters(), ref_model.parameters(), ref_state)):
+                    pairs = [("param", p.detach(), r.detach())]
+                    pairs += [(key, opt.state[p][key], rs[key]) for key in ("exp_avg", "exp_avg_sq")]
+                    for what, a, b in pairs:
+                        a, b = a.cpu(), b.cpu().to(a.dtype)
+                        if not (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1.6e-2, atol=1e-5)):
+                            bad.append(f"{what} {i}")
+                speculated, committed = _counts(opt)  # after the loop: nothing left to mask
+                out[f"{dtype}-{kernel}"] = {"kernel": opt.settings.kernel, "compared": "bitwise" if exact else "close",
+                                            "differs": bad[:5], "speculated/committed": (speculated, committed),
+                                            "delays": calls[0]}
+            finally:
+                opt.close()
+            assert calls[0] == len(model) * len(steps), f"{dtype} {kernel}: {calls[0]} delays, expected one per layer and step"
+            assert not bad, f"{dtype} {kernel}: differs from the reference in {bad[:5]}"
+            assert speculated > 0 and committed == speculated, (
+                f"{dtype} {kernel}: {committed} of {speculated} early chunks committed in the last step: "
+                "what a chunk consumed was not the final gradient")
     return out
 
 
@@ -322,18 +376,29 @@ def check_memory(device: str) -> dict[str, Any]:
 
 def check_timing(device: str) -> dict[str, Any]:
     """A ~1B bf16 model (16 x Linear(8192, 8192)) on the GPU: backward, exposed step and
-    iteration, overlap off and on (3 iterations each after 2), and the step's stage times."""
+    iteration, overlap off and on (3 iterations each after 2), and the step's stage times. The
+    model is made once, on the device (made on the host and moved it cost ~40 s per arm), and
+    its first weights are put back for the second arm."""
     if device != "cuda":
         return {"skipped": "the 1B timing is a GPU measurement"}
     from offload import CPUOffloadAdamW, OffloadSettings
 
-    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = nn.Sequential(*[nn.Linear(8192, 8192, bias=False, device=device, dtype=torch.bfloat16)
+                            for _ in range(16)])
+    first = [p.detach().clone() for p in model.parameters()]
+    out: dict[str, Any] = {"model_s": round(time.perf_counter() - t0, 2)}
+    x = torch.randn(16, 8192, device=device, dtype=torch.bfloat16)
     for overlap in (False, True):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(8192, 8192, bias=False) for _ in range(16)]).to(device, torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), first):
+                p.copy_(w)
+        t0 = time.perf_counter()
         opt = CPUOffloadAdamW(model.parameters(), lr=1e-5, overlap_backward=overlap,
                               settings=OffloadSettings(threads=os.cpu_count() or 2))
-        x = torch.randn(16, 8192, device=device, dtype=torch.bfloat16)
+        made_s = time.perf_counter() - t0
         rows = []
         for it in range(5):
             opt.zero_grad()
@@ -345,14 +410,17 @@ def check_timing(device: str) -> dict[str, Any]:
             opt.step()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
-            if it >= 2:
+            if it >= 2:  # (a timing loop: synchronized anyway)
                 s = opt.last_stats
                 rows.append({"backward_s": t1 - t0, "step_s": t2 - t1, "d2h_s": s.d2h_s,
                              "kernel_s": s.adam_kernel_s, "materialize_s": s.materialize_s})
-        out["on" if overlap else "off"] = {k: round(sorted(r[k] for r in rows)[1], 4) for k in rows[0]}
+        arm = {k: round(sorted(r[k] for r in rows)[1], 4) for k in rows[0]}
+        out["on" if overlap else "off"] = {**arm, "optimizer_s": round(made_s, 2), "kernel": opt.settings.kernel}
         opt.close()
-        del model, opt
-        torch.cuda.empty_cache()
+        del opt
+        gc.collect()
+    del model, first
+    torch.cuda.empty_cache()
     return out
 
 
@@ -405,9 +473,11 @@ def check_dist(device: str) -> dict[str, Any]:
     return out
 
 
-#: name -> (check, one line of what it asserts)
+#: name -> check (its docstring says what it asserts); ``prebuild`` first, before anything timed.
 CHECKS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "prebuild": check_prebuild,
     "races": check_races,
+    "producer": check_producer,
     "commits": check_commits,
     "data_edits": check_data_edits,
     "syncs": check_syncs,
@@ -423,6 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help=f"checks to run (default: all): {', '.join(CHECKS)}")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--list", action="store_true", help="print each check's name and what it asserts")
+    parser.add_argument("--watchdog-s", type=float, default=WATCHDOG_S,
+                        help="dump every thread's stack to stderr when a check runs longer (0: never; "
+                             "default %(default)s)")
     args = parser.parse_args(argv)
     if args.list:
         for name, fn in CHECKS.items():
@@ -431,18 +504,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in CHECKS]
     if unknown:
         parser.error(f"unknown check(s) {unknown}: expected some of {list(CHECKS)}")
+    if args.watchdog_s < 0:
+        parser.error(f"--watchdog-s {args.watchdog_s:g}: expected seconds >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
     failed = 0
     for name in args.names or list(CHECKS):
-        t0 = time.perf_counter()
-        try:
-            result: dict[str, Any] = {"check": name, "ok": True, **CHECKS[name](args.device)}
-        except AssertionError as exc:
-            failed += 1
-            result = {"check": name, "ok": False, "error": str(exc)}
-        result["seconds"] = round(time.perf_counter() - t0, 2)
+        result = run_check(name, CHECKS[name], args.device, watchdog_s=args.watchdog_s)
+        failed += not result["ok"]
         print(json.dumps(result, default=str), flush=True)
     return 1 if failed else 0
 

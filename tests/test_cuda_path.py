@@ -59,11 +59,12 @@ def _run(dtype: torch.dtype, settings: OffloadSettings, *, overlap: bool, side_s
             (model(batch(step, 0, device), use_sometimes=uses_sometimes(step)) / 2).backward()
             grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
             opt.step()
+            # enqueued right after step() on the same stream, with no host sync in between:
+            # must already see the updated weights (last_stats, read only after it, waits on the
+            # host for the step's weight copies and would hide a missing stream order)
+            seen = [p.detach().clone() for p in model.parameters()]
             early.append(opt.last_stats.speculated_chunks)
             registered.append(opt.last_stats.pinned_registrations)
-            # enqueued right after step() on the same stream, with no host sync in between:
-            # must already see the updated weights
-            seen = [p.detach().clone() for p in model.parameters()]
             ref.step(grads)
             assert_bitwise(seen, ref.expected(), f"params after step {step}")
     torch.cuda.synchronize()

@@ -1,12 +1,15 @@
 """``bench.device_checks``, the GPU checks, run on the CPU: what each asserts holds on the host
-path (overlap bitwise overlap off after in-place gradient changes, commits counted), the checks
-that need a device say so and pass, and a failed assertion makes the command exit 1."""
+path (overlap bitwise overlap off after in-place gradient changes, commits counted, delayed
+gradients bitwise an independent reference), the checks that need a device say so and pass, any
+exception a check raises is reported with its traceback and the next check still runs, the exit
+status says whether all passed, and a check that runs too long has every thread's stack dumped."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,22 @@ def test_races_commits_and_data_edits_hold_on_the_host(capsys) -> None:
     assert all(s == c > 0 for s, c in commits["torch.float32"]["speculated/committed"])
 
 
+def test_prebuild_and_producer_delays_hold_on_the_host(capsys) -> None:
+    """The prebuild says which kernel runs; the producer-delay loop (backward pre-hooks, no sync)
+    equals torch's AdamW on fp32 masters bitwise, with each kernel, and commits every early chunk."""
+    assert device_checks.main(["--device", "cpu", "prebuild", "producer"]) == 0
+    prebuild, producer = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert prebuild["ok"] and prebuild["auto"] in ("torch", "fused-mp") and prebuild["build_s"] >= 0
+    runs = {k: v for k, v in producer.items() if isinstance(v, dict)}
+    assert {"torch.float32-torch", "torch.bfloat16-torch"} <= set(runs), producer
+    for run in runs.values():
+        assert run["differs"] == [] and run["delays"] == 4 * 6, run
+        speculated, committed = run["speculated/committed"]
+        assert speculated == committed > 0, run
+    if prebuild["fused_mp"]:  # the native kernel forced, whatever "auto" picks
+        assert runs["torch.bfloat16-fused-mp"]["kernel"] == "fused-mp"
+
+
 def test_device_only_checks_say_so_on_the_cpu(capsys) -> None:
     assert device_checks.main(["--device", "cpu", "syncs", "scaler", "memory", "timing", "dist"]) == 0
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -37,8 +56,54 @@ def test_a_failed_check_exits_1(monkeypatch, capsys) -> None:
     monkeypatch.setitem(device_checks.CHECKS, "commits", broken)
     assert device_checks.main(["--device", "cpu", "commits"]) == 1
     result = json.loads(capsys.readouterr().out)
-    assert result == {"check": "commits", "ok": False, "seconds": result["seconds"],
-                      "error": "overlap differs from overlap off in ['param 0']"}
+    assert result == {"check": "commits", "ok": False, "seconds": result["seconds"], "traceback": result["traceback"],
+                      "error": "AssertionError: overlap differs from overlap off in ['param 0']"}
+    assert "in broken" in "\n".join(result["traceback"])
+
+
+def test_any_exception_is_reported_and_the_next_check_runs(monkeypatch, capsys) -> None:
+    """Issue 40: only AssertionError was caught, so a RuntimeError (a CUDA error, a missing
+    attribute) skipped every later check. Now each check reports its own failure (type, message,
+    traceback tail, and the whole traceback on stderr), the others run, and the status is 1."""
+    def raises(device: str) -> dict:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setitem(device_checks.CHECKS, "races", raises)
+    monkeypatch.setitem(device_checks.CHECKS, "commits", lambda device: {"fine": True})
+    assert device_checks.main(["--device", "cpu", "--watchdog-s", "0", "races", "commits"]) == 1
+    captured = capsys.readouterr()
+    first, second = [json.loads(line) for line in captured.out.splitlines()]
+    assert not first["ok"] and first["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert first["traceback"][-1].startswith("RuntimeError") and len(first["traceback"]) <= 12
+    assert second == {"check": "commits", "ok": True, "fine": True, "seconds": second["seconds"]}
+    assert "device_checks: races failed" in captured.err and "in raises" in captured.err
+
+
+def test_a_check_that_runs_too_long_has_every_threads_stack_dumped(monkeypatch, capfd) -> None:
+    """The watchdog: a check still running after --watchdog-s has every thread's stack written to
+    stderr (faulthandler), before the script's outer timeout would kill it without a trace; the
+    check goes on and its result counts."""
+    import threading
+
+    def slow(device: str) -> dict:
+        helper = threading.Thread(target=time.sleep, args=(1.5,), name="helper")
+        helper.start()
+        time.sleep(1.0)
+        helper.join()
+        return {}
+
+    monkeypatch.setitem(device_checks.CHECKS, "commits", slow)
+    assert device_checks.main(["--device", "cpu", "--watchdog-s", "0.3", "commits"]) == 0
+    captured = capfd.readouterr()
+    assert "device_checks: commits started (every thread's stack" in captured.err
+    assert captured.err.count("Thread 0x") >= 2 and "in slow" in captured.err, captured.err
+    assert json.loads(captured.out)["ok"]
+
+
+def test_a_negative_watchdog_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        device_checks.main(["--device", "cpu", "--watchdog-s", "-1", "commits"])
+    assert exc.value.code == 2 and "--watchdog-s -1: expected seconds >= 0" in capsys.readouterr().err
 
 
 def test_unknown_checks_are_refused(capsys) -> None:
