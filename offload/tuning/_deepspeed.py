@@ -228,10 +228,11 @@ def tune_deepspeed(engine: Any, *, autotune: AutotuneConfig | bool = True, threa
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     zero = getattr(engine, "optimizer", None)
-    if not isinstance(zero, DeepSpeedZeroOptimizer):
+    if type(zero) is not DeepSpeedZeroOptimizer:  # a subclass (ZenFlow's) steps its own way
         raise DeepSpeedTuningError(
             f"tune_deepspeed: engine.optimizer is {type(zero).__name__}: expected DeepSpeedZeroOptimizer "
-            "(ZeRO stage 1 or 2 with offload_optimizer: {device: cpu})")
+            "(ZeRO stage 1 or 2 with offload_optimizer: {device: cpu}; ZeRO-3, ZenFlow and SuperOffload are not "
+            "supported)")
     if not zero.cpu_offload:
         raise DeepSpeedTuningError("tune_deepspeed: offload_optimizer is not on the CPU: the Adam step runs on "
                                    "the accelerator, where CPU threads do not matter")
