@@ -90,7 +90,7 @@ def test_trainer_ctrl_c_under_a_launcher_names_the_rank(monkeypatch: pytest.Monk
     assert capsys.readouterr().err.strip().splitlines() == ["python -m bench.train: interrupted (rank 0)"]
 
 
-ALL_PARSERS = ["bandwidth", "clip", "fsdp_memory", "fused_mp", "fused_mp_optimizer", "grad_stats", "many_tensors",
+ALL_PARSERS = ["bandwidth", "clip", "deepspeed_step", "fsdp_memory", "fused_mp", "fused_mp_optimizer", "grad_stats", "many_tensors",
                "simulate", "stock_threads", "suite", "train", "tuner_quality"]
 
 

@@ -15,7 +15,7 @@ from bench._cli import bench_main
 
 #: The benchmarks whose main() is bench_main (bench.simulate writes no files for --quick and
 #: bench.train is the trainer: their mains differ on purpose).
-BENCHES = ["bandwidth", "clip", "follow_edits", "fsdp_memory", "fused_mp", "state_dtype", "state_dtype_loss", "fused_mp_optimizer", "grad_stats", "many_tensors", "overlap",
+BENCHES = ["bandwidth", "clip", "deepspeed_step", "follow_edits", "fsdp_memory", "fused_mp", "state_dtype", "state_dtype_loss", "fused_mp_optimizer", "grad_stats", "many_tensors", "overlap",
            "stock_threads", "suite", "tuner_quality"]
 
 

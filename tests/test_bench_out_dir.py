@@ -32,7 +32,7 @@ def test_an_explicit_out_dir_is_kept(tmp_path: Path, monkeypatch) -> None:
     assert resolve_out_dir(args, "n") == Path("runs/bench/n-1") and args.out_dir == Path("runs/bench/n-1")
 
 
-@pytest.mark.parametrize("module", ["bandwidth", "clip", "fsdp_memory", "fused_mp", "fused_mp_optimizer",
+@pytest.mark.parametrize("module", ["bandwidth", "clip", "deepspeed_step", "fsdp_memory", "fused_mp", "fused_mp_optimizer",
                                     "grad_stats", "many_tensors", "stock_threads", "suite", "tuner_quality",
                                     "simulate"])
 def test_no_benchmark_defaults_to_bench_results(module: str) -> None:

@@ -10,7 +10,7 @@ alone would pick); a second tuning of the engine hits the cache (its key names D
 version) with no probe steps; the trace and ``python -m autotune show`` see it. Step times come
 from an injected clock, so the decision is certain. DeepSpeed's CPU Adam JIT-builds once per
 session (about 50 s, and the CPU accelerator's shm op about 40 s), in the session's
-``TORCH_EXTENSIONS_DIR``.
+``TORCH_EXTENSIONS_DIR``. ``python -m bench.deepspeed_step --quick`` runs end to end too.
 """
 
 from __future__ import annotations
@@ -176,3 +176,18 @@ def test_refuses_what_is_not_a_zero_offload_engine(monkeypatch: pytest.MonkeyPat
 
     with pytest.raises(DeepSpeedTuningError, match="expected DeepSpeedZeroOptimizer"):
         tune_deepspeed(Engine())
+
+
+def test_benchmark_runs_and_writes_its_row(tmp_path: Path, ds_ext_dir: Path) -> None:
+    """``python -m bench.deepspeed_step --quick`` (bench/results/deepspeed_step.md's command, tiny):
+    every arm measured, the OpenMP check ran, both files written."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": str(ds_ext_dir), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    proc = subprocess.run([sys.executable, "-m", "bench.deepspeed_step", "--quick", "--out-dir", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=420, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "deepspeed_step.json").read_text())
+    assert set(result["here"]["arms"]) == {"ds_1_thread", "ds_default", "ds_tuned", "cpu_offload_adamw"}
+    assert all(a["adam"]["n"] == 3 for a in result["here"]["arms"].values())
+    assert [r["set_num_threads"] for r in result["openmp"]["rows"]][0] == 1
+    assert "| ds_tuned |" in (tmp_path / "deepspeed_step.md").read_text()
