@@ -167,15 +167,17 @@ def test_zero2_offload_tuned_bitwise_agreed_and_cached(world_size: int, tmp_path
     assert table.returncode == 0 and "threads=2" in table.stdout, table.stdout
 
 
-def test_refuses_what_is_not_a_zero_offload_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from offload import DeepSpeedTuningError, tune_deepspeed
-
-    class Engine:
-        optimizer = object()
-
-    with pytest.raises(DeepSpeedTuningError, match="expected DeepSpeedZeroOptimizer"):
-        tune_deepspeed(Engine())
+def test_refuses_what_is_not_a_zero_offload_engine(tmp_path: Path) -> None:
+    """In a fresh interpreter: importing deepspeed here would leave it in the test session."""
+    code = ("from offload import DeepSpeedTuningError, tune_deepspeed\n"
+            "class Engine:\n    optimizer = object()\n"
+            "try:\n    tune_deepspeed(Engine())\nexcept DeepSpeedTuningError as e:\n    print(e)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith(
+        "tune_deepspeed: engine.optimizer is object: expected DeepSpeedZeroOptimizer"), proc.stdout
 
 
 def test_benchmark_runs_and_writes_its_row(tmp_path: Path, ds_ext_dir: Path) -> None:
