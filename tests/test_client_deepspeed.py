@@ -168,7 +168,7 @@ def test_zero2_offload_tuned_bitwise_agreed_and_cached(world_size: int, tmp_path
 
 
 def test_refuses_what_is_not_a_zero_offload_engine(tmp_path: Path) -> None:
-    """In a fresh interpreter: importing deepspeed here would leave it in the test session."""
+    """In a fresh interpreter, so the ZeRO runtime tune_deepspeed imports stays out of the test session."""
     code = ("from offload import DeepSpeedTuningError, tune_deepspeed\n"
             "class Engine:\n    optimizer = object()\n"
             "try:\n    tune_deepspeed(Engine())\nexcept DeepSpeedTuningError as e:\n    print(e)\n")
