@@ -39,14 +39,17 @@ def test_the_docs_example_runs_twice_and_the_second_run_hits_the_cache(tmp_path:
         assert done.returncode == 0, done.stderr[-3000:]
         outs.append(done.stdout.split())
     assert outs[0][0] == "locked" and outs[0][-2] == "False" and int(outs[0][-1]) > 0, outs[0]
-    assert outs[1][0] == "locked" and outs[1][-2] == "True" and outs[1][-1] == "0", outs[1]
     assert (tmp_path / "runs" / "knobs-cache.json").is_file()
     runs = tmp_path / "runs" / "knobs"
     assert sorted(p.name for p in runs.iterdir() if p.name.startswith("run-")) == ["run-1", "run-2"]
     first = json.loads((runs / "run-1" / "summary.json").read_text())
     second = json.loads((runs / "run-2" / "summary.json").read_text())
     assert first["cache_hit"] is False and first["probe_steps"] > 0
-    assert second["cache_hit"] is True and second["probe_steps"] == 0
+    assert outs[1][-2] == "True" and second["cache_hit"] is True, outs[1]
+    # Real step times: a cached choice other than the static plan is re-checked against it in
+    # paired rounds, and re-tuned where the plan is clearly faster today ("stale"), as documented.
+    if second["cache_status"] != "stale":
+        assert outs[1][0] == "locked" and outs[1][-1] == "0" and second["probe_steps"] == 0, outs[1]
     assert (runs / "run-1" / "trace.jsonl").read_text().count("\n") >= first["probe_steps"] // 2
 
 
