@@ -81,10 +81,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from autotune import AutotuneConfig, Knob, OnlineTuner, SearchSpace, StepSample, TraceWriter, cache_for, trace_for
-from autotune import geometric_ladder
-from offload.tuning._glue import MAX_THREAD_CANDIDATES
-from offload.tuning._node_agreement import NodeAgreement, node_agreement, thread_plan
+from autotune import AutotuneConfig, OnlineTuner, StepSample, TraceWriter, cache_for, trace_for
+from offload.tuning._glue import step_threads_space
+from offload.tuning._node_agreement import NodeAgreement, node_agreement, thread_plan, tuning_config
 from offload.threads._plan import ThreadPlan, thread_limit
 
 logger = logging.getLogger(__name__)
@@ -197,17 +196,6 @@ def step_threads_workload(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         "device": "cpu",
         "objective": "stock-step",
     }
-
-
-def step_threads_space(*, max_threads: int, baseline_threads: int, fixed_threads: bool) -> SearchSpace:
-    """One knob, ``threads``: a geometric ladder from 1 to ``max_threads`` holding the static plan
-    (at most :data:`offload.tuning._glue.MAX_THREAD_CANDIDATES` values), or the fixed count alone.
-    Arguments must be the same on every local rank."""
-    if fixed_threads:
-        threads: tuple[int, ...] = (baseline_threads,)
-    else:
-        threads = geometric_ladder(1, max_threads, include=(baseline_threads,), max_count=MAX_THREAD_CANDIDATES)
-    return SearchSpace((Knob("threads", threads, prefer="low"),))
 
 
 # --------------------------------------------------------------------------- the wrapper
@@ -440,18 +428,11 @@ def tune_step_threads(
             "untuned one; step it unwrapped (under a thread count you fix, torch.set_num_threads), or tune an "
             "elementwise optimizer (AdamW, SGD, ...: offload._stock.THREAD_INVARIANT_OPTIMIZERS)"
         )
-    if autotune is True:
-        autotune = AutotuneConfig()
-    if autotune is not False and not isinstance(autotune, AutotuneConfig):
-        raise TypeError(f"tune_step_threads: autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
-    if plan is not None and threads is not None:
-        raise StepThreadsError(f"tune_step_threads: threads={threads!r} and plan=...: pass one of them")
-    if plan is not None and not isinstance(plan, ThreadPlan):
-        raise TypeError(f"tune_step_threads: plan={plan!r}: expected an offload.ThreadPlan")
+    config = tuning_config(autotune, threads=threads, plan=plan, owner="tune_step_threads", error=StepThreadsError)
     check_cpu_params(_params(optimizer))
     # The thread plan and the tuner share the node's one agreement (offload.tuning._node_agreement).
-    plan, agreement = thread_plan(autotune or None, threads=threads, plan=plan, owner="tune_step_threads")
-    wrapper = ThreadTunedOptimizer(optimizer, plan=plan, autotune=autotune or None, clock=clock,
+    plan, agreement = thread_plan(config, threads=threads, plan=plan, owner="tune_step_threads")
+    wrapper = ThreadTunedOptimizer(optimizer, plan=plan, autotune=config, clock=clock,
                                    agreement=agreement)
     logger.info(
         "tune_step_threads: %s, %d tensors: step with %d thread(s) now (tuner %s; plan %d: %s)",

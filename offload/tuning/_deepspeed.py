@@ -45,10 +45,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from autotune import AutotuneConfig, Knob, SearchSpace, TuningSession, geometric_ladder
+from autotune import AutotuneConfig, TuningSession
 from offload.threads._plan import ThreadPlan, thread_limit
-from offload.tuning._glue import MAX_THREAD_CANDIDATES
-from offload.tuning._node_agreement import thread_plan
+from offload.tuning._glue import step_threads_space
+from offload.tuning._node_agreement import thread_plan, tuning_config
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,13 @@ class DeepSpeedTuning:
         self.session: TuningSession | None = None
         fixed = plan.source != "plan"
         top = plan.threads if fixed else max(tuple(plan.local_threads) or (plan.threads,))
-        ladder = (top,) if fixed else geometric_ladder(1, top, include=(top,), max_count=MAX_THREAD_CANDIDATES)
         inner_step, zero_step = self._inner.step, self._zero.step
         self._inner.step = self._tuned_inner_step(inner_step)
         self._zero.step = self._tuned_engine_step(zero_step)
         if config is not None:
             try:
-                self.session = TuningSession(SearchSpace((Knob("threads", ladder, prefer="low"),)),
+                self.session = TuningSession(step_threads_space(max_threads=top, baseline_threads=top,
+                                                                fixed_threads=fixed),
                                              baseline={"threads": top}, apply=self._apply, config=config,
                                              workload=deepspeed_workload(engine), group=agreement)
             except BaseException:
@@ -243,15 +243,7 @@ def tune_deepspeed(engine: Any, *, autotune: AutotuneConfig | bool = True, threa
     if "step" in vars(zero) or "step" in vars(zero.optimizer):
         raise DeepSpeedTuningError("tune_deepspeed: this engine's step is already wrapped (tune_deepspeed "
                                    "twice without close()?)")
-    if autotune is True:
-        autotune = AutotuneConfig()
-    if autotune is not False and not isinstance(autotune, AutotuneConfig):
-        raise TypeError(f"tune_deepspeed: autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
-    if plan is not None and threads is not None:
-        raise DeepSpeedTuningError(f"tune_deepspeed: threads={threads!r} and plan=...: pass one of them")
-    if plan is not None and not isinstance(plan, ThreadPlan):
-        raise TypeError(f"tune_deepspeed: plan={plan!r}: expected an offload.ThreadPlan")
-    config = autotune or None
+    config = tuning_config(autotune, threads=threads, plan=plan, owner="tune_deepspeed", error=DeepSpeedTuningError)
     plan, agreement = thread_plan(config, threads=threads, plan=plan, owner="tune_deepspeed")
     tuning = DeepSpeedTuning(engine, plan=plan, config=config, agreement=agreement, clock=clock)
     logger.info("tune_deepspeed: CPU Adam steps with %d thread(s) now (tuner %s; plan %d: %s)", tuning.threads,

@@ -109,7 +109,8 @@ from offload.threads._plan import ThreadPlan
 logger = logging.getLogger(__name__)
 
 __all__ = ["RING_LADDER", "OffloadTuning", "Tunable", "agreed_kernels", "backward_ladder", "backward_thread_count",
-           "cache_facts", "masks_span_numa_nodes", "offload_search_space", "offload_workload"]
+           "cache_facts", "masks_span_numa_nodes", "offload_search_space", "offload_workload",
+           "step_threads_space"]
 
 #: Smallest chunk the tuner probes: below ~1M elements per call the fixed per-chunk cost shows.
 MIN_TUNED_CHUNK = 1 << 20
@@ -147,6 +148,18 @@ def masks_span_numa_nodes(plan: ThreadPlan) -> bool:
     """Whether some local rank's affinity mask holds CPUs of more than one NUMA node (the
     ``bind_numa`` knob's condition; from ``plan.local_masks_per_numa_node``, empty on one node)."""
     return any(sum(1 for n in counts if n) > 1 for counts in plan.local_masks_per_numa_node)
+
+
+def step_threads_space(*, max_threads: int, baseline_threads: int, fixed_threads: bool) -> SearchSpace:
+    """One knob, ``threads``: a geometric ladder from 1 to ``max_threads`` holding the static plan
+    (at most :data:`MAX_THREAD_CANDIDATES` values), or the fixed count alone.
+    Arguments must be the same on every local rank. ``tune_step_threads`` and ``tune_deepspeed``
+    tune this space."""
+    if fixed_threads:
+        threads: tuple[int, ...] = (baseline_threads,)
+    else:
+        threads = geometric_ladder(1, max_threads, include=(baseline_threads,), max_count=MAX_THREAD_CANDIDATES)
+    return SearchSpace((Knob("threads", threads, prefer="low"),))
 
 
 def offload_search_space(

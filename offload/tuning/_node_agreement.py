@@ -20,7 +20,7 @@ from autotune import AutotuneConfig
 from autotune import Agreement, make_agreement
 from offload.threads._plan import ThreadPlan, plan_cpu_threads
 
-__all__ = ["NodeAgreement", "node_agreement", "plan_with", "thread_plan"]
+__all__ = ["NodeAgreement", "node_agreement", "plan_with", "thread_plan", "tuning_config"]
 
 
 class NodeAgreement:
@@ -68,6 +68,22 @@ def plan_with(agreement: NodeAgreement, *, threads: int | None, bind_node: int |
     if agreement.world_size > 1:
         return plan_cpu_threads(threads=threads, agreement=agreement, bind_node=bind_node)
     return plan_cpu_threads(threads=threads, bind_node=bind_node)
+
+
+def tuning_config(autotune: bool | AutotuneConfig, *, threads: int | None, plan: ThreadPlan | None, owner: str,
+                  error: type[Exception]) -> AutotuneConfig | None:
+    """The config of a tuning wrapper's ``autotune=`` (True: the defaults; False: None, untuned),
+    with its ``threads=`` and ``plan=`` checked: ``TypeError`` for a wrong type, ``error`` when
+    both are given."""
+    if autotune is True:
+        autotune = AutotuneConfig()
+    if autotune is not False and not isinstance(autotune, AutotuneConfig):
+        raise TypeError(f"{owner}: autotune={autotune!r}: expected a bool or an autotune.AutotuneConfig")
+    if plan is not None and threads is not None:
+        raise error(f"{owner}: threads={threads!r} and plan=...: pass one of them")
+    if plan is not None and not isinstance(plan, ThreadPlan):
+        raise TypeError(f"{owner}: plan={plan!r}: expected an offload.ThreadPlan")
+    return autotune or None
 
 
 def thread_plan(config: AutotuneConfig | None, *, threads: int | None, plan: ThreadPlan | None,
