@@ -82,10 +82,10 @@ class Injector:
         self.fired = 0
         self.main = threading.main_thread().ident
         self._lock = threading.Lock()
-        self.held = threading.Event()
-        """Set when ``step()`` logged that it holds a signal."""
+        self.said = threading.Semaphore(0)
+        """Released once per line ``step()`` logs about a signal (held; cut short, after the cut)."""
         watcher = logging.Handler()
-        watcher.emit = lambda record: self.held.set()  # type: ignore[method-assign]
+        watcher.emit = lambda record: self.said.release()  # type: ignore[method-assign]
         logging.getLogger("offload.pipeline._signals").addHandler(watcher)
         self._watcher = watcher
 
@@ -109,12 +109,16 @@ class Injector:
         if arm.do == "signal":
             signal.pthread_kill(self.main, signal.SIGUSR1)
         elif arm.do == "twice":  # again while step() holds the first (Ctrl-C pressed again)
-            self.held.clear()
+            while self.said.acquire(blocking=False):
+                pass
             signal.pthread_kill(self.main, signal.SIGUSR1)
             # Held: step() logged it (and cannot end before this call returns); not held: the
             # first one was raised in backward (overlap), outside step().
-            if self.held.wait(2.0):
+            if self.said.acquire(timeout=10.0):
                 signal.pthread_kill(self.main, signal.SIGUSR1)
+                # Until step() says the cut is made, this chunk's call does not return: the
+                # chunks after it are cut on a loaded machine too.
+                assert self.said.acquire(timeout=10.0), "step() did not say it cut the step short"
         elif arm.do == "alarm":
             signal.setitimer(signal.ITIMER_REAL, 0.001)
         else:
@@ -320,7 +324,7 @@ def test_a_signal_sent_twice_interrupts_the_step_and_is_whole_or_refused(overlap
     arms = {1: Arm(0, "before", "twice"), 3: Arm(8, "before", "twice"), 5: Arm(20, "after", "twice")}
     out = run(overlap=overlap, dtype=dtype, state_dtype=torch.float32, threads=2, arms=arms, width=128)
     assert out.interrupted == len(arms)
-    if not overlap:  # the second signal lands in step() every time, and cuts a parameter
+    if not overlap:  # the second signal lands in step() every time, and the cut splits a parameter
         assert out.refused >= 1
 
 

@@ -84,10 +84,10 @@ class DeferredSignals:
             return
         if self.repeated is None:
             self.repeated = sig
-            logger.warning("CPUOffloadAdamW: %s again: the step is cut short after the chunks already "
-                           "started; its handler runs then", name)
             if self.on_repeat is not None:
                 self.on_repeat()
+            logger.warning("CPUOffloadAdamW: %s again: the step is cut short after the chunks already "
+                           "started; its handler runs then", name)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
