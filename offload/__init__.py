@@ -7,7 +7,7 @@ types its injection points take (docs/architecture.md, "Injection points"): ``Ke
 its ``KernelLoader`` / ``ExtensionLoader``) for ``CPUOffloadAdamW(kernels=)``, ``NumaBinding``
 (what a ``numa_binder=`` returns), ``DeviceOps`` (what ``CPUOffloadAdamW(device_ops=)`` takes:
 the CUDA transport's streams, events, copies and pinned blocks; ``TorchCudaOps`` are the real
-ones, to wrap), and ``CpuTopology``,
+ones, to wrap, and ``CudaRuntime`` the runtime calls of their pinned blocks, ``TorchCudaOps(runtime=)``), and ``CpuTopology``,
 ``RankCpus`` and ``CgroupCpuLimit`` for ``plan_cpu_threads(topology=, masks=)``. ``MasterParamLoadPlanner`` loads a torch AdamW DCP
 checkpoint of a bf16/fp16 model (imported on first use: ``torch.distributed.checkpoint`` is slow
 to import).
@@ -20,6 +20,7 @@ from typing import Any
 from offload._optimizer import CPUOffloadAdamW
 from offload.kernels._build import ExtensionLoader, KernelLoader
 from offload.kernels._adamw import KernelSet
+from offload.pipeline._cuda_runtime import CudaRuntime
 from offload.pipeline._cuda_transport import DeviceOps, TorchCudaOps
 from offload.threads._numa import NumaBinding
 from offload._settings import OffloadSettings
@@ -34,6 +35,7 @@ __all__ = [
     "CPUOffloadAdamW",
     "CgroupCpuLimit",
     "CpuTopology",
+    "CudaRuntime",
     "DeepSpeedTuning",
     "DeepSpeedTuningError",
     "DeviceOps",

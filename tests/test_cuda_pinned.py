@@ -17,7 +17,8 @@ import torch
 from _fake_cuda import FakeOps, Log
 
 from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, new_step_tensor
-from offload.pipeline._cuda_transport import CudaTransport
+from offload.pipeline._cuda_runtime import CudaRuntime
+from offload.pipeline._cuda_transport import CudaTransport, TorchCudaOps
 from offload.pipeline._jobs import ChunkJob, DrainResult
 from offload.pipeline._pinned import PIN_ALIGN
 from offload.pipeline._pipeline import Pipeline
@@ -193,73 +194,132 @@ def test_a_place_read_before_it_was_written_is_an_error() -> None:
         places.view(item, for_write=False)
 
 
-class _Cudart:
-    """``torch.cuda.cudart()``'s two calls the real ops make, recorded (``fail``: what to return)."""
+class _Runtime(CudaRuntime):
+    """The CUDA runtime calls of the real ops, recorded, with the calling thread's last error kept
+    as CUDA keeps it: a failed call sets it, ``cudaGetLastError`` returns and clears it (``fail``:
+    what a call returns; ``unreachable``: ``get_last_error`` raises, as where no libcudart is loaded)."""
 
     class cudaError(enum.IntEnum):  # noqa: N801 - torch's name
         success = 0
         invalid_value = 1
+        host_memory_already_registered = 712
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
-        self.fail: dict[str, _Cudart.cudaError] = {}
+        self.fail: dict[str, _Runtime.cudaError] = {}
+        self.unreachable = False
+        self.last_error = self.cudaError.success
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int):  # noqa: N802 - torch's name
-        self.calls.append(("register", ptr, size, flags))
-        return self.fail.get("register", self.cudaError.success)
+    def _result(self, call: str) -> _Runtime.cudaError:
+        err = self.fail.get(call, self.cudaError.success)
+        if err:
+            self.last_error = err
+        return err
 
-    def cudaHostUnregister(self, ptr: int):  # noqa: N802
+    def host_register(self, ptr: int, nbytes: int):
+        self.calls.append(("register", ptr, nbytes))
+        return self._result("register")
+
+    def host_unregister(self, ptr: int):
         self.calls.append(("unregister", ptr))
-        return self.fail.get("unregister", self.cudaError.success)
+        return self._result("unregister")
 
-    def cudaGetErrorString(self, err) -> str:  # noqa: N802
+    def error_string(self, err) -> str:
         return f"error {err.name}"
+
+    def get_last_error(self) -> int:
+        self.calls.append(("get_last_error", int(self.last_error)))
+        if self.unreachable:
+            raise OSError("no libcudart.so is loaded in this process")
+        err, self.last_error = self.last_error, self.cudaError.success
+        return int(err)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        self.calls.append(("pinned_empty", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def launch(self) -> None:
+        """A kernel launch as torch checks it (``C10_CUDA_KERNEL_LAUNCH_CHECK``): the thread's last error raises."""
+        err = self.get_last_error()
+        if err:
+            raise RuntimeError(f"CUDA error: {self.cudaError(err).name}")
+
+
+class _Ops(TorchCudaOps):
+    """The real ops on the CPU: the runtime faked, no device guard (the only CUDA call left)."""
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 @pytest.fixture
-def cudart(monkeypatch) -> _Cudart:
-    """TorchCudaOps' pinning on the CPU: torch's cudart and device guard replaced (torch's names)."""
-    fake = _Cudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    return fake
+def runtime() -> _Runtime:
+    return _Runtime()
 
 
-def test_real_ops_register_whole_page_aligned_pages_and_unregister_them(cudart) -> None:
-    from offload.pipeline._cuda_transport import TorchCudaOps
-
-    ops = TorchCudaOps(torch.device("cuda", 0))
+def test_real_ops_register_whole_page_aligned_pages_and_unregister_them(runtime) -> None:
+    ops = _Ops(torch.device("cuda", 0), runtime=runtime)
     page = mmap.PAGESIZE
     buf = ops.pin(3 * page + 5)
-    ((kind, ptr, size, flags),) = cudart.calls
-    assert (kind, flags) == ("register", 0) and ptr % page == 0 and size == 4 * page
+    ((kind, ptr, size),) = runtime.calls
+    assert kind == "register" and ptr % page == 0 and size == 4 * page
     assert buf.data_ptr() == ptr and buf.numel() == size and buf.dtype == torch.uint8
     buf[:] = 7  # the memory is ours to write
     ops.unpin(buf)
-    assert cudart.calls[-1] == ("unregister", ptr)
+    assert runtime.calls[-1] == ("unregister", ptr)
     with pytest.raises(ValueError, match="unpin of a tensor at 0x[0-9a-f]+: expected one that pin"):
         ops.unpin(buf)
 
 
-def test_real_ops_name_a_failed_unregistration(cudart) -> None:
-    from offload.pipeline._cuda_transport import TorchCudaOps
-
-    ops = TorchCudaOps(torch.device("cuda", 0))
+def test_real_ops_name_a_failed_unregistration_and_clear_its_cuda_error(runtime) -> None:
+    ops = _Ops(torch.device("cuda", 0), runtime=runtime)
     buf = ops.pin(100)
-    cudart.fail["unregister"] = _Cudart.cudaError.invalid_value
+    runtime.fail["unregister"] = _Runtime.cudaError.invalid_value
     with pytest.raises(RuntimeError, match=r"cudaHostUnregister of the block at 0x[0-9a-f]+ failed: "
                                            r"error invalid_value \(1\); expected success"):
         ops.unpin(buf)
+    assert runtime.calls[-1] == ("get_last_error", 1)
+    runtime.launch()  # the thread's next kernel launch does not raise the unregistration's error
 
 
-def test_real_ops_collected_with_blocks_unregister_them(cudart) -> None:
-    from offload.pipeline._cuda_transport import TorchCudaOps
+def test_a_failed_registration_clears_the_thread_s_cuda_error_before_the_fallback(runtime, caplog) -> None:
+    """cudaHostRegister fails (torch's binding returns the error and leaves it set on the thread):
+    the ops consume it before anything else runs on the thread, fall back to torch's pinned
+    allocator, and the thread's next kernel launch works; later blocks skip registration."""
+    ops = _Ops(torch.device("cuda", 0), runtime=runtime)
+    runtime.fail["register"] = _Runtime.cudaError.host_memory_already_registered
+    with caplog.at_level(logging.WARNING, logger="offload.pipeline._cuda_transport"):
+        buf = ops.pin(100)
+    assert [c[0] for c in runtime.calls] == ["register", "get_last_error", "pinned_empty"], runtime.calls
+    assert runtime.calls[1] == ("get_last_error", 712) and runtime.calls[2] == ("pinned_empty", 100)
+    assert buf.numel() == 100
+    runtime.launch()  # (before the fix: "CUDA error: host_memory_already_registered")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"cudaHostRegister of {mmap.PAGESIZE} bytes failed: error host_memory_already_registered (712)" in line
+    assert "falls back to torch's pinned allocator" in line
+    mark = len(runtime.calls)
+    ops.pin(10)
+    ops.unpin(buf)  # a fallback block is not unregistered
+    assert runtime.calls[mark:] == [("pinned_empty", 10)]
 
-    ops = TorchCudaOps(torch.device("cuda", 0))
+
+def test_a_failed_registration_whose_error_cannot_be_cleared_raises_a_clear_error(runtime) -> None:
+    ops = _Ops(torch.device("cuda", 0), runtime=runtime)
+    runtime.fail["register"] = _Runtime.cudaError.invalid_value
+    runtime.unreachable = True
+    with pytest.raises(RuntimeError, match=rf"^cudaHostRegister of {mmap.PAGESIZE} bytes failed: error invalid_value \(1\), and "
+                                           r"the CUDA error it leaves on this thread could not be cleared \(OSError: "
+                                           r"no libcudart.so is loaded in this process\)"):
+        ops.pin(100)
+    assert not any(c[0] == "pinned_empty" for c in runtime.calls)
+
+
+def test_real_ops_collected_with_blocks_unregister_them(runtime) -> None:
+    ops = _Ops(torch.device("cuda", 0), runtime=runtime)
     ptrs = [ops.pin(n).data_ptr() for n in (10, 20000)]
     del ops
     gc.collect()
-    assert sorted(c[1] for c in cudart.calls if c[0] == "unregister") == sorted(ptrs)
+    assert sorted(c[1] for c in runtime.calls if c[0] == "unregister") == sorted(ptrs)
 
 
 def test_a_step_that_registers_says_what_the_pinned_memory_is_for(native, caplog) -> None:

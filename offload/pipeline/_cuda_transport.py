@@ -46,6 +46,7 @@ from torch import Tensor
 
 from offload.pipeline._buffers import STAGING_ALIGN, Scratch, SlabListCache
 from offload.pipeline._jobs import ChunkJob, StageRecord
+from offload.pipeline._cuda_runtime import CudaRuntime
 from offload.pipeline._pinned import LowpPlaces, PinnedPool, Ring
 from offload.state._items import KIND_MP, KIND_TORCH, Item
 from offload.kernels._adamw import ChecksumKernel, KernelSet
@@ -97,15 +98,14 @@ class DeviceOps(Protocol):
     def context(self) -> contextlib.AbstractContextManager[Any]: ...
 
 
-def _unregister_all(blocks: dict[int, tuple[Tensor, bool]]) -> None:
+def _unregister_all(blocks: dict[int, tuple[Tensor, bool]], runtime: CudaRuntime) -> None:
     """Backstop of a :class:`TorchCudaOps` collected with blocks still registered (its transport
     was not closed): unregister them before their memory can be freed (the dict holds it until
     then)."""
     try:
-        cudart = torch.cuda.cudart()
         for ptr, (_, registered) in list(blocks.items()):
-            if registered:
-                cudart.cudaHostUnregister(ptr)
+            if registered and int(runtime.host_unregister(ptr)) != 0:
+                runtime.get_last_error()  # (consumed: this thread's next launch must not fail with it)
     except Exception:  # noqa: BLE001 - a finalizer must not raise
         logger.debug("unregistering pinned blocks at collection failed", exc_info=True)
     blocks.clear()
@@ -119,14 +119,21 @@ class TorchCudaOps:
     memory is pinned for every device's context): the registration is the block's size rounded up
     to a page, not to a power of two, and is undone by :meth:`unpin` (``cudaHostUnregister``)
     before the memory can be freed. Where registration fails (a platform without it), the block
-    comes from torch's pinned allocator instead, with a warning: correct, but rounded up.
+    comes from torch's pinned allocator instead, with a warning: correct, but rounded up. A failed
+    runtime call leaves the thread's last CUDA error set, which torch's next kernel launch on that
+    thread would raise: it is consumed at once (``cudaGetLastError``), or, where it cannot be,
+    :meth:`pin` raises a ``RuntimeError`` that says so (:mod:`offload.pipeline._cuda_runtime`).
+
+    ``runtime``: the CUDA runtime calls (default :class:`CudaRuntime`: torch's binding plus the
+    loaded libcudart's ``cudaGetLastError``); tests pass one that records them.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, runtime: CudaRuntime | None = None) -> None:
         self.device = device
+        self.runtime = runtime if runtime is not None else CudaRuntime()
         self._blocks: dict[int, tuple[Tensor, bool]] = {}  # data_ptr -> (memory, registered by us)
         self._register = True
-        finalizer = weakref.finalize(self, _unregister_all, self._blocks)
+        finalizer = weakref.finalize(self, _unregister_all, self._blocks, self.runtime)
         finalizer.atexit = False  # at exit the driver releases everything; cudart may be unloading
 
     def stream(self) -> Any:
@@ -164,20 +171,30 @@ class TorchCudaOps:
             raw = torch.empty(size + page, dtype=torch.uint8)
             start = -raw.data_ptr() % page
             buf = raw[start : start + size]
-            cudart = torch.cuda.cudart()
+            rt = self.runtime
             with self.context():
-                err = cudart.cudaHostRegister(buf.data_ptr(), size, 0)
-            if err == cudart.cudaError.success:
-                self._blocks[buf.data_ptr()] = (raw, True)
-                return buf  # all of it: the bytes reported are the bytes registered
+                err = rt.host_register(buf.data_ptr(), size)
+                if int(err) == 0:
+                    self._blocks[buf.data_ptr()] = (raw, True)
+                    return buf  # all of it: the bytes reported are the bytes registered
+                what = f"cudaHostRegister of {size} bytes failed: {rt.error_string(err)} ({int(err)})"
+                self._consume_error(what)
             self._register = False
-            logger.warning(
-                "cudaHostRegister of %d bytes failed: %s (%d); pinned staging falls back to torch's "
-                "pinned allocator (each block rounded up to a power of two)",
-                size, cudart.cudaGetErrorString(err), int(err))
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            logger.warning("%s; pinned staging falls back to torch's pinned allocator (each block rounded up to "
+                           "a power of two)", what)
+        buf = self.runtime.pinned_empty(max(nbytes, 1))
         self._blocks[buf.data_ptr()] = (buf, False)
         return buf
+
+    def _consume_error(self, what: str) -> None:
+        """After the failed runtime call ``what`` on this thread: clear the thread's last CUDA error
+        it left (else torch's next kernel launch here raises it), or raise saying it cannot."""
+        try:
+            self.runtime.get_last_error()
+        except Exception as exc:  # noqa: BLE001 - named in the error
+            raise RuntimeError(f"{what}, and the CUDA error it leaves on this thread could not be cleared "
+                               f"({type(exc).__name__}: {exc}): the next kernel launched on this thread would raise "
+                               "it; expected cudaGetLastError of the loaded libcudart") from exc
 
     def unpin(self, buf: Tensor) -> None:
         ptr = buf.data_ptr()
@@ -185,12 +202,14 @@ class TorchCudaOps:
         if entry is None:
             raise ValueError(f"unpin of a tensor at {ptr:#x}: expected one that pin() returned")
         if entry[1]:
-            cudart = torch.cuda.cudart()
+            rt = self.runtime
             with self.context():
-                err = cudart.cudaHostUnregister(ptr)
-            if err != cudart.cudaError.success:
-                raise RuntimeError(f"cudaHostUnregister of the block at {ptr:#x} failed: "
-                                   f"{cudart.cudaGetErrorString(err)} ({int(err)}); expected success")
+                err = rt.host_unregister(ptr)
+                if int(err) != 0:
+                    what = (f"cudaHostUnregister of the block at {ptr:#x} failed: {rt.error_string(err)} "
+                            f"({int(err)})")
+                    self._consume_error(what)
+                    raise RuntimeError(f"{what}; expected success")
         # the memory itself is freed when the last view of it is gone (after the registration)
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
