@@ -53,6 +53,7 @@ class HostSide(Optimizer):
     _overlap: Launcher | None
     _kernels: KernelSet
     _device_ops: DeviceOps | None
+    _device_timeout_s: float
     _settings: OffloadSettings
     _swap: Kernel | None
     _clip: ClipRequest | None
@@ -72,7 +73,8 @@ class HostSide(Optimizer):
                     f"device_ops= with parameters on the CPU: {self._layout.records[own].name} is fp32, its own "
                     "master there, and the CUDA path needs a master place for every parameter; expected "
                     "bf16/fp16 parameters (or parameters on a CUDA device)")
-            transport = CudaTransport(device, slots=ring_depth(self._settings), ops=self._device_ops)
+            transport = CudaTransport(device, slots=ring_depth(self._settings), ops=self._device_ops,
+                                      timeout_s=self._device_timeout_s)
         else:
             transport = HostTransport(copy=self._kernels.copy)
         return Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)

@@ -32,6 +32,7 @@ from offload.overlap._launcher import Launcher, ddp_comm_hook
 from offload.overlap._speculation import checksums_of
 from offload.pipeline._cuda_transport import DeviceOps
 from offload.pipeline._signals import DeferredSignals, StepInterrupted
+from offload.pipeline._waits import DEVICE_TIMEOUT_S, check_timeout
 from offload.state._groups import check_options, check_param_group
 from offload.state._layout import HostLayout
 from offload.state._masters import give_masters, loaded_seeds
@@ -115,6 +116,12 @@ class CPUOffloadAdamW(HostSide):
         device_ops: the CUDA transport's streams, events, copies and pinned blocks (an
             ``offload.DeviceOps``; None: the real ones on a CUDA device, none on the CPU). Given,
             the step runs the CUDA path over them also for bf16/fp16 CPU parameters (tests).
+        device_timeout_s: the longest one host wait on a device event of the CUDA path may take
+            (a gradient copy, a staging slot's last copy, a weight copy timed for
+            :attr:`last_stats`) before ``step()`` raises a ``RuntimeError`` naming the chunk, the
+            event and the timeout, instead of hanging on a dead peer; the optimizer's rule for
+            failed steps then applies. None (default): the tuner's ``timeout_s`` where
+            ``autotune`` is on, else 300 s (``offload.pipeline._waits.DEVICE_TIMEOUT_S``).
     """
 
     def __init__(
@@ -143,11 +150,15 @@ class CPUOffloadAdamW(HostSide):
         page_mover: PageMover | None = None,
         kernels: KernelSet | None = None,
         device_ops: DeviceOps | None = None,
+        device_timeout_s: float | None = None,
     ) -> None:
         config = check_arguments(autotune=autotune, settings=settings, plan=plan)
         check_options("", {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
                            "differentiable": differentiable, "foreach": foreach, "fused": fused})
         defaults = adamw_defaults(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if device_timeout_s is None:
+            device_timeout_s = config.timeout_s if config is not None else DEVICE_TIMEOUT_S
+        self._device_timeout_s = check_timeout(device_timeout_s)
         self._constructed = False
         super().__init__(params, defaults)
         self._constructed = True

@@ -4,7 +4,8 @@ Streams are threads that run their operations in order, like a CUDA stream on a 
 events complete when their stream reaches them. Gates (``gate=True``) make every copy that should
 overlap a kernel wait for that kernel to start (see ``test_cuda_schedule.py``). The ops count what
 a GPU would make costly: pinned blocks (registrations, bytes held) and host waits on events, by
-thread.
+thread (the transport's polled waits count once each, when their ``query`` finds the event done;
+``synchronize`` is the fake streams' device-side wait, and a test's own).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class FakeEvent:
         if self._waits is not None:  # a host wait: which thread waited, for what
             self._waits.append((threading.current_thread().name, self.label))
         assert self.done.wait(30), f"event {self.label} never completed"
+
+    def query(self) -> bool:
+        done = self.done.is_set()
+        if done and self._waits is not None:  # the end of a polled host wait (one per wait)
+            self._waits.append((threading.current_thread().name, self.label))
+        return done
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return 0.0

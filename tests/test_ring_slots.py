@@ -55,12 +55,13 @@ class _DepthOps(FakeOps):
         class _Counted(FakeEvent):
             waited = False
 
-            def synchronize(self) -> None:
-                super().synchronize()
+            def query(self) -> bool:  # the host's polled wait (finish_d2h, a slot's reuse)
+                done = super().query()
                 with ops._lock:
-                    if not self.waited:
+                    if done and not self.waited:
                         self.waited = True
                         ops.in_flight -= 1
+                return done
 
         with self._lock:
             self.in_flight += 1

@@ -28,13 +28,16 @@ Every device operation goes through a :class:`DeviceOps` (streams, events, async
 pinned blocks). :class:`TorchCudaOps` is the real one; a test passes one whose streams are
 threads, so the schedule itself, which copies are in flight while which kernel runs, is checked
 on a machine without a GPU (``tests/test_cuda_schedule.py``), and so are the registrations
-(``tests/test_cuda_pinned.py``). Not measured on a GPU with this ring yet (the H200 figures in
+(``tests/test_cuda_pinned.py``). Every host wait on an event is polled with short sleeps and
+bounded (:mod:`offload.pipeline._waits`): a copy that never ends fails the step, naming its chunk,
+instead of hanging it. Not measured on a GPU with this ring yet (the H200 figures in
 ``bench/results/device-cuda-path-h200.md`` predate it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import time
@@ -48,6 +51,7 @@ from offload.pipeline._buffers import STAGING_ALIGN, Scratch, SlabListCache
 from offload.pipeline._jobs import ChunkJob, StageRecord
 from offload.pipeline._cuda_runtime import CudaRuntime
 from offload.pipeline._pinned import LowpPlaces, PinnedPool, Ring
+from offload.pipeline._waits import DEVICE_TIMEOUT_S, EventWait
 from offload.state._items import KIND_MP, KIND_TORCH, Item
 from offload.kernels._adamw import ChecksumKernel, KernelSet
 from offload.pipeline._operands import torch_grads
@@ -65,7 +69,8 @@ STAGING_SLOTS = 2
 
 
 class DeviceOps(Protocol):
-    """The device operations the transport uses (events have ``synchronize``/``elapsed_time``)."""
+    """The device operations the transport uses. Events have ``query() -> bool`` (completed yet;
+    the host waits by polling it, :mod:`offload.pipeline._waits`) and ``elapsed_time(end)``."""
 
     def stream(self) -> Any: ...
 
@@ -248,9 +253,13 @@ class CudaTransport:
     """
 
     def __init__(
-        self, device: torch.device, *, slots: int = STAGING_SLOTS, ops: DeviceOps | None = None
+        self, device: torch.device, *, slots: int = STAGING_SLOTS, ops: DeviceOps | None = None,
+        timeout_s: float = DEVICE_TIMEOUT_S,
     ) -> None:
+        """``timeout_s``: how long one host wait on a device event may take before the wait raises
+        (``CPUOffloadAdamW(device_timeout_s=)``, :mod:`offload.pipeline._waits`)."""
         self.device: torch.device | None = device
+        self._wait = EventWait(timeout_s)
         self._ops: DeviceOps = ops if ops is not None else TorchCudaOps(device)
         #: Jobs whose gradient copies the worker issues ahead of the current chunk's kernel.
         self.lookahead = slots - 1
@@ -259,9 +268,9 @@ class CudaTransport:
         self._d2h_stream = self._ops.stream()
         self._h2d_stream = self._ops.stream()
         self.pinned = PinnedPool(self._ops)
-        self._d2h = Ring(self.pinned, slots)
-        self._h2d = Ring(self.pinned, slots)
-        self._lowp = LowpPlaces(self.pinned)
+        self._d2h = Ring(self.pinned, slots, name="gradient ring", wait=self._wait)
+        self._h2d = Ring(self.pinned, slots, name="weight ring", wait=self._wait)
+        self._lowp = LowpPlaces(self.pinned, wait=self._wait)
         self._scratch = Scratch()
         self._last_h2d: Any = None
         self._counted = 0  # registrations already reported by a step
@@ -289,13 +298,13 @@ class CudaTransport:
             ops.copies(staged, [it.grad for it in job.items], stream,  # type: ignore[misc]
                        spans=[(it.view.start, it.view.stop) for it in job.items])
             ops.record(end, stream)
-            self._d2h.used_by(slot, end)
+            self._d2h.used_by(slot, end, ("d2h", job.chunk, "end"))
         job.transfer = (staged, start, end, t_issue)
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
         staged, start, end, t_issue = job.transfer
         self._lowp.note(job, slabs)
-        end.synchronize()
+        self._wait(end, ("d2h", job.chunk, "end"), f"chunk {job.chunk}'s gradients (their copy to the host)")
         gpu_s = start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
         sums = None if job.speculate is None else job.speculate.pop(KIND_TORCH, None)
@@ -391,29 +400,35 @@ class CudaTransport:
             ops.record(start, stream)
             ops.copies([it.param.detach().view(-1)[it.view.start : it.view.stop] for it in job.items], staged, stream)
             ops.record(end, stream)
+            label = ("h2d", job.chunk, "end")
             if slot is not None:
-                self._h2d.used_by(slot, end)
+                self._h2d.used_by(slot, end, label)
             if lowp_used:
                 for it in job.items:
                     if it.kind == KIND_MP:
-                        self._lowp.used_by(it.view.slot, end)
+                        self._lowp.used_by(it.view.slot, end, label)
             self._last_h2d = end
         t2 = time.perf_counter()
         records.append(
-            StageRecord(job.chunk, "materialize", t0, t2, t1 - t0, pending=(start, end))
+            StageRecord(job.chunk, "materialize", t0, t2, t1 - t0, pending=(start, end, functools.partial(
+                self._wait, end, label, f"chunk {job.chunk}'s weights (their copy to the device, timed for last_stats)")))
         )
 
     def flush(self) -> Any:
-        """End of a step: wait for stray d2h copies; bring every ring slot to the largest chunk's
-        size and give the places of the fused-mp parameters met (that may start during backward)
-        one block, so later steps register nothing; hand back the last h2d event (not waited)."""
+        """End of a step: hand back the last h2d event (not waited), first, so the caller is
+        ordered after it whatever :meth:`settle` then raises."""
+        last, self._last_h2d = self._last_h2d, None
+        return last
+
+    def settle(self) -> None:
+        """End of a step, after :meth:`flush`: wait for stray d2h copies; bring every ring slot to
+        the largest chunk's size and give the places of the fused-mp parameters met (that may start
+        during backward) one block, so later steps register nothing."""
         self._d2h.sync()
         with self._ops.context():
             self._d2h.settle()
             self._h2d.settle()
             self._lowp.settle()
-        last, self._last_h2d = self._last_h2d, None
-        return last
 
     def order_caller(self, event: Any) -> None:
         """The caller's current stream waits on the device for ``event`` (no host wait): the

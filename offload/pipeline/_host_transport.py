@@ -230,5 +230,8 @@ class HostTransport:
     def flush(self) -> Any:
         return None
 
+    def settle(self) -> None:
+        """Nothing: no copies in flight, no buffers to size."""
+
     def order_caller(self, event: Any) -> None:
         """Nothing: the host copies are done when the drain returns (and ``flush`` gives None)."""

@@ -10,7 +10,7 @@ fields once per chunk while the memory bus waits (see :mod:`offload.pipeline._pi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from torch import Tensor
 
@@ -40,14 +40,15 @@ class StageRecord:
     """When it ended (host clock; moved later by GPU time in :meth:`finalize`)."""
     busy_s: float
     """Time the stage kept its resource busy."""
-    pending: tuple[Any, Any] | None = None
-    """(start_event, end_event) of GPU work whose time is added when the stats are read."""
+    pending: tuple[Any, Any, Callable[[], None]] | None = None
+    """(start_event, end_event, a call that waits for end_event on the host, bounded) of GPU work
+    whose time is added when the stats are read."""
 
     def finalize(self) -> None:
         if self.pending is None:
             return
-        start_ev, end_ev = self.pending
-        end_ev.synchronize()
+        start_ev, end_ev, wait_end = self.pending
+        wait_end()
         gpu_s = start_ev.elapsed_time(end_ev) / 1e3
         self.busy_s += gpu_s
         self.end = max(self.end, self.start + self.busy_s)

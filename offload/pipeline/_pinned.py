@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from offload.pipeline._jobs import ChunkJob
+from offload.pipeline._waits import EventWait
 from offload.state._items import KIND_MP, LOWP_DTYPES, Item
 from offload.state._slabs import HostSlabs
 
@@ -85,13 +86,16 @@ def _check_slots(slots: int) -> None:
 
 
 class Ring:
-    """``slots`` pinned blocks used in turn; each remembers the event of its last copy."""
+    """``slots`` pinned blocks used in turn; each remembers the event of its last copy (and the
+    event's label), which the host waits for through ``wait`` before the block is reused or freed."""
 
-    def __init__(self, pool: PinnedPool, slots: int) -> None:
+    def __init__(self, pool: PinnedPool, slots: int, *, name: str = "ring", wait: EventWait = EventWait()) -> None:
         _check_slots(slots)
         self._pool = pool
+        self._name = name
+        self._wait = wait
         self._bufs: list[Tensor | None] = [None] * slots
-        self._last: list[Any] = [None] * slots
+        self._last: list[tuple[Any, Any] | None] = [None] * slots  # (event, label) of the slot's last copy
         self._renew = [False] * slots  # sized for an old chunk layout: replaced at its next use
         self._next = 0
         self._largest = 0
@@ -110,9 +114,8 @@ class Ring:
         if slots is None or slots == len(self._bufs):
             return
         for slot in range(slots, len(self._bufs)):
-            last, buf = self._last[slot], self._bufs[slot]
-            if last is not None:
-                last.synchronize()
+            self._wait_last(slot)
+            buf = self._bufs[slot]
             if buf is not None:
                 self._pool.free(buf)
         grow = max(slots - len(self._bufs), 0)
@@ -129,10 +132,7 @@ class Ring:
             self._apply_resize()
         slot = self._next
         self._next = (slot + 1) % len(self._bufs)
-        last = self._last[slot]
-        if last is not None:
-            last.synchronize()
-            self._last[slot] = None
+        self._wait_last(slot)
         buf = self._bufs[slot]
         if buf is None or buf.numel() < nbytes or self._renew[slot]:
             self._largest = max(self._largest, nbytes)
@@ -149,8 +149,15 @@ class Ring:
         buf = self._bufs[slot] = self._pool.new(self._largest)
         return buf
 
-    def used_by(self, slot: int, event: Any) -> None:
-        self._last[slot] = event
+    def used_by(self, slot: int, event: Any, label: Any) -> None:
+        self._last[slot] = (event, label)
+
+    def _wait_last(self, slot: int) -> None:
+        """Wait (bounded) for the slot's last copy; forgotten only once it completed."""
+        last = self._last[slot]
+        if last is not None:
+            self._wait(last[0], last[1], f"the {self._name}'s slot {slot} (its last copy)")
+            self._last[slot] = None
 
     @property
     def nbytes(self) -> int:
@@ -167,10 +174,7 @@ class Ring:
             return
         for slot, buf in enumerate(self._bufs):
             if buf is None or buf.numel() < self._largest or self._renew[slot]:
-                last = self._last[slot]
-                if last is not None:
-                    last.synchronize()
-                    self._last[slot] = None
+                self._wait_last(slot)
                 self._replace(slot)
 
     def renew(self) -> None:
@@ -180,10 +184,8 @@ class Ring:
         self._largest = 0
 
     def sync(self) -> None:
-        for slot, ev in enumerate(self._last):
-            if ev is not None:
-                ev.synchronize()
-                self._last[slot] = None
+        for slot in range(len(self._last)):
+            self._wait_last(slot)
 
     def release(self) -> None:
         """Wait for every slot's last copy, then give every block back (next take: new ones)."""
@@ -201,11 +203,12 @@ class LowpPlaces:
     last host-to-device copy, and :meth:`view` waits for it before handing the place out for
     writing again."""
 
-    def __init__(self, pool: PinnedPool) -> None:
+    def __init__(self, pool: PinnedPool, *, wait: EventWait = EventWait()) -> None:
         self._pool = pool
+        self._wait = wait
         self._blocks: list[Tensor] = []
         self._place: dict[int, Tensor] = {}
-        self._last: dict[int, Any] = {}
+        self._last: dict[int, tuple[Any, Any]] = {}  # slot -> (event, label) of its place's last copy
         self._noted: dict[int, int] = {}  # chunk -> id of the item list noted for it
         self._want: dict[int, tuple[int, torch.dtype]] = {}  # fused-mp items met, without a place
         self._could: dict[int, tuple[int, torch.dtype]] = {}  # bf16/fp16 items met, without a place
@@ -243,13 +246,18 @@ class LowpPlaces:
             self._could[slot] = (p.numel(), p.dtype)
             self._allocate(self._could)
         if for_write:
-            last = self._last.pop(slot, None)
-            if last is not None:
-                last.synchronize()
+            self._wait_last(slot)
         return self._place[slot][it.view.start : it.view.stop]
 
-    def used_by(self, slot: int, event: Any) -> None:
-        self._last[slot] = event
+    def used_by(self, slot: int, event: Any, label: Any) -> None:
+        self._last[slot] = (event, label)
+
+    def _wait_last(self, slot: int) -> None:
+        """Wait (bounded) for the last copy of the slot's place; forgotten only once it completed."""
+        last = self._last.get(slot)
+        if last is not None:
+            self._wait(last[0], last[1], f"parameter {slot}'s pinned place of early weights (its last copy)")
+            del self._last[slot]
 
     @property
     def places(self) -> int:
@@ -263,9 +271,8 @@ class LowpPlaces:
 
     def release(self) -> None:
         """Wait for every place's last copy, then give every block back."""
-        for ev in self._last.values():
-            ev.synchronize()
-        self._last.clear()
+        for slot in list(self._last):
+            self._wait_last(slot)
         self._place.clear()
         self._noted.clear()
         for buf in self._blocks:

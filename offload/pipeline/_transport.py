@@ -64,7 +64,12 @@ class Transport(Protocol):
         ...
 
     def flush(self) -> Any:
-        """End of a step (the drain barrier): the last h2d event or None."""
+        """End of a step (the drain barrier): the last h2d event or None; waits for nothing."""
+        ...
+
+    def settle(self) -> None:
+        """After :meth:`flush`, at the same barrier: wait for copies still in flight and size the
+        buffers for the next step; may raise (a bounded device wait that timed out)."""
         ...
 
     def order_caller(self, event: Any) -> None:

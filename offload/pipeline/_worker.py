@@ -215,7 +215,8 @@ class Worker:
         self._release_threads()
         last = None
         try:
-            last = self.transport.flush()
+            last = self.transport.flush()  # (first: the caller is ordered after it even if settle raises)
+            self.transport.settle()
         except BaseException as exc:  # noqa: BLE001
             if self.error is None:
                 self.error = exc
