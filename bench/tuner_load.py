@@ -19,15 +19,17 @@ The model is six ``Linear(1024, 1024)`` layers (6,297,600 fp32 parameters; ``--q
 128, 99,072) with fixed synthetic gradients set once, so a step is only the optimizer's work.
 A fresh model and optimizer per session: ``step()`` until the tuner is ``locked`` (at most
 ``--max-steps``; a session that never locks is recorded and not scored), timing the wall time
-of every ``step()`` (the probe steps). Then every candidate of ``opt.tuner.space.candidates()``
-is scored interleaved: ``--rounds`` rounds, each visiting every candidate once in a fresh seeded
-random order; a visit is one discarded warm-up step after the switch and ``--per-visit`` measured
-steps (wall time of the step). No tuner runs while scoring: the tuned optimizer is closed at
-lock-in (a post-lock watch would switch settings between the scoring's steps). ``stock`` then
+of every ``step()`` (the probe steps). The run then goes on for ``--watch-steps`` steps with the
+tuner's post-lock watch, which may switch settings (what a training run pays after lock-in); the
+latest decision then is the session's *settled* setting. Then every candidate of
+``opt.tuner.space.candidates()`` is scored interleaved: ``--rounds`` rounds, each visiting every
+candidate once in a fresh seeded random order; a visit is one discarded warm-up step after the switch and ``--per-visit`` measured
+steps (wall time of the step). No tuner runs while scoring: the tuned optimizer is closed
+before it (its watch would switch settings between the scoring's steps). ``stock`` then
 steps ``opt.wrapped`` inside ``offload.thread_limit(threads)``, what the wrapper's ``step()`` runs
 with its tuned count (it has no public setter for the count); ``offload`` steps a new
-``CPUOffloadAdamW`` without autotune over the same parameters, from the settings in force at
-lock-in, switched with ``apply_settings``, checking after each step that they are the candidate's.
+``CPUOffloadAdamW`` without autotune over the same parameters, from the settings in force then,
+switched with ``apply_settings``, checking after each step that they are the candidate's.
 
 Per session (definitions also in the JSON): mean and median of each candidate's samples (a run
 pays the sum of its steps, so the mean decides); best = smallest mean; lock-in regret =
@@ -35,8 +37,11 @@ mean(winner) / mean(best) - 1; whole-run regret of a 2000-step run = (sum of the
 times + (2000 - probe steps) x mean(winner)) / (2000 x mean(best)) - 1 (the first step, which
 also initialises the state, is among the probe steps; one untuned step of each kind before the
 load keeps the process's one-time costs out of it); ``regret_ci95``: a 95 % bootstrap over scoring
-rounds of the regret with the best fixed ("beyond noise" where it is above 0). Per kind: max,
-median, p90 of the regret, sessions above 25 %, median whole-run regret and probe steps, winners.
+rounds of the regret with the best fixed ("beyond noise" where it is above 0); the settled
+setting's regret, and the whole-run regret with the probe and watched steps' real times and the
+settled setting after them; the pooled regret (see ``DEFINITIONS``), for loads whose statistics do
+not change from session to session. Per kind: max, median, p90 of the regret, sessions above
+25 %, median whole-run regret and probe steps, winners; the same for the settled setting.
 On the 2-core VM under ``--load threads`` a session took 8-17 s (stock AdamW at 2 threads is 5-7x
 slower than at 1 under that load, and scoring visits it 45 times).
 """
@@ -65,7 +70,7 @@ from bench._stats import machine_info, median, quantile
 logger = logging.getLogger("bench.tuner_load")
 
 __all__ = ["KINDS", "RUN_STEPS", "analyse_session", "build_parser", "lock_in_regret", "main", "regret_interval",
-           "run", "summarize", "whole_run_regret"]
+           "pooled_means", "run", "summarize", "whole_run_regret"]
 
 KINDS = ("stock", "offload")
 #: The run length the whole-run regret charges the probe steps against.
@@ -85,6 +90,17 @@ DEFINITIONS = {
                         f"/ ({RUN_STEPS} x mean_s(best)) - 1",
     "regret_ci95": "95 % percentile bootstrap over scoring rounds of mean(winner) / mean(best) - 1, best fixed",
     "probe_steps": "step() calls before the tuner was locked (its summary's probe_steps is stored too)",
+    "settled": "the latest decision after --watch-steps more steps with the post-lock watch (its switches)",
+    "settled_regret": "mean_s(settled) / mean_s(best) - 1",
+    "whole_run_regret_watched": f"(sum of the probe and watched steps' wall times + ({RUN_STEPS} - those steps) x "
+                                f"mean_s(settled)) / ({RUN_STEPS} x mean_s(best)) - 1: the watch's rounds "
+                                "and switches as the run paid them",
+    "pooled_regret": "pooled_mean(winner) / min over candidates of pooled_mean - 1, where a candidate's "
+                     "pooled_mean is the mean of its mean_s over every scored session of the kind: the "
+                     "sessions' scoring rounds together (15 x sessions), for a load whose statistics do not "
+                     "change over the run (threads, bursts, busy, none); a session's own scores cannot tell "
+                     "settings apart by less than their noise, and its best is picked on the same noise "
+                     "(under bursts two chunk sizes of one thread count scored 25-43 % apart)",
 }
 
 
@@ -121,15 +137,22 @@ def label(setting: dict[str, Any]) -> str:
 
 
 def analyse_session(candidates: Sequence[dict[str, Any]], samples_s: Sequence[Sequence[Sequence[float]]],
-                    winner: dict[str, Any], probe_walls: Sequence[float]) -> dict[str, Any]:
-    """Scores of one session from its raw samples (``samples_s[candidate][round]`` lists)."""
+                    winner: dict[str, Any], probe_walls: Sequence[float], *, settled: dict[str, Any] | None = None,
+                    watch_walls: Sequence[float] = ()) -> dict[str, Any]:
+    """Scores of one session from its raw samples (``samples_s[candidate][round]`` lists):
+    ``winner`` locked in after ``probe_walls``; ``settled`` followed after ``watch_walls`` more
+    steps with the watch (default: the winner, no watched steps)."""
     flat = [[x for visit in rounds for x in visit] for rounds in samples_s]
     if any(not xs for xs in flat):
         raise ValueError("analyse_session: a candidate has no samples: expected every candidate scored")
     means = [sum(xs) / len(xs) for xs in flat]
     w = list(candidates).index(winner)
+    f = list(candidates).index(settled if settled is not None else winner)
     b = min(range(len(means)), key=means.__getitem__)
     return {
+        "settled_index": f,
+        "settled_regret": lock_in_regret(means[f], means[b]),
+        "whole_run_regret_watched": whole_run_regret(list(probe_walls) + list(watch_walls), means[f], means[b]),
         "candidate_mean_s": means,
         "candidate_median_s": [median(xs) for xs in flat],
         "winner_index": w,
@@ -141,13 +164,28 @@ def analyse_session(candidates: Sequence[dict[str, Any]], samples_s: Sequence[Se
     }
 
 
+def pooled_means(scored: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per candidate label, the mean of its session means over ``scored`` sessions of one kind."""
+    totals: dict[str, list[float]] = {}
+    for s in scored:
+        for candidate, mean in zip(s["candidates"], s["score"]["candidate_mean_s"]):
+            totals.setdefault(label(candidate), []).append(mean)
+    return {k: sum(v) / len(v) for k, v in totals.items()}
+
+
 def summarize(sessions: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per kind: the figures of the report (scored sessions only; never-locked ones counted)."""
+    """Per kind: the figures of the report (scored sessions only; never-locked ones counted); writes
+    each scored session's ``pooled_regret`` into its score (it needs every session of the kind)."""
     out = {}
     for kind in dict.fromkeys(s["kind"] for s in sessions):
         mine = [s for s in sessions if s["kind"] == kind]
         scored = [s for s in mine if s.get("score")]
         regrets = [s["score"]["regret"] for s in scored]
+        pooled = pooled_means(scored)
+        pooled_best = min(pooled.values(), default=float("nan"))
+        for s in scored:
+            s["score"]["pooled_regret"] = lock_in_regret(pooled[label(s["winner"])], pooled_best)
+        pooled_regrets = [s["score"]["pooled_regret"] for s in scored]
         out[kind] = {
             "sessions": len(mine),
             "never_locked": sum(not s["locked"] for s in mine),
@@ -157,6 +195,13 @@ def summarize(sessions: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "p90_regret": quantile(regrets, 0.9),
             "above_bad_regret": sum(r > BAD_REGRET for r in regrets),
             "beyond_noise": sum(s["score"]["regret_ci95"][0] > 0 for s in scored),
+            "max_settled_regret": max((s["score"]["settled_regret"] for s in scored), default=float("nan")),
+            "above_bad_settled_regret": sum(s["score"]["settled_regret"] > BAD_REGRET for s in scored),
+            "median_whole_run_regret_watched": median([s["score"]["whole_run_regret_watched"] for s in scored]),
+            "sessions_with_switches": sum(bool(s.get("switches")) for s in scored),
+            "pooled_means_s": pooled,
+            "max_pooled_regret": max(pooled_regrets, default=float("nan")),
+            "above_bad_pooled_regret": sum(r > BAD_REGRET for r in pooled_regrets),
             "median_whole_run_regret": median([s["score"]["whole_run_regret"] for s in scored]),
             "median_probe_steps": median([s["probe_steps"] for s in mine if s["locked"]]),
             "winners": dict(Counter(label(s["winner"]) for s in mine if s["locked"]).most_common()),
@@ -263,11 +308,18 @@ def run_session(kind: str, seed: int, args: argparse.Namespace) -> dict[str, Any
         if rec["locked"]:
             if summary["winner"] not in candidates:
                 raise RuntimeError(f"{kind}: winner {summary['winner']} is not in the space {candidates}")
+            # The run goes on with the post-lock watch for --watch-steps steps (its rounds and
+            # switches included, as a training run pays them); then the setting it follows is scored.
+            watched = [_timed(opt.step) for _ in range(args.watch_steps)]
+            after = tuner.summary()
+            rec.update(watch_walls_s=watched, settled=after["winner"], switches=after["switches"],
+                       watch_rounds_steps=after["watch_steps"])
             step_as, close_scorer = make_scorer(kind, opt, params)  # closes opt: no tuner from here on
             t0 = time.perf_counter()
             raw = score(step_as, candidates, rounds=args.rounds, per_visit=args.per_visit, seed=seed)
             rec.update(raw, scoring_s=time.perf_counter() - t0)
-            rec["score"] = analyse_session(candidates, raw["samples_s"], summary["winner"], walls)
+            rec["score"] = analyse_session(candidates, raw["samples_s"], summary["winner"], walls,
+                                           settled=after["winner"], watch_walls=watched)
     finally:
         close_scorer()
         opt.close()  # idempotent
@@ -297,20 +349,38 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"steps); then every candidate of its space is scored right away under the same load, {cfg['rounds']} "
         f"interleaved rounds in seeded random orders, per visit 1 discarded + {cfg['per_visit']} measured "
         "steps (wall time of `step()`). Regret = mean(winner) / mean(best) - 1; whole-run = a "
-        f"{RUN_STEPS}-step run with the probe steps' real times against {RUN_STEPS} steps at the best.", "",
+        f"{RUN_STEPS}-step run with the probe steps' real times against {RUN_STEPS} steps at the best. "
+        f"Between lock-in and scoring the run goes on for {cfg['watch_steps']} steps with the post-lock watch: "
+        "settled = the setting it follows then (after its switches), whole-run watched = the same run "
+        "with those steps' real times and the settled setting after them.", "",
         f"| kind | space | sessions | never locked | max regret | median | p90 | > {BAD_REGRET:.0%} | "
-        "beyond noise | median whole-run regret | median probe steps | median s / session | winners |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "beyond noise | max pooled regret | median whole-run regret | median probe steps | median s / session "
+        "| winners |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for kind, k in result["summary"].items():
         winners = "; ".join(f"{w}: {n}" for w, n in k["winners"].items())
         lines.append(f"| {kind} | {k['space_size']} | {k['sessions']} | {k['never_locked']} | "
                      f"{_pct(k['max_regret'])} | {_pct(k['median_regret'])} | {_pct(k['p90_regret'])} | "
-                     f"{k['above_bad_regret']} | {k['beyond_noise']} | {_pct(k['median_whole_run_regret'])} | "
+                     f"{k['above_bad_regret']} | {k['beyond_noise']} | {_pct(k['max_pooled_regret'])} | "
+                     f"{_pct(k['median_whole_run_regret'])} | "
                      f"{k['median_probe_steps']} | {k['median_session_s']:.1f} | {winners} |")
-    lines += ["", "Beyond noise: sessions whose regret interval (95 % bootstrap over scoring rounds) is above 0.", "",
-              "| kind | seed | winner | best | regret (95 % interval) | whole-run | probe steps | load before | s |",
-              "|---|---:|---|---|---:|---:|---:|---|---:|"]
+    lines += ["", f"| kind | max settled regret | settled > {BAD_REGRET:.0%} | sessions that switched | "
+              "median whole-run regret, watched |", "|---|---:|---:|---:|---:|"]
+    for kind, k in result["summary"].items():
+        lines.append(f"| {kind} | {_pct(k['max_settled_regret'])} | {k['above_bad_settled_regret']} | "
+                     f"{k['sessions_with_switches']} | {_pct(k['median_whole_run_regret_watched'])} |")
+    lines += ["", "Beyond noise: sessions whose regret interval (95 % bootstrap over scoring rounds) is above 0. "
+              "Pooled regret: the winner's mean over every session's scoring rounds against the best such "
+              "mean (the load's statistics do not change from session to session): "]
+    lines[-1] += "; ".join(
+        f"{kind}: " + ", ".join(f"{c} {v * 1e3:.2f} ms" for c, v in sorted(k["pooled_means_s"].items(),
+                                                                           key=lambda cv: cv[1]))
+        for kind, k in result["summary"].items()) + "."
+    lines += ["",
+              "| kind | seed | winner | best | regret (95 % interval) | whole-run | settled (regret) | "
+              "whole-run watched | probe steps | load before | s |",
+              "|---|---:|---|---|---:|---:|---|---:|---:|---|---:|"]
     nan = float("nan")
     for s in result["sessions"]:
         sc = s.get("score") or {}
@@ -318,6 +388,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {s['kind']} | {s['seed']} | {label(s['winner'] or {})} | {label(sc.get('best', {}))} | "
                      f"{_pct(sc.get('regret', nan))} ({_pct(lo)} to {_pct(hi)}) | "
                      f"{_pct(sc.get('whole_run_regret', nan))} | "
+                     f"{label(s.get('settled') or {})} ({_pct(sc.get('settled_regret', nan))}) | "
+                     f"{_pct(sc.get('whole_run_regret_watched', nan))} | "
                      f"{s['probe_steps']} | {s['load_before'][0]} | "
                      f"{s['session_s']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -342,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="interleaved scoring rounds (default 15; 3 quick)")
     p.add_argument("--per-visit", type=int, default=2, help="measured steps per scoring visit, after one discarded")
     p.add_argument("--max-steps", type=int, default=200, help="steps a session may take to lock")
+    p.add_argument("--watch-steps", type=int, default=None,
+                   help="steps run after lock-in with the post-lock watch before scoring (default 200; 4 quick)")
     p.add_argument("--seed", type=int, default=0, help="session i seeds model, tuner and order with seed + i")
     p.add_argument("--quick", action="store_true", help="smoke run: 99,072 parameters, 2 sessions per kind, 3 rounds")
     p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
@@ -356,12 +430,13 @@ def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     q = args.quick
     args.sessions = args.sessions if args.sessions is not None else (2 if q else 20)
     args.rounds = args.rounds if args.rounds is not None else (3 if q else 15)
+    args.watch_steps = args.watch_steps if args.watch_steps is not None else (4 if q else 200)
     args.width = QUICK_WIDTH if q else WIDTH
     args.name = args.name or f"tuner_load-{args.load}" + ("-quick" if q else "")
     for flag, value, lo in (("--sessions", args.sessions, 1), ("--rounds", args.rounds, 1),
                             ("--per-visit", args.per_visit, 1), ("--max-steps", args.max_steps, 1),
                             ("--load-procs", args.load_procs, 1), ("--load-threads", args.load_threads, 1),
-                            ("--seed", args.seed, 0)):
+                            ("--seed", args.seed, 0), ("--watch-steps", args.watch_steps, 0)):
         if value < lo:
             p.error(f"{flag} {value}: expected an integer >= {lo}")
 
@@ -399,7 +474,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "machine": machine_info(),
         "load": {**dataclasses.asdict(spec), "description": spec.describe(), "pids": load.pids},
         "config": {"kinds": args.kinds, "sessions_per_kind": args.sessions, "rounds": args.rounds,
-                   "per_visit": args.per_visit, "max_steps": args.max_steps, "seed": args.seed, "quick": args.quick,
+                   "per_visit": args.per_visit, "max_steps": args.max_steps, "watch_steps": args.watch_steps,
+                   "seed": args.seed, "quick": args.quick,
                    "width": args.width, "layers": LAYERS, "params": params, "lr": LR, "run_steps": RUN_STEPS,
                    "plan_threads": plan.threads, "plan_reason": plan.reason},
         "definitions": DEFINITIONS,

@@ -88,6 +88,14 @@ def test_regrets_recomputed_from_the_raw_samples(quick: tuple[dict[str, Any], st
         run = tl.RUN_STEPS
         whole = (sum(s["probe_walls_s"]) + (run - s["probe_steps"]) * means[w]) / (run * means[b]) - 1
         assert sc["whole_run_regret"] == pytest.approx(whole)
+        # The run went on with the watch before scoring; what it then followed is scored too.
+        assert len(s["watch_walls_s"]) == result["config"]["watch_steps"] == 4 and s["settled"] in s["candidates"]
+        f = s["candidates"].index(s["settled"])
+        assert sc["settled_index"] == f and sc["settled_regret"] == pytest.approx(means[f] / means[b] - 1)
+        paid = s["probe_walls_s"] + s["watch_walls_s"]
+        watched = (sum(paid) + (run - len(paid)) * means[f]) / (run * means[b]) - 1
+        assert sc["whole_run_regret_watched"] == pytest.approx(watched)
+        assert sc["pooled_regret"] >= 0
     summary = result["summary"]
     assert list(summary) == ["stock", "offload"]
     for kind, k in summary.items():
@@ -140,20 +148,42 @@ def test_regret_interval_is_a_bootstrap_over_rounds_with_the_best_fixed() -> Non
 
 
 def test_summary_counts_bad_and_never_locked_sessions() -> None:
-    def session(regret: float | None, winner: dict[str, int] | None) -> dict[str, Any]:
+    def session(regret: float | None, winner: dict[str, int] | None, means: tuple[float, float] = (1.0, 1.0)
+                ) -> dict[str, Any]:
         s: dict[str, Any] = {"kind": "stock", "locked": winner is not None, "winner": winner, "probe_steps": 16,
-                             "session_s": 1.0, "space_size": 2}
+                             "session_s": 1.0, "space_size": 2, "candidates": [{"threads": 1}, {"threads": 2}]}
         if regret is not None:
-            s["score"] = {"regret": regret, "whole_run_regret": regret + 0.01, "regret_ci95": (regret - 0.2, regret)}
+            s["score"] = {"regret": regret, "whole_run_regret": regret + 0.01, "regret_ci95": (regret - 0.2, regret),
+                          "candidate_mean_s": list(means), "settled_regret": regret / 10,
+                          "whole_run_regret_watched": regret / 10 + 0.01}
+            s["switches"] = [{"step": 30}] if regret > 0.2 else []
         return s
 
-    rows = [session(0.0, {"threads": 2}), session(0.5, {"threads": 1}), session(0.1, {"threads": 2}),
-            session(None, None)]
+    # Pooled over the three scored sessions, 1 thread has a mean of 2.0 s and 2 threads 3.0 s, although
+    # one session alone saw 2 threads faster.
+    rows = [session(0.0, {"threads": 2}, (1.0, 0.9)), session(0.5, {"threads": 1}, (2.0, 4.1)),
+            session(0.1, {"threads": 2}, (3.0, 4.0)), session(None, None)]
     k = tl.summarize(rows)["stock"]
     assert (k["sessions"], k["scored"], k["never_locked"], k["above_bad_regret"], k["beyond_noise"]) == (4, 3, 1, 1, 1)
     assert k["max_regret"] == 0.5 and k["median_regret"] == 0.1
     assert k["p90_regret"] == pytest.approx(0.42)  # linear interpolation between 0.1 and 0.5
     assert k["winners"] == {"threads=2": 2, "threads=1": 1}
+    assert k["pooled_means_s"] == pytest.approx({"threads=1": 2.0, "threads=2": 3.0})
+    assert [r["score"]["pooled_regret"] for r in rows[:3]] == pytest.approx([0.5, 0.0, 0.5])
+    assert k["max_pooled_regret"] == pytest.approx(0.5) and k["above_bad_pooled_regret"] == 2
+    # After the watch: the setting a run follows, and a run that paid the watch's steps.
+    assert k["max_settled_regret"] == pytest.approx(0.05) and k["above_bad_settled_regret"] == 0
+    assert k["median_whole_run_regret_watched"] == pytest.approx(0.02) and k["sessions_with_switches"] == 1
+
+
+def test_a_session_scores_the_setting_the_watch_settled_on() -> None:
+    samples = [[[1.0, 1.0]] * 3, [[2.0, 2.0]] * 3]  # 1 thread 1.0 s, 2 threads 2.0 s a step
+    one, two = {"threads": 1}, {"threads": 2}
+    sc = tl.analyse_session([one, two], samples, two, [2.0] * 10, settled=one, watch_walls=[2.0] * 40 + [1.0] * 50)
+    assert sc["regret"] == 1.0 and sc["settled_index"] == 0 and sc["settled_regret"] == 0.0
+    # 50 probe and watched steps at 2.0 s, then 1950 at 1.0 s, against 2000 at 1.0 s.
+    assert sc["whole_run_regret_watched"] == pytest.approx(50 / 2000)
+    assert sc["whole_run_regret"] == pytest.approx((10 * 2.0 + 1990 * 2.0) / 2000 - 1)
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
