@@ -15,9 +15,16 @@ from autotune._measurement import Measurement, format_ms, gain_threshold, signif
 from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison
 from autotune._space import Scalar, SearchSpace
 
-__all__ = ["choose", "decide_paired", "paired_comparisons"]
+__all__ = ["choose", "decide_paired", "lighter_lead", "paired_comparisons"]
 
 Key = tuple[Scalar, ...]
+
+#: Fewest paired rounds behind a lean (:func:`lighter_lead`): twice the rounds a "clearly faster"
+#: needs. A session reaches them only where the duel ran long (a small space, such as stock AdamW's
+#: thread counts, whose rounds kept disagreeing); with the 3-5 rounds of a larger space a lean was
+#: noise: on the 2-core VM under two 2-thread torch loops, with 3 rounds, 4 of 30 sessions of
+#: CPUOffloadAdamW leaned to 1 thread at 15-20 % above the best (none without the lean).
+LEAN_ROUNDS = 8
 
 
 def choose(
@@ -61,7 +68,8 @@ def paired_comparisons(rounds: list[dict[Key, float]], baseline: Key) -> dict[Ke
 
 
 def decide_paired(
-    space: SearchSpace, baseline: Key, rounds: list[dict[Key, float]], config: AutotuneConfig
+    space: SearchSpace, baseline: Key, rounds: list[dict[Key, float]], config: AutotuneConfig, *,
+    final: bool = True,
 ) -> tuple[Key, str, Key | None]:
     """The lock-in rule on paired rounds. Returns ``(winner, reason, runner_up)``.
 
@@ -70,7 +78,9 @@ def decide_paired(
     clearly faster than the plan may replace it (:meth:`PairedComparison.clearly_faster`: a ratio
     under ``1 - min_gain`` and an exact paired permutation test at the level ``noise_factor``
     names); of those the smallest ratio wins, arms within ``tie_tolerance`` of it are tied and the
-    space's preference breaks the tie. Without such an arm the static plan stays. ``runner_up``:
+    space's preference breaks the tie. Without such an arm the static plan stays, unless ``final``
+    (the budget is spent) and a lighter arm leans faster (:func:`lighter_lead`: under doubt the
+    lighter setting is the safer one). ``runner_up``:
     the best arm that is neither the winner nor the static plan (the static plan when nothing else was measured
     beside a winner), the post-lock watch's first challenger; None when nothing else was measured.
     """
@@ -86,6 +96,13 @@ def decide_paired(
     if not clear:
         best = order[0]
         others = [k for k in order if k != baseline]
+        lead = lighter_lead(space, baseline, comparisons, config) if final else None
+        if lead is not None:
+            rest = [k for k in order if k != lead]
+            return lead, (
+                f"lighter than the static plan and faster on the mean, though not clearly "
+                f"({comparisons[lead].describe()}): under doubt the lighter setting is kept"
+            ), rest[0]
         if best == baseline or effects[best] > -tie:
             return baseline, "the static plan is as fast as the fastest finalist (paired rounds)", (
                 others[0] if others else None
@@ -103,3 +120,31 @@ def decide_paired(
     return winner, f"clearly faster than the static plan: {comparisons[winner].describe()}", (
         others[0] if others else baseline
     )
+
+
+def lighter_lead(
+    space: SearchSpace, baseline: Key, comparisons: dict[Key, PairedComparison], config: AutotuneConfig
+) -> Key | None:
+    """The arm that replaces the static plan when no arm is clearly faster and the budget is spent:
+    of the arms the space prefers to the plan (:meth:`SearchSpace.preference`, knobs in order:
+    fewer threads first) that were measured in :data:`LEAN_ROUNDS` or more paired rounds and ran
+    faster on the mean by more than ``min_gain``, the fastest; None when there is none.
+
+    Why the lighter side. Being wrong costs the two sides differently on a host other work
+    shares: a setting with more threads than the cores left free is preempted in every barrier of
+    its thread team and can be many times slower (stock AdamW at 2 threads beside two 2-thread
+    torch loops on a 2-core VM: 5.4x the mean step time of 1 thread, pooled over 30 sessions,
+    ``bench.tuner_load --load threads``), while a lighter setting costs at most what its paired
+    rounds could not rule out. There the load switches between two regimes every few seconds: in
+    one, 2 threads run 110-140 ms a step and 1 thread 10-20 ms; in the other both run 12-60 ms.
+    A session that probes in the second ends undecided after 10-11 rounds, leaning 0.85-0.9
+    towards 1 thread, and kept the plan's 2 threads at 1.9-8.3x the best scored right after (5 of
+    30 sessions). Only the direction the space prefers breaks such a tie: an undecided heavier arm
+    never replaces the plan.
+    """
+    margin = -math.log1p(-min(config.min_gain, 0.999))
+    plan_rank = space.preference(space.setting(baseline))
+    leaning = [k for k, c in comparisons.items()
+               if c.n >= LEAN_ROUNDS and -c.effect > margin
+               and space.preference(space.setting(k)) < plan_rank]
+    return min(leaning, key=lambda k: (comparisons[k].effect, space.preference(space.setting(k))), default=None)

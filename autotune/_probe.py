@@ -452,7 +452,7 @@ class ProbeSession:
         where the plan's 2 threads ran free.)"""
         if self.steps + _duel_cost(self.config, 1) > self.config.probe_steps or not self.rounds:
             return False
-        winner, _, _ = decide_paired(self.space, self.baseline, self.rounds, self.config)
+        winner, _, _ = decide_paired(self.space, self.baseline, self.rounds, self.config, final=False)
         if winner != self.baseline:
             return False  # already clearly faster
         comparisons = paired_comparisons(self.rounds, self.baseline)

@@ -28,7 +28,7 @@ from autotune import (
 )
 from autotune import _measurement, _paired, _space
 from autotune._measurement import gain_threshold, significantly_faster
-from autotune._decide import choose
+from autotune._decide import LEAN_ROUNDS, choose, decide_paired
 from autotune._probe import plan_budget
 
 THREADS = (1, 2, 4, 8)
@@ -837,3 +837,56 @@ def test_a_node_wide_stall_in_one_round_loses_no_candidate(stall_step):
     # 1 thread is 20 % faster; one step of the session (any arm, any phase) stalls 2x.
     tuner, _ = scripted_run({1: [0.8], 2: [1.0]}, stalls={stall_step: 2.0})
     assert tuner.summary()["winner"] == ONE, (stall_step, tuner.summary()["reason"])
+
+
+# --- under doubt, the lighter setting (issue 36: a loaded host's undecided sessions) -----------
+
+def _rounds(one: list[float], two: list[float]) -> list[dict[tuple[Any, ...], float]]:
+    return [{(1, 1 << 20): a, (2, 1 << 20): b} for a, b in zip(one, two)]
+
+
+LEANING = [0.5, 0.6, 1.6, 0.55, 1.1, 0.6, 1.5, 0.55]  # a mean of 0.875 of 1.0, faster in 5 of 8
+
+
+def test_an_undecided_lighter_arm_that_leans_faster_replaces_the_plan_once_the_budget_is_spent():
+    # 1 thread against the static plan's 2: faster on the mean (0.875) but in only 5 of 8 rounds,
+    # three of them against it by a lot: not clearly faster (the load came and went under the rounds).
+    assert len(LEANING) == LEAN_ROUNDS
+    rounds = _rounds(LEANING, [1.0] * len(LEANING))
+    config = AutotuneConfig()
+    comparison = _paired.PairedComparison.of(LEANING, [1.0] * len(LEANING))
+    assert not comparison.clearly_faster(min_gain=config.min_gain, noise_factor=config.noise_factor)
+    winner, reason, runner_up = decide_paired(TWO, (2, 1 << 20), rounds, config)
+    assert winner == (1, 1 << 20) and "under doubt the lighter setting is kept" in reason
+    assert runner_up == (2, 1 << 20)  # the watch's first challenger is the static plan
+    # While rounds may still be added (the duel asks), a lean decides nothing.
+    assert decide_paired(TWO, (2, 1 << 20), rounds, config, final=False)[0] == (2, 1 << 20)
+
+
+def test_an_undecided_heavier_arm_never_replaces_the_plan():
+    # The mirror image: the static plan is 1 thread, 2 threads lean faster but not clearly.
+    rounds = _rounds([1.0] * len(LEANING), LEANING)
+    winner, reason, _ = decide_paired(TWO, (1, 1 << 20), rounds, AutotuneConfig())
+    assert winner == (1, 1 << 20) and "not clearly faster" in reason
+
+
+@pytest.mark.parametrize("one, why", [
+    (LEANING[:-1], "fewer than LEAN_ROUNDS rounds"),
+    ([1.0, 0.995, 1.0, 0.99] * 2, "within min_gain on the mean"),
+    ([0.5, 0.6, 3.0, 0.55] * 2, "slower on the mean"),
+])
+def test_a_lighter_arm_without_a_lean_leaves_the_plan(one: list[float], why: str):
+    assert len(one) < LEAN_ROUNDS or why != "fewer than LEAN_ROUNDS rounds"
+    rounds = _rounds(one, [1.0] * len(one))
+    assert decide_paired(TWO, (2, 1 << 20), rounds, AutotuneConfig())[0] == (2, 1 << 20), why
+
+
+def test_a_session_that_ends_undecided_locks_the_lighter_arm_that_leans_faster():
+    # End to end, the shape bench.tuner_load saw: the static plan's 2 threads run 0.6 three steps in
+    # four and 2.5 in the fourth (a mean of 1.075), 1 thread 1.0. The rounds disagree wildly both
+    # ways, so the duel runs to the end of the budget without a clear winner.
+    tuner, client = scripted_run({1: [1.0], 2: [0.6, 2.5, 0.6, 0.6]})
+    s = tuner.summary()
+    assert s["winner"] == ONE and "under doubt" in s["reason"], s["reason"]
+    assert s["probe_steps"] > 30  # a grid of two candidates plans 14: the duel ran on
+    assert client.current == ONE
