@@ -22,9 +22,7 @@ same round (its *excess*: a slower challenger and the warm-up steps after a swit
 it spent under ``watch_cost`` (0.5 %) of the locked steps' time so far: the next round of a
 challenger starts only once the allowance covers what its last rounds cost (at least
 :data:`MIN_ROUND_COST` of a step). A challenger that was *faster* in its last round costs
-nothing, so it is re-measured soon: a change of load is followed within a few rounds. The
-first round of each challenger comes within :data:`FIRST_ROUND_STEPS` of lock-in whatever it is
-expected to cost (an advance, repaid before its next round): the lock-in is questioned once early.
+nothing, so it is re-measured soon: a change of load is followed within a few rounds.
 """
 
 from __future__ import annotations
@@ -38,22 +36,13 @@ from autotune._config import AutotuneConfig
 from autotune._paired import PairedComparison, round_order
 from autotune._probe import Key, Slot
 
-__all__ = ["FIRST_ROUND_STEPS", "MIN_ROUND_COST", "Switch", "Watch", "WatchStart"]
+__all__ = ["MIN_ROUND_COST", "Switch", "Watch", "WatchStart"]
 
 #: The least a round is assumed to cost, as a fraction of a step: the two switches' warm-up
 #: steps are never free (a thread team is rebuilt, buffers are resized).
 MIN_ROUND_COST = 0.25
 #: Rounds of a challenger whose excess estimates the next one's cost (median).
 COST_MEMORY = 3
-#: The first round of each challenger starts at most this many steps after lock-in (or a switch),
-#: whatever its expected cost: an advance on the allowance, repaid before that challenger's next
-#: round. The expected cost comes from the probe, a few seconds of evidence; a decision made on a lucky
-#: stretch (stock AdamW on the 2-core VM beside two 2-thread torch loops in bursts: 2 threads ran
-#: 4-5 ms a step in an idle gap, 1 thread 8-24 ms) expected its challenger 2.5x slower and put its
-#: first round 600+ steps out, while 2 threads ran 2.4-2.7x slower than 1 thread on the mean.
-#: Worst case: each challenger's first round, ``2 * (ratio - 1)`` steps of the winner plus the
-#: warm-ups, once per lock-in (a few steps, 0.1-0.4 % of a 2000-step run).
-FIRST_ROUND_STEPS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +85,6 @@ class Watch:
         """Excess seconds spent by the watch's rounds so far (a faster challenger's rounds credit it)."""
         self.rounds: dict[Key, list[dict[Key, float]]] = {c: [] for c in self.challengers}
         self.excesses: dict[Key, list[float]] = {c: [] for c in self.challengers}
-        self._first_by: dict[Key, int] = {}
         self.switches = 0
         self._expected = dict(expected_ratios or {})
         self._winner_samples: deque[float] = deque(maxlen=8)
@@ -135,8 +123,6 @@ class Watch:
         per_step = self.config.watch_cost * self.reference_s
         needed = self.spent_s + self._estimate(challenger)
         at = self.locked_at + math.ceil(needed / per_step) if needed > 0 else after_step + 1
-        if not self.excesses[challenger]:  # its first round since lock-in or the last switch
-            at = min(at, self._first_by.setdefault(challenger, after_step + FIRST_ROUND_STEPS))
         at = max(at, after_step + 1)
         index = len(self.rounds[challenger])
         warm = self.config.warmup_steps
@@ -194,7 +180,6 @@ class Watch:
         self.challengers = [old if c == challenger else c for c in self.challengers]
         self.rounds = {c: [] for c in self.challengers}
         self.excesses = {c: [] for c in self.challengers}
-        self._first_by = {}
         self._winner_samples.clear()
         self._expected = {}
         self._turn = 0
