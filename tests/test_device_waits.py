@@ -115,7 +115,14 @@ def _step(opt: CPUOffloadAdamW, params: list[torch.Tensor], step: int) -> None:
     opt.step()
 
 
-def _snapshot(opt: CPUOffloadAdamW, params: list[torch.Tensor]) -> list[torch.Tensor]:
+def _snapshot(opt: CPUOffloadAdamW, params: list[torch.Tensor], ops: FakeOps) -> list[torch.Tensor]:
+    """Weights and state as the next forward would see them: on a GPU it is queued behind what the
+    caller's stream waits for (the weight copies); here this thread waits until the caller's fake
+    stream ran to that point (reading the weights right after ``step()`` may see copies still in
+    flight: on a loaded machine it did)."""
+    landed = ops.event(("forward", 0, "start"))
+    ops.record(landed, ops.caller)
+    landed.synchronize()
     return [t.clone() for p in params for t in (p.detach(), *opt.state[p].values())]
 
 
@@ -155,12 +162,12 @@ def test_a_gradient_copy_that_never_ends_before_any_update_leaves_the_state_whol
                           device_timeout_s=TIMEOUT_S, **HYPER)
     try:
         _step(opt, params, 0)
-        before = _snapshot(opt, params)
+        before = _snapshot(opt, params, ops)
         ops.dead = {("d2h", 0, "end")}
         with pytest.raises(RuntimeError, match=re.escape("chunk 0's gradients (their copy to the host): device "
                                                          "event ('d2h', 0, 'end') not complete")):
             _step(opt, params, 1)
-        after = _snapshot(opt, params)
+        after = _snapshot(opt, params, ops)
         assert all(torch.equal(a, b) for a, b in zip(before, after))
         opt.state_dict()  # not refused: every parameter is as the last step left it
     finally:
