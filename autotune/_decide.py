@@ -12,7 +12,7 @@ from statistics import NormalDist
 
 from autotune._config import AutotuneConfig
 from autotune._measurement import Measurement, format_ms, gain_threshold, significantly_faster
-from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison
+from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison, gain_margin
 from autotune._space import Scalar, SearchSpace
 
 __all__ = ["choose", "decide_paired", "lighter_lead", "paired_comparisons"]
@@ -142,7 +142,7 @@ def lighter_lead(
     30 sessions). Only the direction the space prefers breaks such a tie: an undecided heavier arm
     never replaces the plan.
     """
-    margin = -math.log1p(-min(config.min_gain, 0.999))
+    margin = gain_margin(config.min_gain)
     plan_rank = space.preference(space.setting(baseline))
     leaning = [k for k, c in comparisons.items()
                if c.n >= LEAN_ROUNDS and -c.effect > margin

@@ -43,6 +43,7 @@ __all__ = [
     "EXACT_ROUNDS",
     "MIN_DECIDING_ROUNDS",
     "PairedComparison",
+    "gain_margin",
     "permutation_p",
     "round_order",
 ]
@@ -59,6 +60,16 @@ EXACT_ROUNDS = 12
 SAMPLED_FLIPS = 4096
 #: A step reported shorter than this (a clock's resolution; 0 s) counts as this long in a ratio.
 SHORTEST_S = 1e-9
+
+
+def gain_margin(min_gain: float) -> float:
+    """``-log(1 - min_gain)``: the least a log ratio of mean times must fall below 0 to count as
+    faster by more than ``min_gain`` (capped at 0.999).
+
+    >>> round(gain_margin(0.01), 5)
+    0.01005
+    """
+    return -math.log1p(-min(min_gain, 0.999))
 
 
 def round_order(arms: Sequence[T], round_index: int) -> list[T]:
@@ -170,7 +181,7 @@ class PairedComparison:
         """The candidate beats the reference: a ratio of means under ``1 - min_gain`` and a
         permutation p-value at most ``1 - Phi(noise_factor)`` (10.6 % for 1.25), which takes at
         least :data:`MIN_DECIDING_ROUNDS` rounds."""
-        if self.n < MIN_DECIDING_ROUNDS or -self.effect <= -math.log1p(-min(min_gain, 0.999)):
+        if self.n < MIN_DECIDING_ROUNDS or -self.effect <= gain_margin(min_gain):
             return False
         return self.p_value() <= _level(noise_factor)
 
@@ -179,7 +190,7 @@ class PairedComparison:
         ``min_gain`` in at least half of the rounds (or fewer than two rounds were run)."""
         if self.n < 2:
             return True
-        margin = -math.log1p(-min(min_gain, 0.999))
+        margin = gain_margin(min_gain)
         return sum(1 for v in self.log_ratios if -v > margin) * 2 >= self.n
 
     def describe(self) -> str:

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from autotune._config import AutotuneConfig
-from autotune._paired import PairedComparison, round_order
+from autotune._paired import PairedComparison, gain_margin, round_order
 from autotune._probe import Key, Slot
 
 __all__ = ["MIN_ROUND_COST", "Switch", "Watch", "WatchStart"]
@@ -172,7 +172,7 @@ class Watch:
         # after every round would raise the false-alarm rate far above one block's.
         self.rounds[challenger] = []
         comparison = PairedComparison.of([r[challenger] for r in rounds], [r[self.winner] for r in rounds])
-        margin = -math.log1p(-min(self.config.min_gain, 0.999))
+        margin = gain_margin(self.config.min_gain)
         if not (all(v < 0.0 for v in comparison.log_ratios) and -comparison.effect > margin):
             return None
         old = self.winner
