@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 from autotune._config import AutotuneConfig
-from autotune._decide import choose, decide_paired, paired_comparisons
+from autotune._decide import LEAN_ROUNDS, choose, decide_paired, paired_comparisons
 from autotune._measurement import OUTLIER_FACTOR, Measurement
 from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison, round_order
 from autotune._space import Scalar, SearchSpace
@@ -82,6 +82,13 @@ TPE_FINAL_ROUNDS = 2
 #: that exploring's pass (round 0), one finals round and the duel reach
 #: :data:`~autotune._paired.MIN_DECIDING_ROUNDS`. A grid plans its duel rounds the same way.
 DUEL_ROUNDS = MIN_DECIDING_ROUNDS - 1 - TPE_FINAL_ROUNDS
+#: Paired rounds before a duel may end in the static plan's favour without the plan being clearly
+#: faster (budget permitting): as many as a lean needs (:data:`~autotune._decide.LEAN_ROUNDS`).
+#: A few rounds of a few milliseconds each can all fall in one lull of a load that comes and goes:
+#: on the 2-core VM beside two 2-thread torch loops working in bursts (30-150 ms busy, 10-60 ms
+#: idle), 5 of 30 sessions of stock AdamW kept 2 threads on three rounds, 14 steps in 0.1-0.2 s,
+#: at 1.7-5.7x the mean step time of 1 thread (``bench.tuner_load --load bursts``).
+UNSETTLED_ROUNDS = LEAN_ROUNDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,7 +472,14 @@ class ProbeSession:
             # Faster in at least half of the rounds: more rounds tell, even where one stalled
             # round has pulled its mean level with the plan's (a stall is not filtered: it is
             # outweighed).
-            return comparison.could_still_win(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor)
+            if comparison.could_still_win(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor):
+                return True
+            # Nor do a few rounds settle it for a plan that looks faster (see UNSETTLED_ROUNDS):
+            # until the plan is clearly faster than the challenger, or a lean has its rounds, more
+            # rounds tell. (A challenger faster by less than min_gain costs nothing if it loses.)
+            return (comparison.n < UNSETTLED_ROUNDS and comparison.effect > 0.0
+                    and not comparison.reversed().clearly_faster(
+                        min_gain=self.config.min_gain, noise_factor=self.config.noise_factor))
 
         # The duel keeps its challenger while it can still win: switching to whichever finalist
         # looks best after each round would leave every one of them short of the rounds a

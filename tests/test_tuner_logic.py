@@ -839,6 +839,40 @@ def test_a_node_wide_stall_in_one_round_loses_no_candidate(stall_step):
     assert tuner.summary()["winner"] == ONE, (stall_step, tuner.summary()["reason"])
 
 
+def _lull_then_load(client_steps: Callable[[], int], lull_steps: int) -> Cost:
+    """The static plan's 2 threads run 0.6 in a lull of the load (its first ``lull_steps`` steps),
+    then 5.0 once the load is back (a team preempted in its barriers); 1 thread runs 1.0 throughout."""
+    def cost(setting: dict[str, Any]) -> float:
+        if setting["threads"] == 1:
+            return 1.0
+        return 0.6 if client_steps() < lull_steps else 5.0
+    return cost
+
+
+def test_a_lull_over_the_first_rounds_does_not_settle_the_duel_for_the_plan():
+    # bench.tuner_load --load bursts: a grid of two candidates and its two finals rounds take 14
+    # steps, a fraction of a second for stock AdamW, all of it in one lull of the load. Three
+    # rounds that favour the plan are not yet "clearly faster" (p = 1/8): the duel runs on, the load
+    # comes back, and 1 thread wins on the mean.
+    client = Client(lambda s: 1.0)
+    client.cost = _lull_then_load(lambda: client.steps, lull_steps=14)
+    tuner = make_tuner(client, space=TWO, baseline=PLAN2, config=AutotuneConfig(probe_steps=40))
+    client.run(tuner, 40, until_locked=True)
+    s = tuner.summary()
+    assert s["state"] == "locked" and s["winner"] == ONE, s["reason"]
+    assert "clearly faster than the static plan" in s["reason"]
+
+
+def test_a_plan_clearly_faster_ends_the_duel_as_soon_as_it_is_clearly_faster():
+    # Without a lull (2 threads 0.6 throughout) the plan is clearly faster after exploring's round,
+    # the two finals rounds and one duel round (4 of 4, p = 1/16): 8 + 3 + 3 + 3 steps, no more.
+    client = Client(_lull_then_load(lambda: 0, lull_steps=1))
+    tuner = make_tuner(client, space=TWO, baseline=PLAN2, config=AutotuneConfig(probe_steps=40))
+    client.run(tuner, 40, until_locked=True)
+    s = tuner.summary()
+    assert s["winner"] == PLAN2 and s["probe_steps"] == 17, (s["probe_steps"], s["reason"])
+
+
 # --- under doubt, the lighter setting (issue 36: a loaded host's undecided sessions) -----------
 
 def _rounds(one: list[float], two: list[float]) -> list[dict[tuple[Any, ...], float]]:
