@@ -171,6 +171,9 @@ def test_summary_counts_bad_and_never_locked_sessions() -> None:
     assert k["pooled_means_s"] == pytest.approx({"threads=1": 2.0, "threads=2": 3.0})
     assert [r["score"]["pooled_regret"] for r in rows[:3]] == pytest.approx([0.5, 0.0, 0.5])
     assert k["max_pooled_regret"] == pytest.approx(0.5) and k["above_bad_pooled_regret"] == 2
+    # The scoring floor: the pooled best (1 thread) scored session by session lost only the first
+    # session, where 2 threads scored 0.9 s against its 1.0 s.
+    assert k["median_scoring_floor"] == 0.0 and k["max_scoring_floor"] == pytest.approx(1.0 / 0.9 - 1)
     # After the watch: the setting a run follows, and a run that paid the watch's steps.
     assert k["max_settled_regret"] == pytest.approx(0.05) and k["above_bad_settled_regret"] == 0
     assert k["median_whole_run_regret_watched"] == pytest.approx(0.02) and k["sessions_with_switches"] == 1
