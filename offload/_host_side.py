@@ -19,7 +19,6 @@ from dataclasses import replace
 from torch import Tensor
 from torch.optim import Optimizer
 
-from offload._clip import ClipRequest, amp_arguments
 from offload._settings import OffloadSettings
 from offload.kernels._adamw import Hyper, Kernel, KernelSet
 from offload.overlap._launcher import Launcher
@@ -30,6 +29,7 @@ from offload.pipeline._signals import DeferredSignals
 from offload.pipeline._step import StepJobs, collect_grads, part_stepped, ready_event, submit_step
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
+from offload.state._clip import ClipRequest, amp_arguments
 from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
 from offload.state._groups import hyper_of
 from offload.state._layout import NO_SEEDS, HostLayout, Relaid

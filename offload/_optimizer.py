@@ -24,7 +24,6 @@ from torch import Tensor
 from autotune import OnlineTuner
 from offload._host_side import HostSide, ring_depth
 from offload._arguments import adamw_defaults, check_arguments, check_limit, check_state_dtype
-from offload._clip import NonFiniteNorm, clip_request
 from offload._settings import OffloadSettings
 from offload._stats import StepStats
 from offload.kernels._adamw import DEFAULT_KERNELS, KernelSet
@@ -33,6 +32,7 @@ from offload.overlap._speculation import checksums_of
 from offload.pipeline._cuda_transport import DeviceOps
 from offload.pipeline._signals import DeferredSignals, StepInterrupted
 from offload.pipeline._waits import DEVICE_TIMEOUT_S, check_timeout
+from offload.state._clip import NonFiniteNorm, clip_request
 from offload.state._groups import check_options, check_param_group
 from offload.state._layout import HostLayout
 from offload.state._masters import give_masters, loaded_seeds
@@ -365,7 +365,7 @@ class CPUOffloadAdamW(HostSide):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, applied inside the
-        next ``step()``'s kernel (``offload._clip``): returns the total norm (a float32 tensor
+        next ``step()``'s kernel (``offload.state._clip``): returns the total norm (a float32 tensor
         on the parameters' device; over all ranks and meshes for DTensor parameters); the
         gradients themselves are not modified. Call it after backward, before ``step()``; calling
         it again replaces the coefficient (the gradients were not scaled). ``foreach`` is accepted

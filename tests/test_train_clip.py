@@ -34,7 +34,7 @@ def _same_run(a: dict, b: dict, *, norms: bool = True) -> None:
 
 
 def _close_to_torch(ours: dict, ref: dict, *, later_rel: float = 1e-5) -> None:
-    """Our norm is deterministic and float64-accurate (``offload._clip``), torch's is a float32
+    """Our norm is deterministic and float64-accurate (``offload.state._clip``), torch's is a float32
     reduction in its own order: they may differ in the last bit, and so the clip coefficients.
     The first step's norm is over the same gradients; later ones over weights that moved by that
     last bit's share of one update; under fp16 autocast such a weight may round to another fp16
