@@ -3,17 +3,20 @@
 Generic: this package knows named discrete knobs, step-time samples and process groups; it knows
 nothing of AdamW or offloading (``offload`` wires it in). ``Agreement`` is the protocol of the
 collectives an ``OnlineTuner(group=)`` (and ``offload.plan_cpu_threads(agreement=)``) takes;
-``InProcessAgreement`` implements it for ranks that are threads of one process;
 ``make_agreement(group, timeout_s=)`` is the one an ``OnlineTuner`` builds for a group (``None``:
 this node's ranks), for a caller that shares it with other collectives (``offload`` does).
+The injection seam of the collectives, ``InProcessAgreement`` (ranks that are threads of one
+process), is in :mod:`autotune.testing`; ``autotune.InProcessAgreement`` raises an
+``AttributeError`` that says so.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from autotune._agree import Agreement, AgreementError, AgreementMismatch, AgreementTimeout, make_agreement
 from autotune._cache import TuningCache
 from autotune._fingerprint import Fingerprint, fingerprint
-from autotune._inprocess import InProcessAgreement
 from autotune._measurement import Measurement
 from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
 from autotune._trace import TraceWriter
@@ -28,7 +31,6 @@ __all__ = [
     "AgreementTimeout",
     "AutotuneConfig",
     "Fingerprint",
-    "InProcessAgreement",
     "Knob",
     "Measurement",
     "OnlineTuner",
@@ -44,3 +46,10 @@ __all__ = [
     "powers_of_two",
     "trace_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "InProcessAgreement":
+        raise AttributeError("autotune.InProcessAgreement moved to autotune.testing.InProcessAgreement (an injection "
+                             "seam for tests and simulations): from autotune.testing import InProcessAgreement")
+    raise AttributeError(f"module 'autotune' has no attribute {name!r}")

@@ -99,7 +99,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{cfg['finalists']} finalists x "
         f"{cfg['final_rounds']} rounds, min gain {cfg['min_gain']:g}, noise factor {cfg['noise_factor']:g}, "
         f"Optuna seed {cfg['seed']}); "
-        "one tuner per simulated local rank, agreeing through `autotune.InProcessAgreement`",
+        "one tuner per simulated local rank, agreeing through `autotune.testing.InProcessAgreement`",
         "- only the measurement is simulated: search space, static plan and thread caps come from the real "
         "`plan_cpu_threads` and `offload_search_space` on each node's topology and masks",
         f"- targets, on every node: median regret <= {_pct(targets['median_regret'])}, p95 <= "

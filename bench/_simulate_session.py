@@ -16,10 +16,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from autotune import AutotuneConfig, InProcessAgreement, OnlineTuner, StepSample
+from autotune import AutotuneConfig, OnlineTuner, StepSample
+from autotune.testing import InProcessAgreement
 from bench._contention import load_trace
 from bench._stepmodel import Node, NoiseModel
-from offload import OffloadSettings, RankCpus, ThreadPlan, plan_cpu_threads
+from offload import OffloadSettings, ThreadPlan, plan_cpu_threads
+from offload.testing import RankCpus
 from offload.tuning._glue import masks_span_numa_nodes, offload_search_space
 
 __all__ = ["ACTIVE_STATES", "BARRIER_TIMEOUT_S", "Caps", "DEFAULT_CHUNK_NUMEL", "capped", "plan_node", "rank_session",
@@ -131,7 +133,7 @@ def rank_session(
     """Simulated local rank ``r``: a real ``OnlineTuner`` fed model step times until it locks in, or
     for ``steps`` steps (at most ``len(table)``).
 
-    ``agreement`` is what ``OnlineTuner(group=...)`` takes: an :class:`autotune.InProcessAgreement`, or
+    ``agreement`` is what ``OnlineTuner(group=...)`` takes: an :class:`autotune.testing.InProcessAgreement`, or
     None inside a real gloo job (the tuner then builds its own ``GlooAgreement``). ``trace``: what
     ``OnlineTuner(trace=...)`` takes (the tuner writes it on rank 0 only). ``loads``: each step's
     busy threads per socket (:func:`step_loads`; None: quiet).

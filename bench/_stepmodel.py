@@ -70,7 +70,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from bench._contention import Contention, busy_core_ratio, team_slowdown
-from offload import CpuTopology
+from offload.testing import CpuTopology
 
 __all__ = ["Hardware", "Node", "NoiseModel", "Workload", "overlap_pipeline", "pipeline_time"]
 
@@ -141,7 +141,7 @@ class Hardware:
         )
 
     def topology(self) -> CpuTopology:
-        """The :class:`offload.threads._topology.CpuTopology` that ``plan_cpu_threads`` reads on this node."""
+        """The :class:`offload.testing.CpuTopology` that ``plan_cpu_threads`` reads on this node."""
         n = self.sockets * self.cores_per_socket
         cores = [[t * n + c for t in range(self.smt)] for c in range(n)]
         return CpuTopology.from_cores(cores, numa_nodes={s: self.socket_cpus(s) for s in range(self.sockets)})

@@ -118,7 +118,7 @@ def check_races(device: str) -> dict[str, Any]:
 
     variants: dict[str, tuple[Any, Any]] = {"": (None, nullcontext)}
     if device == "cuda":
-        from offload import TorchCudaOps
+        from offload.testing import TorchCudaOps
 
         variants["slow-copies-"] = (SlowCopies(TorchCudaOps(torch.device(device))), nullcontext)
         variants["cpu-load-"] = (None, CpuLoad)

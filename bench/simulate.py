@@ -9,7 +9,7 @@ below and every seed, one complete tuning session of the real :class:`autotune.O
   ``offload.tuning._glue.offload_search_space``, with the baseline and per-rank thread cap of
   ``offload.tuning._glue.OffloadTuning``;
 * every local rank runs its own ``OnlineTuner`` in its own thread, with the default
-  ``AutotuneConfig``; the tuners talk through :class:`autotune.InProcessAgreement`, an in-process
+  ``AutotuneConfig``; the tuners talk through :class:`autotune.testing.InProcessAgreement`, an in-process
   implementation of the agreement protocol (all-gather, broadcast, max: the same three collectives
   ``GlooAgreement`` runs, objects pickled as gloo pickles them, a barrier instead of the network).
   So rank 0 runs the real probing schedule, Optuna ordering, finals and lock-in rule on the max

@@ -114,7 +114,7 @@ class CPUOffloadAdamW(HostSide):
             ``bind_numa`` is switched on between steps: ``mover(addr, nbytes, node)`` over each
             page-aligned slab range (default ``mbind`` with ``MPOL_MF_MOVE``; tests pass a recorder).
         device_ops: the CUDA transport's streams, events, copies and pinned blocks (an
-            ``offload.DeviceOps``; None: the real ones on a CUDA device, none on the CPU). Given,
+            ``offload.testing.DeviceOps``; None: the real ones on a CUDA device, none on the CPU). Given,
             the step runs the CUDA path over them also for bf16/fp16 CPU parameters (tests).
         device_timeout_s: the longest one host wait on a device event of the CUDA path may take
             (a gradient copy, a staging slot's last copy, a weight copy timed for

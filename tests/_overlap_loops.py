@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offload import CPUOffloadAdamW, KernelSet, OffloadSettings, StepStats
+from offload import CPUOffloadAdamW, OffloadSettings, StepStats
+from offload.testing import KernelSet
 from offload.state._dtensor import local
 
 from _fsdp_models import ShardMixedPrecisionReference

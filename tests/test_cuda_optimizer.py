@@ -14,7 +14,8 @@ import torch
 from _fake_cuda import FakeOps, Log
 from conftest import assert_bitwise
 
-from offload import CPUOffloadAdamW, DeviceOps, OffloadSettings
+from offload import CPUOffloadAdamW, OffloadSettings
+from offload.testing import DeviceOps
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 

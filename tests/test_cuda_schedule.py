@@ -15,7 +15,7 @@ import pytest
 import torch
 from _fake_cuda import FakeEvent, FakeOps, FakeStream, Log
 
-from offload import KernelSet
+from offload.testing import KernelSet
 from offload.pipeline._cuda_transport import CudaTransport
 from offload.pipeline._jobs import ChunkJob
 from offload.state._items import KIND_F32, KIND_MP, KIND_TORCH, Item

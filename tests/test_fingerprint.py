@@ -195,7 +195,8 @@ def test_step_environment_variables_split_the_key_and_none_keep_the_old_one(monk
 
 
 def test_the_masks_layout_and_the_kernel_source_are_in_the_offload_workload() -> None:
-    from offload import CpuTopology, plan_cpu_threads
+    from offload import plan_cpu_threads
+    from offload.testing import CpuTopology
     from offload.tuning._glue import cache_facts
 
     topo = CpuTopology.from_cores([[i] for i in range(8)])
@@ -211,7 +212,8 @@ def test_the_masks_per_numa_node_are_in_the_offload_workload() -> None:
     """Two ranks of 4 CPUs each, on a machine of two NUMA nodes of 4 CPUs: each rank inside its
     node, or both spread over the two nodes, are different optima and different keys; on one
     NUMA node the facts (and so the keys) stay what they were."""
-    from offload import CpuTopology, plan_cpu_threads
+    from offload import plan_cpu_threads
+    from offload.testing import CpuTopology
     from offload.tuning._glue import cache_facts
 
     cores = [[i] for i in range(8)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import KernelLoader, KernelSet
+from offload.testing import KernelLoader, KernelSet
 from offload.kernels._fused_mp import (
     STEP_RTOL,
     FusedMPUnavailable,

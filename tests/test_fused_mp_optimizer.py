@@ -17,7 +17,8 @@ import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 from test_optimizer_numerics import MixedPrecisionReference
 
-from offload import CPUOffloadAdamW, KernelLoader, KernelSet, OffloadSettings
+from offload import CPUOffloadAdamW, OffloadSettings
+from offload.testing import KernelLoader, KernelSet
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._jobs import ChunkJob
 from offload.state._items import KIND_MP, Item

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from offload import KernelLoader, KernelSet
+from offload.testing import KernelLoader, KernelSet
 from offload.kernels._grad_stats import STATS_BLOCK, grad_stats_, grad_stats_reference
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -29,7 +29,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import CPUOffloadAdamW, KernelSet, OffloadSettings
+from offload import CPUOffloadAdamW, OffloadSettings
+from offload.testing import KernelSet
 from offload.kernels._adamw import DEFAULT_KERNELS
 
 LR = 3e-3

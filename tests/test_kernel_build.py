@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autotune import knobs
-from offload import KernelLoader
+from offload.testing import KernelLoader
 from offload.kernels._build import build_spec, needs_build
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import KernelSet
+from offload.testing import KernelSet
 from offload.kernels._adamw import (
     Hyper,
     fused_adamw_,

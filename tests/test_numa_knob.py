@@ -409,7 +409,8 @@ def test_the_bound_plan_reruns_the_rule_on_the_masks_narrowed_to_each_node() -> 
     """Shared mask, 4 ranks, 2 bound to each node: 4 threads each unbound (16 cores / 4) and bound
     (8 cores / 2). Cyclic masks (each rank 2 cores on each node), each bound to one node: 4
     threads unbound, 2 bound: never more than the node's cores. Unknown nodes: no bound plan."""
-    from offload import RankCpus, plan_cpu_threads
+    from offload import plan_cpu_threads
+    from offload.testing import RankCpus
 
     topo, everything = _two_sockets(), frozenset(range(16))
     shared = [RankCpus(cpus=everything, node=r // 2) for r in range(4)]
@@ -428,7 +429,7 @@ def test_the_bound_plan_reruns_the_rule_on_the_masks_narrowed_to_each_node() -> 
 
 def test_the_rank_node_travels_with_the_mask_through_the_agreement() -> None:
     """bind_node goes into the plan's one exchange: every rank's bound plan sees every node."""
-    from autotune import InProcessAgreement
+    from autotune.testing import InProcessAgreement
     from offload import plan_cpu_threads
 
     topo = _two_sockets()

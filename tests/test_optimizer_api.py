@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 from conftest import batch, make_model, param_groups
 
-from offload import CPUOffloadAdamW, KernelSet, OffloadSettings, StepStats
+from offload import CPUOffloadAdamW, OffloadSettings, StepStats
+from offload.testing import KernelSet
 from offload.kernels._adamw import fused_adamw_
 from offload.state._slabs import _ALIGN, plan_chunks
 
@@ -325,7 +326,8 @@ def test_kernel_runs_on_the_worker_with_the_configured_intra_op_threads() -> Non
 
 
 def test_threads_default_comes_from_the_thread_plan() -> None:
-    from offload import CpuTopology, plan_cpu_threads
+    from offload import plan_cpu_threads
+    from offload.testing import CpuTopology
 
     plan = plan_cpu_threads(threads=5, topology=CpuTopology.from_cores([[c] for c in range(8)]), cpus=range(8))
     opt = CPUOffloadAdamW(_params(), plan=plan)
@@ -448,3 +450,55 @@ def test_betas_mixing_a_float_and_a_tensor_are_refused_as_torch_refuses_them() -
             torch.optim.AdamW([nn.Parameter(torch.zeros(2))], betas=betas)
         with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
             CPUOffloadAdamW([nn.Parameter(torch.zeros(2))], betas=betas)
+
+
+def test_the_packages_export_user_names_and_testing_holds_the_seams() -> None:
+    """``offload.__all__`` holds at most twelve names, those a user of ``CPUOffloadAdamW``,
+    ``tune_step_threads`` and ``tune_deepspeed`` needs; the injection seams are in
+    ``offload.testing`` and ``autotune.testing`` and nowhere in ``__all__``; a name that moved
+    there raises an AttributeError that says where it went (docs/architecture.md, "API and seams")."""
+    import autotune
+    import autotune.testing
+    import offload
+    import offload.testing
+
+    assert len(offload.__all__) <= 12, f"offload.__all__ has {len(offload.__all__)} names: {offload.__all__}"
+    for module in (offload, offload.testing, autotune, autotune.testing):
+        assert [n for n in module.__all__ if not hasattr(module, n)] == [], module.__name__
+    assert not set(offload.testing.__all__) & set(offload.__all__)
+    assert not set(autotune.testing.__all__) & set(autotune.__all__)
+    assert set(offload.__all__) <= set(dir(offload)) and not set(offload.testing.__all__) & set(dir(offload))
+    for name in offload.testing.__all__:
+        with pytest.raises(AttributeError, match=rf"^offload\.{name} moved to offload\.testing\.{name} .*"
+                                                 rf"from offload\.testing import {name}$"):
+            getattr(offload, name)
+    with pytest.raises(AttributeError, match=r"^autotune\.InProcessAgreement moved to autotune\.testing\."):
+        getattr(autotune, "InProcessAgreement")
+    with pytest.raises(AttributeError, match=r"module 'offload' has no attribute 'NoSuchName'"):
+        getattr(offload, "NoSuchName")
+    from offload import DeepSpeedTuning, StageSpan  # the types of returned values, outside __all__
+
+    assert {StageSpan.__name__, DeepSpeedTuning.__name__} <= set(dir(offload))
+
+
+def test_the_testing_modules_have_no_side_effects_at_import() -> None:
+    """``import offload.testing`` / ``autotune.testing`` after ``import offload`` loads nothing but
+    themselves and the module that defines ``InProcessAgreement``, and changes no environment
+    variable, thread count or logging handler."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import logging, os, sys, torch\n"
+            "import offload\n"
+            "before = (set(sys.modules), dict(os.environ), torch.get_num_threads(), torch.get_num_interop_threads(),\n"
+            "          list(logging.getLogger().handlers), logging.getLogger().level)\n"
+            "import offload.testing, autotune.testing\n"
+            "after = (set(sys.modules), dict(os.environ), torch.get_num_threads(), torch.get_num_interop_threads(),\n"
+            "         list(logging.getLogger().handlers), logging.getLogger().level)\n"
+            "assert after[0] - before[0] == {'offload.testing', 'autotune.testing', 'autotune._inprocess'}, "
+            "after[0] - before[0]\n"
+            "assert after[1:] == before[1:], (before[1:], after[1:])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).absolute().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

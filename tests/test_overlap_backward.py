@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import assert_bitwise, batch, make_model, param_groups, uses_sometimes
 
-from offload import CPUOffloadAdamW, KernelSet, OffloadSettings
+from offload import CPUOffloadAdamW, OffloadSettings
+from offload.testing import KernelSet
 from offload.kernels._adamw import fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")

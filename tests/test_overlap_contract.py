@@ -36,7 +36,8 @@ from _overlap_loops import (
     train,
 )
 
-from offload import CPUOffloadAdamW, KernelSet, OffloadSettings
+from offload import CPUOffloadAdamW, OffloadSettings
+from offload.testing import KernelSet
 from offload.kernels._adamw import fused_adamw_
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")

@@ -10,7 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from autotune import AgreementMismatch, AgreementTimeout, AutotuneConfig, InProcessAgreement, Knob, OnlineTuner, SearchSpace
+from autotune import AgreementMismatch, AgreementTimeout, AutotuneConfig, Knob, OnlineTuner, SearchSpace
+from autotune.testing import InProcessAgreement
 from bench import simulate
 from bench._stepmodel import Hardware, Node, NoiseModel, Workload
 

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune import InProcessAgreement, knobs
-from offload import CgroupCpuLimit, CpuTopology, RankCpus, ThreadPlan, plan_cpu_threads, thread_limit
+from autotune import knobs
+from autotune.testing import InProcessAgreement
+from offload import ThreadPlan, plan_cpu_threads, thread_limit
+from offload.testing import CgroupCpuLimit, CpuTopology, RankCpus
 from offload.threads._numa import bind_to_device_numa_node, bind_to_numa_node
 from offload.threads._rule import ThreadPlanError, allocate_threads, static_rule_threads
 from offload.threads._plan import apply_thread_plan, forget_logged_plans
@@ -588,7 +590,8 @@ def test_starved_masks_are_said_out_loud_once_per_node(caplog: pytest.LogCapture
     """8 local ranks whose masks hold 2 CPUs of a 128-CPU machine: a WARNING with the figures and
     what to do, logged by local rank 0 only (every rank's plan carries the same words); a machine
     whose ranks have their cores says nothing. Never a hang or an exception for it."""
-    from offload import CpuTopology, plan_cpu_threads
+    from offload import plan_cpu_threads
+    from offload.testing import CpuTopology
     from offload.threads._plan import forget_logged_plans
 
     forget_logged_plans()
@@ -613,7 +616,8 @@ def test_a_tuned_optimizer_puts_the_starvation_in_its_trace_summary(tmp_path) ->
     import torch
 
     from autotune import AutotuneConfig
-    from offload import CPUOffloadAdamW, CpuTopology, plan_cpu_threads
+    from offload import CPUOffloadAdamW, plan_cpu_threads
+    from offload.testing import CpuTopology
 
     topo = CpuTopology.from_cores([[i, i + 64] for i in range(64)])
     plan = plan_cpu_threads(masks=[{0, 1, 2, 3}], local_rank=0, topology=topo, cpu_count=128)
