@@ -20,6 +20,10 @@
 #      -rs: a skipped native kernel shows),
 #   6. the trainer on the GPU with the offloaded optimizer: --overlap-backward --clip-grad-norm 1.0,
 #      and with --amp fp16 (125m GPT, 12 steps each).
+# Steps 0-3's checks also run on the CPU in CI (--device cpu, tests/test_device_checks.py); there the
+# producer check also runs the CUDA transport over a fake device that keeps a GPU's order
+# (bench/_fake_device.py), so a transport that drops the copy stream's wait on a gradient's ready
+# event, or the weight copies' wait on the write event, fails in CI, before any GPU run.
 # The time limits are estimates: the script has not yet run on a GPU. A step that runs past its
 # limit gets SIGABRT (then SIGKILL 10 s later): with PYTHONFAULTHANDLER=1 every Python thread's stack
 # goes to the log first, so a hang says where it hung; inside the checks, each check also dumps

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from bench._check_runner import run_check
+from bench._fake_device import FakeDevice
 from bench._device_perturb import CpuLoad, SlowCopies, delay_gradients, edit_after_backward
 
 __all__ = ["CHECKS", "main"]
@@ -196,53 +197,87 @@ def _reference(device: str, dtype: torch.dtype, steps: Sequence[int]) -> tuple[n
     return model, [opt.state[m] for m in masters]
 
 
-def check_producer(device: str) -> dict[str, Any]:
+def check_producer(device: str, *, fake: Callable[[], FakeDevice] = FakeDevice) -> dict[str, Any]:
     """Gradients that become final after their hooks fired (a GPU sleep queued in every layer's
     backward pre-hook, before the ops that produce its gradients), overlap on, no sync anywhere in
     the loop: the weights and moments equal an independent reference (torch's AdamW on fp32 masters
     on the host) bitwise (within assert_close's tolerance for fused-mp on a torch build where it
     is not verified bitwise), and the last step commits every chunk it started (a gradient copied
     before it was final fails its checksum and is redone). With torch's kernel and, where it
-    builds, the native one forced (it writes the weights into the h2d ring and the early places)."""
-    from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_available
+    builds, the native one forced (it writes the weights into the h2d ring and the early places).
+    On the CPU also the CUDA transport over a fake device (``bench._fake_device``, bf16): the same
+    comparisons, and every gradient copy ordered after the work that produced it (its wait on the
+    ready event) and every weight copy after the work queued before it (its wait on the write
+    event), as a GPU would order them; ``fake``: makes that device (tests: one that drops a wait)."""
+    from offload.kernels._fused_mp import fused_mp_available
 
     steps = range(6)
     kernels = ["torch"] + (["fused-mp"] if fused_mp_available()[0] else [])
+    runs = [(dtype, kernel, None) for dtype in (torch.float32, torch.bfloat16) for kernel in kernels]
+    if device == "cpu":  # the CUDA transport's path, its device order checked
+        runs += [(torch.bfloat16, kernel, fake) for kernel in kernels]
+    refs = {dtype: _reference(device, dtype, steps) for dtype in {dtype for dtype, _, _ in runs}}
     out: dict[str, Any] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        ref_model, ref_state = _reference(device, dtype, steps)
-        for kernel in kernels:
-            model = _model(device, dtype)
-            calls = delay_gradients(model, device)
-            opt = _optimizer(model, overlap=True, kernel=kernel)
-            try:
-                with warnings.catch_warnings():  # (the first layer's input needs no gradient: said once per hook)
-                    warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
-                    for step in steps:
-                        opt.zero_grad()
-                        model(_batch(device, dtype, step)).float().square().mean().backward()
-                        opt.step()  # no sync before, none after until the next forward
-                exact = opt.settings.kernel == "torch" or bitwise_matches_torch()
-                bad = []
-                for i, (p, r, rs) in enumerate(zip(model.parameters(), ref_model.parameters(), ref_state)):
-                    pairs = [("param", p.detach(), r.detach())]
-                    pairs += [(key, opt.state[p][key], rs[key]) for key in ("exp_avg", "exp_avg_sq")]
-                    for what, a, b in pairs:
-                        a, b = a.cpu(), b.cpu().to(a.dtype)
-                        if not (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1.6e-2, atol=1e-5)):
-                            bad.append(f"{what} {i}")
-                speculated, committed = _counts(opt)  # after the loop: nothing left to mask
-                out[f"{dtype}-{kernel}"] = {"kernel": opt.settings.kernel, "compared": "bitwise" if exact else "close",
-                                            "differs": bad[:5], "speculated/committed": (speculated, committed),
-                                            "delays": calls[0]}
-            finally:
-                opt.close()
-            assert calls[0] == len(model) * len(steps), f"{dtype} {kernel}: {calls[0]} delays, expected one per layer and step"
-            assert not bad, f"{dtype} {kernel}: differs from the reference in {bad[:5]}"
-            assert speculated > 0 and committed == speculated, (
-                f"{dtype} {kernel}: {committed} of {speculated} early chunks committed in the last step: "
-                "what a chunk consumed was not the final gradient")
+    for dtype, kernel, make in runs:
+        name = f"{'fake-cuda-' if make is not None else ''}{dtype}-{kernel}"
+        out[name] = _producer_run(device, dtype, kernel, steps, refs[dtype], None if make is None else make())
     return out
+
+
+def _producer_run(device: str, dtype: torch.dtype, kernel: str, steps: Sequence[int],
+                  ref: tuple[nn.Module, list[dict[str, Any]]], fake: FakeDevice | None) -> dict[str, Any]:
+    """One run of :func:`check_producer`: its result, or AssertionError saying what differs."""
+    from offload.kernels._fused_mp import bitwise_matches_torch
+
+    ref_model, ref_state = ref
+    model = _model(device, dtype)
+    calls = delay_gradients(model, device)
+    if fake is not None:
+        fake.producing(model)  # (before the optimizer's hooks)
+    opt = _optimizer(model, overlap=True, kernel=kernel, device_ops=fake)
+    try:
+        with warnings.catch_warnings():  # (the first layer's input needs no gradient: said once per hook)
+            warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+            for step in steps:
+                opt.zero_grad()
+                if fake is not None:
+                    fake.sync()  # the forward's kernels: after what the caller's stream waits for
+                model(_batch(device, dtype, step)).float().square().mean().backward()
+                opt.step()  # no sync before, none after until the next forward
+        if fake is not None:
+            fake.sync()
+        exact = opt.settings.kernel == "torch" or bitwise_matches_torch()
+        bad = []
+        for i, (p, r, rs) in enumerate(zip(model.parameters(), ref_model.parameters(), ref_state)):
+            pairs = [("param", p.detach(), r.detach())]
+            pairs += [(key, opt.state[p][key], rs[key]) for key in ("exp_avg", "exp_avg_sq")]
+            for what, a, b in pairs:
+                a, b = a.cpu(), b.cpu().to(a.dtype)
+                if not (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1.6e-2, atol=1e-5)):
+                    bad.append(f"{what} {i}")
+        speculated, committed = _counts(opt)  # after the loop: nothing left to mask
+        result = {"kernel": opt.settings.kernel, "compared": "bitwise" if exact else "close", "differs": bad[:5],
+                  "speculated/committed": (speculated, committed), "delays": calls[0]}
+    finally:
+        opt.close()
+        if fake is not None:
+            fake.close()
+    what = f"{'fake device ' if fake is not None else ''}{dtype} {kernel}"
+    if fake is not None:
+        result.update(device_order=fake.violations[:3], device_order_violations=len(fake.violations),
+                      dropped_waits=fake.dropped, produced=fake.produced)
+        assert not fake.errors(), f"{what}: the fake device's streams raised {fake.errors()[:3]}"
+        assert fake.produced == sum(p.numel() > 0 for p in model.parameters()) * len(steps), (
+            f"{what}: {fake.produced} gradients produced on the fake device, expected one per parameter and step")
+    assert not bad, f"{what}: differs from the reference in {bad[:5]}"
+    if fake is not None:
+        assert not fake.violations, (f"{what}: {len(fake.violations)} copies not in device order, first: "
+                                     f"{fake.violations[0]}")
+    assert calls[0] == len(model) * len(steps), f"{what}: {calls[0]} delays, expected one per layer and step"
+    assert speculated > 0 and committed == speculated, (
+        f"{what}: {committed} of {speculated} early chunks committed in the last step: "
+        "what a chunk consumed was not the final gradient")
+    return result
 
 
 def check_data_edits(device: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from offload.pipeline._cuda_transport import STAGING_SLOTS, CudaTransport, Devic
 from offload.pipeline._host_transport import HostTransport
 from offload.pipeline._pipeline import Pipeline
 from offload.pipeline._signals import DeferredSignals
-from offload.pipeline._step import StepJobs, collect_grads, part_stepped, ready_event, submit_step
+from offload.pipeline._step import StepJobs, collect_grads, part_stepped, submit_step
 from offload.pipeline._timings import StatsBuilder
 from offload.pipeline._transport import Transport
 from offload.state._clip import ClipRequest, amp_arguments
@@ -126,7 +126,7 @@ class HostSide(Optimizer):
                 hypers[group] = replace(hyper_of(self.param_groups[group]), grad_coef=coef, grad_scale=scale)
             return hypers[group]
 
-        event = ready_event(self._layout.registry.device)
+        event = self._pipeline.transport.ready_event()
         # From here until the step's state is consistent again, an exception that escapes the
         # handlers below (one raised asynchronously into this thread) leaves this mark, and the
         # optimizer refuses to go on.

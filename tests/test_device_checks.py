@@ -6,6 +6,7 @@ status says whether all passed, and a check that runs too long has every thread'
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench import device_checks
+from bench._fake_device import FakeDevice
 
 REPO = Path(__file__).absolute().parents[1]
 
@@ -34,13 +36,34 @@ def test_prebuild_and_producer_delays_hold_on_the_host(capsys) -> None:
     prebuild, producer = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert prebuild["ok"] and prebuild["auto"] in ("torch", "fused-mp") and prebuild["build_s"] >= 0
     runs = {k: v for k, v in producer.items() if isinstance(v, dict)}
-    assert {"torch.float32-torch", "torch.bfloat16-torch"} <= set(runs), producer
+    assert {"torch.float32-torch", "torch.bfloat16-torch", "fake-cuda-torch.bfloat16-torch"} <= set(runs), producer
     for run in runs.values():
         assert run["differs"] == [] and run["delays"] == 4 * 6, run
         speculated, committed = run["speculated/committed"]
         assert speculated == committed > 0, run
+    fake = runs["fake-cuda-torch.bfloat16-torch"]  # the CUDA transport, its device order kept
+    assert fake["device_order_violations"] == 0 and fake["dropped_waits"] == 0 and fake["produced"] == 8 * 6, fake
     if prebuild["fused_mp"]:  # the native kernel forced, whatever "auto" picks
         assert runs["torch.bfloat16-fused-mp"]["kernel"] == "fused-mp"
+
+
+@pytest.mark.parametrize("drop, says", [
+    ("ready", "differs from the reference"),  # the gradient copies read unfinished gradients
+    ("write", "copies not in device order"),  # the weight copies may overwrite what backward still reads
+])
+def test_the_dry_run_fails_when_the_transport_drops_a_wait(drop: str, says: str) -> None:
+    """Issue 40, done when: the producer check's dry run runs the CUDA transport over a fake device
+    that keeps a GPU's order (``bench._fake_device``) and fails when the d2h stream's wait on a
+    job's ready event, or the h2d stream's wait on its write event, is dropped. (It ran only the
+    host transport before, where neither wait exists, and the transport made its ready event
+    with ``torch.cuda`` directly, so a fake device never saw it.)"""
+    with pytest.raises(AssertionError, match=f"fake device torch.bfloat16 .*: .*{says}"):
+        device_checks.check_producer("cpu", fake=functools.partial(FakeDevice, drop=drop))
+
+
+def test_the_fake_device_refuses_an_unknown_drop() -> None:
+    with pytest.raises(ValueError, match=r"drop='d2h': expected None or one of \('ready', 'write'\)"):
+        FakeDevice(drop="d2h")
 
 
 def test_device_only_checks_say_so_on_the_cpu(capsys) -> None:

@@ -33,7 +33,7 @@ from offload.overlap._hooks import GradHooks
 from offload.overlap._speculation import Checksums, Speculation, SpeculativeChunk, same_hyper
 from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._pipeline import Pipeline
-from offload.pipeline._step import commit_generations, keep_views, part_stepped, ready_event, write_job
+from offload.pipeline._step import commit_generations, keep_views, part_stepped, write_job
 from offload.state._edits import reseed
 from offload.state._groups import hyper_of
 from offload.state._items import fresh_items
@@ -139,7 +139,7 @@ class Launcher:
         items = fresh_items(chunk, grads, records, state, kernel=self.settings.kernel)
         job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.backward_threads(),
                        update=True, materialize=False, into_next=True, done=threading.Event(),
-                       ready_event=ready_event(layout.registry.device))
+                       ready_event=pipeline.transport.ready_event())
         self.speculation.launch(chunk, job, grads, records, state,
                                 host_weights=pipeline.transport.host_weights)
         pipeline.submit(job)

@@ -145,7 +145,7 @@ class TorchCudaOps:
         return torch.cuda.Stream(self.device)
 
     def event(self, label: tuple[str, int, str]) -> Any:
-        return torch.cuda.Event(enable_timing=True)
+        return torch.cuda.Event(enable_timing=label[0] != "ready")  # (the copies' events are timed)
 
     def record(self, event: Any, stream: Any) -> None:
         event.record(stream)
@@ -275,6 +275,16 @@ class CudaTransport:
         self._last_h2d: Any = None
         self._counted = 0  # registrations already reported by a step
         self._checksums: ChecksumKernel | None = None  # the pipeline's (set by prepare)
+
+    def ready_event(self) -> Any:
+        """An event on the calling thread's current stream (a hook's: FSDP2's post-reduce stream),
+        made and recorded through the device ops, so a fake device sees which copies wait for it
+        (``bench._fake_device``). No host wait."""
+        ops = self._ops
+        with ops.context():
+            event = ops.event(("ready", -1, "caller"))
+            ops.record(event, ops.current_stream())
+        return event
 
     def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
         """No kernel call ahead: the kernel's gradient operands exist only after the worker's d2h

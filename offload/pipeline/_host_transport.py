@@ -76,6 +76,10 @@ class HostTransport:
         self._scratch = Scratch()
         self._prepared: dict[int, _Prepared] = {}
 
+    def ready_event(self) -> Any:
+        """None: the gradients are final when a hook or ``step()`` sees them."""
+        return None
+
     def forget(self) -> None:
         """Drop the prepared calls of the old chunk layout."""
         self._prepared.clear()

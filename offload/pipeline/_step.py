@@ -15,7 +15,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from offload.pipeline._jobs import ChunkJob
@@ -25,7 +24,7 @@ from offload.pipeline._pipeline import Pipeline
 from offload.state._layout import HostLayout
 from offload.state._slabs import StorageSwap, View
 
-__all__ = ["StepJobs", "collect_grads", "commit_generations", "keep_views", "part_stepped", "ready_event",
+__all__ = ["StepJobs", "collect_grads", "commit_generations", "keep_views", "part_stepped",
            "submit_step", "write_job"]
 
 
@@ -173,13 +172,3 @@ def collect_grads(layout: HostLayout, state: Mapping[Tensor, dict[str, Any]], *,
             state[param]["step"] += 1
         grads[slot] = g
     return grads
-
-
-def ready_event(device: torch.device) -> Any:
-    """CUDA: an event on the current stream after which the gradients read so far are final
-    (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event

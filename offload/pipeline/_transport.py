@@ -39,6 +39,13 @@ class Transport(Protocol):
     compared with its live weight in the kernel's pass (an edit through ``.data``,
     ``offload.state._items.follows_weights``). False on CUDA: the weights are on the device."""
 
+    def ready_event(self) -> Any:
+        """On the thread that calls ``step()`` or runs a backward hook: an event recorded on its
+        current device stream, after which the gradients (and every use of the weights) queued so
+        far are final; a job's d2h copies wait for it (``ChunkJob.ready_event``), and so do its
+        weight copies (``write_event``). None where nothing runs asynchronously (the host)."""
+        ...
+
     def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
         """On the submitting thread: optionally set ``job.calls``/``job.call_steps`` ahead."""
         ...
