@@ -32,6 +32,7 @@ from offload.pipeline._transport import Transport
 from offload.state._clip import ClipRequest, amp_arguments
 from offload.state._edits import adopt_entries, check_edited_dtype, edited, record, replaced_entries, reseed
 from offload.state._groups import hyper_of
+from offload.state._items import LOWP_DTYPES
 from offload.state._layout import NO_SEEDS, HostLayout, Relaid
 from offload.state._masters import cast_seeds, drop_equal_masters, give_masters
 
@@ -77,7 +78,26 @@ class HostSide(Optimizer):
                                       timeout_s=self._device_timeout_s)
         else:
             transport = HostTransport(copy=self._kernels.copy)
-        return Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)
+        pipeline = Pipeline(self._layout.slabs, transport, name=f"offload-adamw-{id(self):x}", kernels=self._kernels)
+        self._reserve_staging(pipeline)
+        return pipeline
+
+    def _reserve_staging(self, pipeline: Pipeline) -> None:
+        """The CUDA transport's pinned blocks for the current layout, ring depth and kernel, made
+        now on the idle worker (``Pipeline.reserve``): a new pipeline, chunk size, depth or kernel.
+        Page-locking synchronises the device (a known hang beside NCCL launches on other ranks),
+        so no step makes a block, least of all an early chunk during an overlapped backward;
+        the places of early weights are for bf16/fp16 parameters that fused-mp may start early."""
+        if isinstance(pipeline.transport, HostTransport):
+            return
+        layout, settings = self._layout, self._settings
+        locals_ = [rec.local() for rec in layout.records]
+        places = {}
+        if layout.overlap_backward and settings.speculate and settings.kernel == "fused-mp":
+            slabs = layout.slabs
+            places = {slot: (t.numel(), t.dtype) for slot, t in enumerate(locals_)
+                      if t.dtype in LOWP_DTYPES and t.numel() and slabs.speculable[slabs.slots[slot].segment]}
+        pipeline.reserve(layout.chunks, [t.dtype for t in locals_], places)
 
     def _relayout(self, seeds: Mapping[int, Tensor] = NO_SEEDS) -> Relaid:
         """A new layout for the current groups, with the state carried over (after

@@ -301,6 +301,9 @@ class CPUOffloadAdamW(HostSide):
             self._pipeline.forget_layout()
         if ring_depth(settings) != ring_depth(self._settings):  # (the host transport ignores it)
             self._pipeline.resize_rings(ring_depth(settings))
+        staging = (settings.chunk_numel, ring_depth(settings), settings.kernel, settings.speculate)
+        restage = staging != (self._settings.chunk_numel, ring_depth(self._settings), self._settings.kernel,
+                              self._settings.speculate)
         if bool(settings.bind_numa) != bool(self._settings.bind_numa):
             if settings.bind_numa:
                 self._numa.turn_on(self._layout.host_regions)
@@ -309,6 +312,9 @@ class CPUOffloadAdamW(HostSide):
         self._settings = settings
         if self._overlap is not None:
             self._overlap.settings = settings
+            self._overlap.prepare()  # (speculate switched on: the second generation now)
+        if restage:  # the pinned blocks for them now, not in the next (overlapped) step
+            self._reserve_staging(self._pipeline)
 
     @property
     def last_stats(self) -> StepStats | None:

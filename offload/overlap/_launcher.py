@@ -74,6 +74,7 @@ class Launcher:
         self.hooks: GradHooks | None = None
         self.speculation = Speculation(checksums)
         self._lr_host: Tensor | None = None  # pinned, per chunk: a CUDA lr copied at launch
+        self._prepared: tuple[int, int] | None = None  # (slabs, slots with state) prepare() last saw
 
     def bind(self, layout: HostLayout, pipeline: Pipeline) -> None:
         """A new layout (the first, or after a relayout): hooks on its parameters (the hook counts
@@ -86,6 +87,25 @@ class Launcher:
         self.hooks = GradHooks(layout.records, self._start_early, calibrated=calibrated)
         self.hooks.external = self.external
         self.hooks.set_chunks(layout.chunks)
+        self._prepared = None
+        self.prepare()
+
+    def prepare(self) -> None:
+        """Outside backward (a new layout, the end of a ``step()``, speculation switched on): the
+        second generation of every segment whose chunks may start during the next backward
+        (speculable, a parameter there has state), so no hook zero-fills it (12 bytes per element:
+        seconds for a 7B model, inside backward). Nothing once every such segment has one."""
+        layout = self.layout
+        if layout is None or not self.settings.speculate:
+            return
+        slabs = layout.slabs
+        seen = (id(slabs), slabs.used.count(1))  # (a C count: no per-parameter Python each step)
+        if seen == self._prepared:
+            return
+        self._prepared = seen
+        pending = {seg for seg, ok in enumerate(slabs.speculable) if ok and not slabs.has_next(seg)}
+        if pending:
+            slabs.ensure_next(sorted({s.segment for s in slabs.slots if s.segment in pending and slabs.used[s.index]}))
 
     def rechunked(self) -> None:
         """The layout's chunks changed (another ``chunk_numel``): count the new ones."""
@@ -130,8 +150,8 @@ class Launcher:
         if not layout.slabs.speculable[chunk.segment]:
             return  # past speculation_limit (no second generation there): step() runs the chunk
         reseed(records, layout.slabs, grads)  # an edit since the last step: the master follows it
-        # The segment's second generation, where the early kernel writes (made at its first early
-        # chunk: 12 bytes per element of the segment, kept from step to step).
+        # The segment's second generation, where the early kernel writes: made outside backward
+        # (prepare), so this finds it (12 bytes per element of the segment, kept from step to step).
         layout.slabs.ensure_next((chunk.segment,))
         self._segments.add(chunk.segment)
         group = opt.param_groups[chunk.group]
@@ -299,6 +319,7 @@ class Launcher:
             commit_generations(self.layout, segments, grads, [*self._committed, *updates],
                                error=error, failed=failed, swap=swap)
         self.end_step(grad_scale=grad_scale, failed=failed)
+        self.prepare()  # (the first step made the state: the next backward may start chunks)
         return mixed
 
     def end_step(self, *, grad_scale: Tensor | None, failed: bool = False) -> None:

@@ -42,6 +42,7 @@ import logging
 import mmap
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -55,7 +56,7 @@ from offload.pipeline._waits import DEVICE_TIMEOUT_S, EventWait
 from offload.state._items import KIND_MP, KIND_TORCH, Item
 from offload.kernels._adamw import ChecksumKernel, KernelSet
 from offload.pipeline._operands import torch_grads
-from offload.state._slabs import HostSlabs
+from offload.state._slabs import Chunk, HostSlabs, View
 
 logger = logging.getLogger(__name__)
 
@@ -221,11 +222,12 @@ class TorchCudaOps:
         return torch.cuda.device(self.device)
 
 
-def _staging_layout(items: list[Item], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+def _staging_layout(items: Sequence[Item | View], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+    """Per item (or view), its byte offset in a staging block; the block's bytes."""
     offsets, off = [], 0
     for it, dtype in zip(items, dtypes):
         offsets.append(off)
-        nbytes = it.view.numel * dtype.itemsize
+        nbytes = (it.numel if isinstance(it, View) else it.view.numel) * dtype.itemsize
         off += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
     return offsets, off
 
@@ -460,8 +462,9 @@ class CudaTransport:
 
     def forget(self) -> None:
         """The chunk layout changed (between steps): the ring's blocks, sized for the old chunks,
-        are replaced in the next step by blocks for the new ones (by the worker, after each
-        block's last copy: nothing waits here); the places per parameter stay."""
+        are replaced by blocks for the new ones at the next :meth:`reserve` (the optimizer's, at
+        once, on the worker, after each block's last copy: nothing waits here); the places per
+        parameter stay."""
         self._d2h.renew()
         self._h2d.renew()
 
@@ -469,11 +472,26 @@ class CudaTransport:
         """A new ring depth (``OffloadSettings.ring_slots``, between steps): ``slots`` blocks per
         direction from the next step on, and as many chunks' gradient copies in flight (the
         worker reads :attr:`lookahead` per job). As :meth:`forget`: the worker adds or gives
-        back blocks at their next use, after their last copy; nothing waits here. The bytes
+        back blocks at the next :meth:`reserve`, after their last copy; nothing waits here. The bytes
         staged are the same whatever the depth: only how far ahead the copies run changes."""
         self._d2h.resize(slots)
         self._h2d.resize(slots)
         self.lookahead = slots - 1
+
+    def reserve(self, chunks: Sequence[Chunk], dtypes: Sequence[torch.dtype],
+                places: Mapping[int, tuple[int, torch.dtype]]) -> None:
+        """On the idle worker between steps (``Pipeline.reserve``: a new transport, chunk layout,
+        ring depth or kernel): every ring slot sized for the largest chunk of ``chunks``
+        (``dtypes``: per slot, the parameter's, which its gradient has) at the depth set, and one
+        block for ``places`` (the early weights of fused-mp parameters that may start during
+        backward), now. Page-locking synchronises the device, a known hang beside NCCL
+        launches on other ranks: the worker's take of a ring slot during an overlapped backward
+        used to make these blocks; now it finds them."""
+        nbytes = max((_staging_layout(list(c.views), [dtypes[v.slot] for v in c.views])[1] for c in chunks), default=0)
+        with self._ops.context():
+            self._d2h.reserve(nbytes)
+            self._h2d.reserve(nbytes)
+            self._lowp.reserve(dict(places))
 
     def close(self) -> None:
         """The worker has stopped: wait for the last copies, then give every pinned block back."""

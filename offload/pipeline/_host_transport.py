@@ -18,6 +18,7 @@ prepare`), which builds them while the worker runs the previous kernel: measured
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from offload.pipeline._jobs import Call, CallSteps, ChunkJob, StageRecord
 from offload.state._items import KIND_F32, KIND_MP, Item
 from offload.kernels._adamw import KernelSet
 from offload.pipeline._operands import build_calls, call_steps, flat, grad_operand, param_operand, param_view, torch_grads
-from offload.state._slabs import HostSlabs
+from offload.state._slabs import Chunk, HostSlabs
 
 __all__ = ["HostTransport"]
 
@@ -86,6 +87,10 @@ class HostTransport:
 
     def resize_rings(self, slots: int) -> None:
         """No staging ring on the host: ``OffloadSettings.ring_slots`` is ignored."""
+
+    def reserve(self, chunks: Sequence[Chunk], dtypes: Sequence[torch.dtype],
+                places: Mapping[int, tuple[int, torch.dtype]]) -> None:
+        """Nothing pinned on the host."""
 
     def pinned_stats(self) -> tuple[int, int]:
         """Nothing pinned on the host."""

@@ -11,18 +11,22 @@ through ``unpin`` after the last copy that touches it completed. :class:`PinnedP
 bytes held and the registrations made, which each step reports (``StepStats.pinned_bytes``,
 ``pinned_registrations``).
 
-Two users, both sized once per chunk layout:
+Two users, both sized once per chunk layout, between steps: page-locking synchronises the device
+(a known hang beside NCCL launches on several ranks), so no block is made during a step, least of
+all by an early chunk during an overlapped backward (issue 40). The optimizer has the worker make
+them while it is idle, whenever a pipeline, a chunk size, a ring depth or a kernel is set
+(``CudaTransport.reserve``, :meth:`Ring.reserve`, :meth:`LowpPlaces.reserve`):
 
-* :class:`Ring`: one block per slot, as large as the largest chunk's staging (grown, exactly, while
-  the first step of a layout meets larger chunks, and every slot at that step's end; replaced in
-  the first step of a new layout; slots added or given back in the first step after a new depth,
-  ``OffloadSettings.ring_slots``).
+* :class:`Ring`: one block per slot, as large as the largest chunk's staging (replaced for a new
+  chunk layout, slots added or given back for a new depth, ``OffloadSettings.ring_slots``, each
+  after its last copy). Used without a reservation (a pipeline alone, in tests), or by a chunk
+  larger than reserved, a slot still grows at its next use, and every slot at the step's end.
 * :class:`LowpPlaces`: where a chunk started during backward keeps its low-precision weights until
   ``step()`` writes them (fused-mp on bf16/fp16 parameters with ``overlap_backward``). One block
-  for every such parameter, made at the end of the first step in which the transport met them
-  (:meth:`LowpPlaces.note` on every update job, :meth:`LowpPlaces.settle` at the step's end), so
-  the early chunks of later steps register nothing; a parameter not foreseen (the kernel switched
-  to fused-mp) gets its place, with every other candidate's, in one more block.
+  for every such parameter, reserved with the rings; without a reservation, made at the end of the
+  first step in which the transport met them (:meth:`LowpPlaces.note` on every update job,
+  :meth:`LowpPlaces.settle` at the step's end), and a parameter not foreseen gets its place, with
+  every other candidate's, in one more block.
 """
 
 from __future__ import annotations
@@ -103,9 +107,9 @@ class Ring:
 
     def resize(self, slots: int) -> None:
         """Between steps: ``slots`` blocks from the next use on. As :meth:`renew`, nothing waits
-        or is freed here (the caller's thread); the worker applies it at the next :meth:`take` or
-        :meth:`settle`: the dropped slots' blocks given back after their last copy, the new slots
-        made at their first use, the kept ones left as they are."""
+        or is freed here (the caller's thread); the worker applies it at the next :meth:`reserve`
+        (the optimizer's, at once), :meth:`take` or :meth:`settle`: the dropped slots' blocks given
+        back after their last copy, the new slots made, the kept ones left as they are."""
         _check_slots(slots)
         self._resize_to = slots
 
@@ -177,6 +181,13 @@ class Ring:
                 self._wait_last(slot)
                 self._replace(slot)
 
+    def reserve(self, nbytes: int) -> None:
+        """Now, between steps, on the idle worker: a new depth applied and every slot at least
+        ``nbytes`` (the chunk layout's largest staging), replaced where renewed, after its last
+        copy; so the next steps' :meth:`take` finds its block (a larger request still grows one)."""
+        self._largest = max(self._largest, nbytes)
+        self.settle()
+
     def renew(self) -> None:
         """The chunk layout changed: every slot is replaced, at its next use or a step's end, by a
         block sized for the new chunks (on the worker, after the slot's last copy)."""
@@ -233,6 +244,13 @@ class LowpPlaces:
         if self._want:
             self._allocate(self._want)
 
+    def reserve(self, need: dict[int, tuple[int, torch.dtype]]) -> None:
+        """Now, between steps, on the idle worker: one block for the places of ``need`` (slot ->
+        elements, dtype: the parameters whose chunks may start during backward) that have none."""
+        missing = {slot: nd for slot, nd in need.items() if not self._fits_shape(slot, *nd)}
+        if missing:
+            self._allocate(missing)
+
     def view(self, it: Item, *, for_write: bool) -> Tensor:
         """``it``'s elements of its parameter's place: to write (by an early kernel) or to read
         (by the host-to-device copy in ``step()``, which needs the place that kernel wrote)."""
@@ -280,8 +298,11 @@ class LowpPlaces:
         self._blocks = []
 
     def _fits(self, slot: int, p: Tensor) -> bool:
+        return self._fits_shape(slot, p.numel(), p.dtype)
+
+    def _fits_shape(self, slot: int, numel: int, dtype: torch.dtype) -> bool:
         place = self._place.get(slot)
-        return place is not None and place.dtype == p.dtype and place.numel() == p.numel()
+        return place is not None and place.dtype == dtype and place.numel() == numel
 
     def _allocate(self, need: dict[int, tuple[int, torch.dtype]]) -> None:
         entries = sorted(need.items())

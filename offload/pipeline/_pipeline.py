@@ -32,17 +32,21 @@ good, and on the CPU a step's fused-mp job gets its kernel arguments from the su
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from offload.pipeline._buffers import SlabListCache
 from offload.pipeline._jobs import ChunkJob, DrainResult, StageRecord
 from offload.kernels._adamw import DEFAULT_KERNELS, KernelSet
-from offload.state._slabs import HostSlabs
+from offload.state._slabs import Chunk, HostSlabs
 from offload.pipeline._transport import Transport
 from offload.pipeline._worker import STOP, Barrier, OnWorker, Worker, worker_main
 
@@ -157,9 +161,15 @@ class Pipeline:
 
     def resize_rings(self, slots: int) -> None:
         """A new staging ring depth (``OffloadSettings.ring_slots``; call between steps): the
-        transport's rings are re-made by the worker in the next step, as for a new layout
-        (:meth:`forget_layout`); ignored by the host transport."""
+        transport's rings are re-made by the worker at the next :meth:`reserve`, as for a new
+        layout (:meth:`forget_layout`); ignored by the host transport."""
         self.transport.resize_rings(slots)
+
+    def reserve(self, chunks: Sequence[Chunk], dtypes: Sequence[torch.dtype],
+                places: Mapping[int, tuple[int, torch.dtype]]) -> None:
+        """Between steps (the worker idle): the transport makes what this chunk layout stages
+        through, on the worker, and this thread waits for it (``Transport.reserve``)."""
+        self.on_worker(functools.partial(self.transport.reserve, chunks, dtypes, places), threads=1)
 
     def drain(self) -> DrainResult:
         """Wait until every submitted job is done; return their records and the first error.

@@ -8,6 +8,7 @@ the new weights into the parameters (``materialize``). Every transport implement
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -17,7 +18,7 @@ from offload.pipeline._buffers import SlabListCache
 from offload.pipeline._jobs import ChunkJob, StageRecord
 from offload.state._items import Item
 from offload.kernels._adamw import KernelSet
-from offload.state._slabs import HostSlabs
+from offload.state._slabs import Chunk, HostSlabs
 
 __all__ = ["Transport"]
 
@@ -91,6 +92,13 @@ class Transport(Protocol):
     def resize_rings(self, slots: int) -> None:
         """Between steps: ``slots`` staging slots per direction from the next step on, and
         :attr:`lookahead` ``slots - 1`` (``OffloadSettings.ring_slots``; a no-op without a ring)."""
+        ...
+
+    def reserve(self, chunks: Sequence[Chunk], dtypes: Sequence[torch.dtype],
+                places: Mapping[int, tuple[int, torch.dtype]]) -> None:
+        """On the idle worker between steps (``Pipeline.reserve``): make now what the steps of
+        this chunk layout stage through (``dtypes``: per slot; ``places``: slot -> elements and
+        dtype of the early weights' places), so no step makes any (never during backward)."""
         ...
 
     def pinned_stats(self) -> tuple[int, int]:

@@ -312,6 +312,10 @@ class HostSlabs:
                 nxt["own"] = torch.zeros(self._own_numel[seg], dtype=torch.float32)
                 self._next[seg] = nxt
 
+    def has_next(self, segment: int) -> bool:
+        """``segment`` has its second generation (:meth:`ensure_next`)."""
+        return self._next[segment] is not None
+
     def next_view(self, kind: SlabKind, v: View) -> Tensor:
         """:meth:`view` of the second generation (``ensure_next`` made it for the view's segment)."""
         key = (kind, v.slot, v.start, v.stop)
