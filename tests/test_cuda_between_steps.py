@@ -12,20 +12,25 @@ Without a GPU: the whole optimizer runs its CUDA path on fake device ops (``test
 over bf16 CPU parameters; the fake records, per page-locked block, whether it was made between
 steps or during one (from the forward to the return of ``step()``); the loop checks the second
 generation's bytes around each backward. Every result bitwise the host path's.
+
+And the copy streams: torch 2.13 makes none outside its shared pool, so the transport logs their
+handles (INFO), once per transport.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
 
 import pytest
 import torch
-from _fake_cuda import FakeOps, Log
+from _fake_cuda import FakeOps, FakeStream, Log
 from conftest import assert_bitwise
 
 from offload import CPUOffloadAdamW, OffloadSettings
 from offload.kernels._fused_mp import fused_mp_available
+from offload.pipeline._cuda_transport import CudaTransport
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 
@@ -121,3 +126,24 @@ def test_pinned_blocks_and_the_second_generation_are_made_between_steps(kernel: 
         assert not ops.pinned  # every block given back
         ops.close()
 
+
+class _HandleOps(FakeOps):
+    """Fake ops whose streams carry a CUDA handle and torch's id, as ``torch.cuda.Stream`` does."""
+
+    def stream(self) -> FakeStream:
+        s = super().stream()
+        s.cuda_stream, s.stream_id = 0x7F00 + len(self.streams), 32 + len(self.streams)  # type: ignore[attr-defined]
+        return s
+
+
+def test_the_copy_streams_handles_are_logged_once_per_transport(caplog: pytest.LogCaptureFixture) -> None:
+    ops = _HandleOps(Log(1.0), 0)
+    try:
+        with caplog.at_level(logging.INFO, logger="offload.pipeline._cuda_transport"):
+            transport = CudaTransport(torch.device("cpu"), ops=ops)
+        lines = [r.getMessage() for r in caplog.records if "copy streams" in r.getMessage()]
+        assert lines == ["CUDA transport on cpu: copy streams d2h 0x7f01 (stream_id 33), h2d 0x7f02 (stream_id 34) "
+                         "(from torch's stream pool, which NCCL and DDP also draw from)"], lines
+        transport.close()
+    finally:
+        ops.close()

@@ -19,10 +19,15 @@ fp32 besides the master) straight into the h2d ring slot. Host memory is
 the state (12 bytes per parameter) plus ``2 x slots`` pinned blocks as large as the largest
 chunk's staging; only with ``overlap_backward`` does fused-mp add one pinned block holding a place
 of the parameter's dtype per bf16/fp16 parameter (the weights a chunk started during backward
-keeps until ``step()``). Pinned memory is a few blocks of exact size (page-rounded), registered in
-the first step of a chunk layout and never again (:mod:`offload.pipeline._pinned`); each step
-reports the bytes held and the registrations it made (``StepStats.pinned_bytes``,
-``pinned_registrations``).
+keeps until ``step()``). Pinned memory is a few blocks of exact size (page-rounded), registered
+between steps on the idle worker when a layout, ring depth or kernel is set (:meth:`CudaTransport.reserve`),
+never during a step (:mod:`offload.pipeline._pinned`); each step reports the bytes held and the
+registrations made since the last report (``StepStats.pinned_bytes``, ``pinned_registrations``).
+The d2h copies wait on the device for a ``ready_event`` and the weight copies for a ``write_event``,
+both made through the device ops (:meth:`CudaTransport.ready_event`), so a fake device sees them
+(``bench._fake_device`` checks a GPU's order in the CPU dry run of ``bench.device_checks``).
+The two copy streams come from torch's shared stream pool (torch 2.13 makes no other kind): their
+handles are logged at INFO when a transport is made.
 
 Every device operation goes through a :class:`DeviceOps` (streams, events, asynchronous copies,
 pinned blocks). :class:`TorchCudaOps` is the real one; a test passes one whose streams are
@@ -242,6 +247,13 @@ def _downcast(dsts: list[Tensor], srcs: list[Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def _handle(stream: Any) -> str:
+    """A stream's CUDA handle and torch's id of it (a fake's repr)."""
+    if hasattr(stream, "cuda_stream"):
+        return f"{stream.cuda_stream:#x} (stream_id {stream.stream_id})"
+    return repr(stream)
+
+
 class CudaTransport:
     """Parameters on one CUDA device (see the module doc for the schedule).
 
@@ -269,6 +281,11 @@ class CudaTransport:
         self.host_weights = False  # the parameters are on the device (a .data edit is not followed)
         self._d2h_stream = self._ops.stream()
         self._h2d_stream = self._ops.stream()
+        # torch 2.13 makes no stream outside its per-device pool (torch.cuda.Stream draws round-robin
+        # from it, as NCCL's and DDP's streams do; ExternalStream only wraps one made elsewhere): the
+        # copies may share a stream with a collective and wait for it. The handles say if they do.
+        logger.info("CUDA transport on %s: copy streams d2h %s, h2d %s (from torch's stream pool, which NCCL "
+                    "and DDP also draw from)", device, _handle(self._d2h_stream), _handle(self._h2d_stream))
         self.pinned = PinnedPool(self._ops)
         self._d2h = Ring(self.pinned, slots, name="gradient ring", wait=self._wait)
         self._h2d = Ring(self.pinned, slots, name="weight ring", wait=self._wait)
