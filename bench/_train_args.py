@@ -139,7 +139,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging level of the trainer and the libraries (stderr)")
     p.add_argument("--dist-timeout", type=_positive_seconds, default=_dist.DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help="timeout of every collective, the tuner's included: a rank that stops answering "
+                   help="timeout of every collective, the tuner's included, and of each host wait of "
+                        "CPUOffloadAdamW on a device event (device_timeout_s): a rank that stops answering "
                         "fails the others within it, naming the step and the rank")
     return p
 

@@ -141,6 +141,7 @@ def _make_optimizer(args: argparse.Namespace, model: torch.nn.Module,
         settings=settings, overlap_backward=args.overlap_backward,
         state_dtype=torch.bfloat16 if args.optim_state_dtype == "bf16" else torch.float32,
         state_rounding=args.optim_state_rounding, state_rounding_seed=args.seed,
+        device_timeout_s=args.dist_timeout,  # a dead peer fails a wait on a device event as a collective
         **tune_kwargs,
     )
 

@@ -84,3 +84,17 @@ def test_no_matplotlib_is_said_in_one_line(tmp_path: Path, capsys, monkeypatch) 
                        "--cache", str(tmp_path / "c.json"), "--trace-dir", str(tmp_path / "t")]) == 0
     out = capsys.readouterr().out
     assert "tuning.png: matplotlib is not installed" in out and "[plot]" in out
+
+
+def test_dist_timeout_also_bounds_the_optimizers_waits_on_device_events() -> None:
+    """Issue 40: a dead peer fails a collective after --dist-timeout; the offloaded optimizer's host
+    waits on device events (the CUDA path's copies, behind a peer's NCCL work) take the same bound,
+    ``CPUOffloadAdamW(device_timeout_s=)``, instead of its 300 s default."""
+    import torch
+
+    args = train.build_parser().parse_args([*TINY, "--optim-cpu-offload", "--threads", "1", "--dist-timeout", "7"])
+    opt = train._make_optimizer(args, torch.nn.Linear(4, 4), {})
+    try:
+        assert opt._device_timeout_s == 7.0
+    finally:
+        opt.close()
