@@ -111,13 +111,25 @@ def kernel() -> object:
 
 @pytest.fixture(scope="session")
 def kernel_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the subprocess examples (README, docs/integrations.md) build the native kernel: the
-    caller's ``TORCH_EXTENSIONS_DIR``, else one directory for the session (a first build per
-    example cost ~33 s each in CI)."""
+    """Where subprocesses that set their own ``XDG_CACHE_HOME`` (the README's and
+    docs/integrations.md's examples, DeepSpeed's JIT ops) build native code: the caller's
+    ``TORCH_EXTENSIONS_DIR``, else one directory for the session in which the native kernel's
+    build directory is a link to the one this process builds it in, so they reuse the ``kernel``
+    fixture's build (keyed by source, path, torch, compiler and flags: a build of their own cost
+    ~30 s in CI, one per example ~33 s each before that). DeepSpeed's builds, named without such
+    a key, stay in the session's directory."""
     import os
 
+    from offload.kernels._build import build_spec
+
     given = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(given) if given else tmp_path_factory.mktemp("ext")
+    if given:
+        return Path(given)
+    ext = tmp_path_factory.mktemp("ext")
+    shared = build_spec().build_dir
+    shared.mkdir(parents=True, exist_ok=True)
+    (ext / shared.name).symlink_to(shared, target_is_directory=True)
+    return ext
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", DOC, flags=re.S)
 CLIENTS = ("transformers", "accelerate", "lightning", "torchtitan", "deepspeed")
 
 
-@pytest.mark.slow  # a fresh interpreter per block, the first builds the kernel in a new directory
+@pytest.mark.slow  # a fresh interpreter per block, each reusing the kernel the session built
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path) -> None:
     code = BLOCKS[index]

@@ -35,7 +35,7 @@ def _blocks(path: Path, lang: str) -> list[str]:
 EXAMPLES = [(path, i) for path in (README, *DOCS) for i in range(len(_blocks(path, "python")))]
 
 
-@pytest.mark.slow  # a fresh interpreter per block, the first builds the kernel in a new directory
+@pytest.mark.slow  # a fresh interpreter per block, each reusing the kernel the session built
 @pytest.mark.parametrize(("path", "index"), EXAMPLES, ids=[f"{p.relative_to(REPO)}-{i}" for p, i in EXAMPLES])
 def test_python_example_runs(path: Path, index: int, tmp_path: Path, kernel_build_dir: Path) -> None:
     code = _blocks(path, "python")[index]
