@@ -233,6 +233,7 @@ class Schedule:
         winner = self.space.key(decision.winner)
         challengers = [self.space.key(decision.runner_up)] if decision.runner_up is not None else []
         challengers.append(self._baseline_key)
+        lighter = self.space.lighter(decision.winner)  # what a load that starts mid-run favours
         ratios = {}
         for p in decision.paired:  # each arm's ratio to the static plan: the winner's to a challenger follows
             ratios[self.space.key(p["candidate"])] = float(p["ratio"])
@@ -240,7 +241,7 @@ class Schedule:
         expected = {k: r / mine for k, r in ratios.items()} | {self._baseline_key: 1.0 / mine}
         self.watch = Watch(
             winner, challengers, reference_s=decision.reference_s or 0.0, locked_at=step + 1, config=self.config,
-            expected_ratios=expected,
+            expected_ratios=expected, conditional=[self.space.key(lighter)] if lighter is not None else [],
         ) if decision.reference_s else None
         return self._with_watch(self.directive(step, "locked", "locked", decision.winner, decision=decision), step)
 

@@ -162,6 +162,23 @@ class SearchSpace:
         """Inverse of :meth:`key`."""
         return dict(zip(self.names, key))
 
+    def lighter(self, setting: Setting) -> dict[str, Scalar] | None:
+        """``setting`` with its first knob one value towards the preferred end, the other knobs kept;
+        None when it is there already. The first knob is the one a loaded host punishes (threads:
+        a team larger than the cores other work leaves free is preempted in its barriers), so
+        this is the post-lock watch's challenger for a load that starts mid-run.
+
+        >>> space = SearchSpace((Knob("threads", (1, 2, 4)), Knob("chunk_numel", (1 << 20, 1 << 22), prefer="high")))
+        >>> space.lighter({"threads": 4, "chunk_numel": 1 << 22}), space.lighter({"threads": 1, "chunk_numel": 1 << 20})
+        ({'threads': 2, 'chunk_numel': 4194304}, None)
+        """
+        knob = self.knobs[0]
+        index = knob.values.index(setting[knob.name])
+        index += -1 if knob.prefer == "low" else 1
+        if not 0 <= index < len(knob.values):
+            return None
+        return {**self.check(setting), knob.name: knob.values[index]}
+
     def preference(self, setting: Setting) -> tuple[int, ...]:
         """Deterministic tie-break key: smaller is preferred, knobs compared in order."""
         return tuple(knob.rank_of(setting[knob.name]) for knob in self.knobs)
