@@ -3,6 +3,7 @@ prints "ok" last (``sh`` blocks are install commands)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,7 +25,10 @@ def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path)
     for name in CLIENTS:
         if re.search(rf"^(import|from) {name}\b", code, flags=re.M):
             require(name)
-    env = {"PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",  # ninja (JIT builds)
+    # This process's PATH first (the ninja that built the session's kernel: another version
+    # rebuilds it), then the venv's bin, so DeepSpeed's JIT builds find a ninja in any case.
+    path = os.pathsep.join([os.environ.get("PATH", "/usr/bin:/bin"), str(Path(sys.executable).parent)])
+    env = {"PYTHONPATH": str(REPO), "PATH": path,
            "XDG_CACHE_HOME": str(tmp_path / "xdg"),
            "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)}

@@ -6,6 +6,7 @@ the benchmark tests), and their relative links point at files and headings that 
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import shlex
 import subprocess
@@ -39,8 +40,10 @@ EXAMPLES = [(path, i) for path in (README, *DOCS) for i in range(len(_blocks(pat
 @pytest.mark.parametrize(("path", "index"), EXAMPLES, ids=[f"{p.relative_to(REPO)}-{i}" for p, i in EXAMPLES])
 def test_python_example_runs(path: Path, index: int, tmp_path: Path, kernel_build_dir: Path) -> None:
     code = _blocks(path, "python")[index]
+    # This process's PATH: the ninja that built the session's kernel (another ninja version, as
+    # /usr/bin's 1.11 beside the venv's 1.13, finds its log foreign and rebuilds it, ~30 s).
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                          timeout=300, env={"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                             "XDG_CACHE_HOME": str(tmp_path / "xdg"),
                                             "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)})
     assert proc.returncode == 0, proc.stderr[-3000:]
