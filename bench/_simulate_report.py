@@ -226,8 +226,42 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{check['in_process_wall_s']:.2f} s in-process, which is why the main run uses threads.",
             "",
         ]
+    lines += _change_lines(result.get("load_change"))
     lines += ["## The model", "", result["model"], ""]
     return "\n".join(lines)
+
+
+def _change_lines(change: dict[str, Any] | None) -> list[str]:
+    """The section on the watch following a scripted load change (``bench.simulate.follow_change``)."""
+    if not change:
+        return []
+    lines = [
+        "## The watch follows a load change",
+        "",
+        f"`{change['node']}`, {change['seeds']} seeds of {change['horizon']} steps each, its load scripted "
+        f"instead of its episodes: it changes at step {change['change_at']} and stays. Followed = the setting "
+        "the run follows (what its locked steps run between the watch's rounds) is within "
+        f"{_pct(change['tolerance'])} of the best setting under the new load from some step on to the end; "
+        "steps = from the change to that step. Regret at the change = what keeping the lock-in would cost. "
+        "Watch cost = what the watch's steps cost beyond the followed setting's, as a share of every locked "
+        f"step's time (its bound: {_pct(change['watch_cost_bound'])}).",
+        "",
+        "| change | best before | best after | followed | steps (median / p95 / max) | regret at the change "
+        "(median) | final regret (median / p95 / max) | watch cost (median / max) | final settings |",
+        "|---|---|---|---:|---|---:|---|---|---|",
+    ]
+    for c in change["changes"]:
+        s = c["summary"]
+        steps = s["follow_steps"]
+        lines.append(
+            f"| {c['change']} (busy threads per socket {c['busy_before']} to {c['busy_after']}) | {c['best_before']} "
+            f"| {c['best_after']} | {s['followed']} of {s['seeds']} | "
+            + (f"{steps['median']:g} / {steps['p95']:.0f} / {steps['max']}" if steps else "-")
+            + f" | {_pct(s['regret_at_change_median'])} | {_pct(s['final_regret']['median'])} / "
+            f"{_pct(s['final_regret']['p95'])} / {_pct(s['final_regret']['max'])} | "
+            f"{_pct(s['watch_cost']['median'])} / {_pct(s['watch_cost']['max'])} | "
+            + "; ".join(f"{k}: {n}" for k, n in s["finals"].items()) + " |")
+    return lines + [""]
 
 
 def model_text() -> str:

@@ -140,7 +140,9 @@ def rank_session(
     Rank 0 appends the true node time of every step before the first lock-in to ``history`` and,
     with ``record``, fills it: ``costs`` (each step's true node time under its load, with the
     warm-up penalty of a step right after a switch: what the run paid), ``states`` (the tuner's
-    state each step ran in), ``lock_step`` and ``lock_summary`` (the first lock-in),
+    state each step ran in), ``settings`` (the setting each step ran, described), ``measuring``
+    (whether the tuner used the step's time: probing, a re-check or a watch round), ``lock_step``
+    and ``lock_summary`` (the first lock-in),
     ``switches_after_lock`` and ``final`` (the setting in effect at the end).
     Returns the tuner's summary at its first lock-in (at the end if it never locked).
     ``tuner_class``: what builds the tuner, with ``OnlineTuner``'s arguments (tests pass a scripted one).
@@ -162,6 +164,8 @@ def rank_session(
     limit = len(table) if steps is None else min(steps, len(table))
     costs: list[float] = []
     states: list[str] = []
+    settings: list[str] = []
+    measuring: list[bool] = []
     lock_step: int | None = None
     lock_summary: dict[str, Any] | None = None
     lock_applied = 0
@@ -184,13 +188,16 @@ def rank_session(
                 history.append(true_s)
             costs.append(true_s * (1.0 + noise.warmup_penalty if warm and step > 0 else 1.0))
             states.append(tuner.state)
+            settings.append(space.describe(current) if current else "")
+            measuring.append(bool(getattr(tuner, "measuring", False)))
         tuner.observe(StepSample(time_s=time_s, stages={"step_s": time_s}))
         step += 1
         if lock_step is None and tuner.state not in ACTIVE_STATES:
             lock_step, lock_summary, lock_applied = step, tuner.summary(), applied[0]
     summary = lock_summary if lock_summary is not None else tuner.summary()
     if record is not None:
-        record.update(costs=costs, states=states, lock_step=lock_step, lock_summary=lock_summary,
+        record.update(costs=costs, states=states, settings=settings, measuring=measuring,
+                      lock_step=lock_step, lock_summary=lock_summary,
                       switches_after_lock=applied[0] - lock_applied if lock_step is not None else 0,
                       final=tuner.current)
     tuner.close()
@@ -233,6 +240,7 @@ def run_seed(
     traces: Sequence[Any] | None = None,
     steps: int | None = None,
     tuner_class: Callable[..., Any] = OnlineTuner,
+    loads: Sequence[tuple[float, ...]] | None = None,
 ) -> dict[str, Any]:
     """One tuning session of ``node.ranks`` real tuners in lockstep threads; returns rank 0's view.
 
@@ -241,6 +249,8 @@ def run_seed(
     ``steps``: run that many training steps instead of stopping at lock-in; the row then holds
     ``whole_run`` (rank 0's ``record`` of :func:`rank_session`). Up to the lock-in both are the
     same session: the noise and the load of a step do not depend on how many steps are drawn.
+    ``loads``: each step's busy threads per socket instead of the node's own load episodes (a
+    scripted load change, :func:`bench.simulate.follow_change`).
     """
     config = config or AutotuneConfig(use_cache=False)
     noise = noise or NoiseModel()
@@ -252,7 +262,10 @@ def run_seed(
     # The tuner never exceeds its budget; one step more would show it if it did.
     length = config.probe_steps + 1 if steps is None else steps
     table = noise_table(node, seed, length, noise)
-    loads = step_loads(node, seed, length)
+    if loads is None:
+        loads = step_loads(node, seed, length)
+    elif len(loads) < length:
+        raise ValueError(f"run_seed: {len(loads)} steps of load for {length} steps: expected one per step")
     agreements = InProcessAgreement.group(n, timeout_s=BARRIER_TIMEOUT_S, owner="simulated node")
     summaries: list[dict[str, Any] | None] = [None] * n
     errors: list[BaseException] = []

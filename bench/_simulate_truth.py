@@ -17,6 +17,7 @@ from the lock-in to the end: the difference says what the tuner's steps after lo
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Callable, Sequence
 
@@ -25,7 +26,8 @@ import numpy as np
 from bench._contention import load_trace
 from bench._stepmodel import Node
 
-__all__ = ["NodeTruth", "trace_means", "whole_run_row", "whole_run_summary"]
+__all__ = ["FOLLOW_TOLERANCE", "NodeTruth", "follow_row", "follow_summary", "trace_means", "whole_run_row",
+           "whole_run_summary"]
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:
@@ -138,3 +140,76 @@ def whole_run_summary(rows: Sequence[dict[str, Any]], horizon: int, elapsed_s: f
                                 "max": max(r["switches_after_lock"] for r in rows)},
         "elapsed_s": elapsed_s,
     }
+
+
+#: A run follows a load change once the setting it runs (outside the watch's rounds) is within this
+#: much of the best setting under the new load, and stays there to the end.
+FOLLOW_TOLERANCE = 0.05
+
+
+def follow_row(truth: NodeTruth, rec: dict[str, Any], levels: Sequence[int], change_at: int) -> dict[str, Any]:
+    """How one run of :func:`bench.simulate.follow_change` followed a change of load at step
+    ``change_at`` (``levels``: each step's load level; ``rec``: ``run_seed(steps=...)``'s record).
+
+    The setting the run *follows* at a step is what ran in the latest locked step the tuner did not
+    measure (the winner, between the watch's rounds). ``follow_steps``: steps from the change until
+    the followed setting is within :data:`FOLLOW_TOLERANCE` of the best under the new load for the
+    rest of the run (None: not by the end). ``watch_cost``: what the watch's steps cost beyond the
+    followed setting's true time at their load, as a share of every locked step's cost."""
+    keys = {k: i for i, k in enumerate(truth.keys)}
+    after = truth.per_level[:, levels[change_at]]
+    best = float(after.min())
+    followed: list[str | None] = []
+    current = None
+    for state, measured, setting in zip(rec["states"], rec["measuring"], rec["settings"]):
+        if state == "locked" and not measured:
+            current = setting
+        followed.append(current)
+
+    def regret(key: str | None) -> float:
+        return math.nan if key is None else float(after[keys[key]]) / best - 1.0
+
+    start = None
+    for step in range(len(followed) - 1, change_at - 1, -1):
+        if not regret(followed[step]) <= FOLLOW_TOLERANCE:
+            break
+        start = step
+    excess = locked = 0.0
+    for step, (state, measured, cost) in enumerate(zip(rec["states"], rec["measuring"], rec["costs"])):
+        if state != "locked":
+            continue
+        locked += cost
+        if measured and followed[step] is not None:
+            excess += cost - float(truth.per_level[keys[followed[step]], levels[step]])
+    return {
+        "regret_at_change": regret(followed[change_at]),
+        "follow_steps": None if start is None else start - change_at,
+        "final": followed[-1],
+        "final_regret": regret(followed[-1]),
+        "watch_cost": excess / locked if locked else math.nan,
+        "switches_after_lock": rec["switches_after_lock"],
+    }
+
+
+def follow_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over the seeds of one load change: how many followed it, how fast, at what cost."""
+    steps = [r["follow_steps"] for r in rows if r["follow_steps"] is not None]
+    finals = [r["final_regret"] for r in rows]
+    costs = [r["watch_cost"] for r in rows]
+    return {
+        "seeds": len(rows),
+        "followed": len(steps),
+        "follow_steps": {"median": statistics.median(steps), "p95": _quantile(steps, 0.95), "max": max(steps)}
+        if steps else None,
+        "regret_at_change_median": statistics.median(r["regret_at_change"] for r in rows),
+        "final_regret": {"median": statistics.median(finals), "p95": _quantile(finals, 0.95), "max": max(finals)},
+        "watch_cost": {"median": statistics.median(costs), "max": max(costs)},
+        "finals": dict(sorted(_count(r["final"] for r in rows).items(), key=lambda kv: -kv[1])),
+    }
+
+
+def _count(keys: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in keys:
+        out[str(k)] = out.get(str(k), 0) + 1
+    return out

@@ -29,7 +29,9 @@ on a ``-contended`` node (load episodes, :mod:`bench._contention`) each candidat
 run's load trace (:mod:`bench._simulate_truth`). Regret of a run = (true time of the locked-in
 winner - true best) / true best. Whole-run regret (``--whole-run-seeds`` sessions per node run for
 ``--horizon`` steps, every step observed): what the run's steps cost, probing included, over
-``--horizon`` steps of the best fixed setting, minus 1.
+``--horizon`` steps of the best fixed setting, minus 1. The load-change check (``--change-seeds``
+runs, :func:`follow_change`): on the contended 2-rank node a load scripted to start, or to leave,
+at step 500: does the post-lock watch follow it, how fast, at what cost.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from bench._simulate_gloo import gloo_check
 from bench._simulate_oracle import oracle_bound, steps_needed
 from bench._simulate_session import DEFAULT_CHUNK_NUMEL, capped, plan_node, run_seed, tuning_inputs
 from bench._simulate_report import model_text, render_markdown, summary_line
-from bench._simulate_truth import NodeTruth, whole_run_row, whole_run_summary
+from bench._simulate_truth import FOLLOW_TOLERANCE, NodeTruth, follow_row, follow_summary, whole_run_row, whole_run_summary
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,10 @@ TARGET_MEDIAN_PROBE_STEPS = 32
 #: Steps of a whole run, and how many of each node's seeds run it (the first ones): the steps after
 #: lock-in cost little with today's tuner, but a tuner that watches after lock-in runs collectives.
 DEFAULT_HORIZON = 2000
+#: The load-change check (:func:`follow_change`): the node, the step of the change, and the seeds.
+CHANGE_NODE = "1s16c-smt2-2r-contended"
+CHANGE_AT = 500
+DEFAULT_CHANGE_SEEDS = 20
 DEFAULT_WHOLE_RUN_SEEDS = 50
 
 
@@ -258,6 +264,45 @@ def simulate_node(
     }
 
 
+def follow_change(name: str, seeds: int, *, first_seed: int = 0, config: AutotuneConfig | None = None,
+                  horizon: int = DEFAULT_HORIZON, change_at: int = CHANGE_AT) -> dict[str, Any]:
+    """Does the watch follow a host whose load changes mid-run, and at what cost? ``seeds`` runs of
+    ``horizon`` steps on contended node ``name`` with a scripted load instead of its episodes: quiet,
+    then from step ``change_at`` on the episode kind under which the quiet best loses most (a data
+    loader starts); and the reverse (a neighbour's job leaves). Per run :func:`follow_row`: the
+    steps until the setting the run follows is within ``FOLLOW_TOLERANCE`` of the best under the new
+    load for good, and what the watch's rounds cost."""
+    config = config or AutotuneConfig(use_cache=False)
+    node = build_node(name)
+    if node.contention is None:
+        raise ValueError(f"follow_change: node {name!r} has no load episodes: expected a contended node")
+    if not 0 < change_at < horizon:
+        raise ValueError(f"follow_change: change_at={change_at!r}: expected a step inside the run (0, {horizon})")
+    plans = plan_node(node)
+    space, baseline, caps = tuning_inputs(node, plans)
+    truths = NodeTruth(node, space.candidates(), space.describe, lambda c: capped(c, caps))
+    per_level = truths.per_level
+    quiet_best = int(np.argmin(per_level[:, 0]))
+    level = max(range(1, per_level.shape[1]), key=lambda k: per_level[quiet_best, k] / per_level[:, k].min())
+    changes = []
+    for label, before, after in (("a load starts", 0, level), ("the load leaves", level, 0)):
+        levels = [before] * change_at + [after] * (horizon - change_at)
+        loads = [node.contention.levels[k] for k in levels]
+        rows = [follow_row(truths, run_seed(node, space, baseline, caps, seed, config=config, steps=horizon,
+                                            loads=loads)["whole_run"], levels, change_at)
+                for seed in range(first_seed, first_seed + seeds)]
+        changes.append({
+            "change": label,
+            "busy_before": node.contention.levels[before], "busy_after": node.contention.levels[after],
+            "best_before": truths.keys[int(np.argmin(per_level[:, before]))],
+            "best_after": truths.keys[int(np.argmin(per_level[:, after]))],
+            "summary": follow_summary(rows),
+            "rows": rows,
+        })
+    return {"node": name, "seeds": seeds, "horizon": horizon, "change_at": change_at,
+            "tolerance": FOLLOW_TOLERANCE, "watch_cost_bound": config.watch_cost, "changes": changes}
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     config = AutotuneConfig(use_cache=False)
     began = time.perf_counter()
@@ -286,6 +331,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     if args.gloo_check_seeds:
         logger.info("gloo cross-check: %s, %d seeds", args.nodes[0], args.gloo_check_seeds)
         check = gloo_check(args.nodes[0], range(args.first_seed, args.first_seed + args.gloo_check_seeds))
+    change = None
+    if args.change_seeds:
+        logger.info("load change: %s, %d seeds", CHANGE_NODE, args.change_seeds)
+        change = follow_change(CHANGE_NODE, args.change_seeds, first_seed=args.first_seed, config=config,
+                               horizon=args.horizon)
     return {
         "command": " ".join(["python -m bench.simulate", *argv]),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -297,6 +347,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "nodes": nodes,
         "what_if": variants,
         "gloo_check": check,
+        "load_change": change,
     }
 
 
@@ -324,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gloo-check-seeds", type=int, default=None,
                    help="seeds of the first node re-run with one real process per rank over gloo, decisions "
                    "compared with the in-process run (default 5; 0 with --quick)")
+    p.add_argument("--change-seeds", type=int, default=None,
+                   help=f"runs of {CHANGE_NODE} per scripted load change (a load starts at step {CHANGE_AT}, "
+                        f"or leaves): does the watch follow it (default {DEFAULT_CHANGE_SEEDS}; 0 with --quick)")
     p.add_argument("--name", default="simulated_nodes", help="result file stem")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging level (stderr)")
@@ -357,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--horizon={args.horizon}: expected more steps than the probe budget ({budget})")
     if args.gloo_check_seeds is None:
         args.gloo_check_seeds = 0 if args.quick else 5
+    if args.change_seeds is None:
+        args.change_seeds = 0 if args.quick else DEFAULT_CHANGE_SEEDS
+    if args.change_seeds < 0:
+        p.error(f"--change-seeds={args.change_seeds}: expected >= 0")
     args.nodes = names
     result = run(args, argv)
     out_dir = args.out_dir if args.quick else resolve_out_dir(args, args.name)

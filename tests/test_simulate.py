@@ -593,3 +593,48 @@ def test_whole_run_options_are_checked(argv, message, capsys) -> None:
     with pytest.raises(SystemExit):
         simulate.main(["--quick", *argv])
     assert message in capsys.readouterr().err
+
+
+# --- the watch follows a load change (issue 36: "the watch follows a simulated load change") ----
+
+def _follow_record(settings: list[str], measuring: list[bool], costs: list[float]) -> dict:
+    return {"states": ["probing"] + ["locked"] * (len(settings) - 1), "measuring": measuring,
+            "settings": settings, "costs": costs, "switches_after_lock": 1}
+
+
+def test_follow_row_counts_the_steps_to_the_new_best_and_the_watchs_cost() -> None:
+    from bench._simulate_truth import follow_row
+
+    # Two settings; at level 0 "a" runs 1.0 and "b" 2.0, at level 1 "a" 4.0 and "b" 1.0. The run
+    # changes to level 1 at step 3, a watch round measures "b" at steps 4-5, the run follows "b"
+    # from step 6 on.
+    truth = type("T", (), {"keys": ["a", "b"], "per_level": np.array([[1.0, 4.0], [2.0, 1.0]])})()
+    levels = [0, 0, 0, 1, 1, 1, 1, 1]
+    settings = ["a", "a", "a", "a", "b", "a", "b", "b"]
+    measuring = [True, False, False, False, True, True, False, False]
+    costs = [1.0, 1.0, 1.0, 4.0, 1.0, 4.0, 1.0, 1.0]
+    row = follow_row(truth, _follow_record(settings, measuring, costs), levels, change_at=3)
+    assert row["regret_at_change"] == pytest.approx(3.0) and row["follow_steps"] == 3
+    assert row["final"] == "b" and row["final_regret"] == 0.0
+    # The watch's two steps ran 1.0 and 4.0 where the followed "a" would have run 4.0 each: -3.0
+    # over the 7 locked steps' 13.0.
+    assert row["watch_cost"] == pytest.approx(-3.0 / 13.0)
+    # A run that never gets within FOLLOW_TOLERANCE says so.
+    stuck = follow_row(truth, _follow_record(["a"] * 8, [True] + [False] * 7, [1.0] * 8), levels, change_at=3)
+    assert stuck["follow_steps"] is None and stuck["final_regret"] == pytest.approx(3.0)
+
+
+def test_the_watch_follows_a_load_that_starts_to_the_lighter_setting() -> None:
+    # The contended 2-rank node, quiet then loaded from step 500: 8 threads per rank lose 4.4x, 4
+    # threads (the lighter setting, neither the runner-up nor the static plan) win; and the reverse.
+    out = simulate.follow_change(simulate.CHANGE_NODE, 2, horizon=1500)
+    starts, leaves = out["changes"]
+    assert starts["best_before"].startswith("threads=8") and starts["best_after"].startswith("threads=4")
+    s = starts["summary"]
+    assert s["followed"] == 2 and s["final_regret"]["max"] <= 0.05 and s["regret_at_change_median"] > 3
+    assert leaves["best_after"] == starts["best_before"]
+    for c in (starts, leaves):
+        for row in c["rows"]:
+            assert row["watch_cost"] <= 0.01  # its bound is 0.5 % of the measured steps; this is the true cost
+    with pytest.raises(ValueError, match="expected a contended node"):
+        simulate.follow_change(NUMA, 1)
