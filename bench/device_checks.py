@@ -1,4 +1,4 @@
-"""The GPU checks of ``bench/device_check.sh``: prebuild, races, commits, syncs, GradScaler, memory, timing.
+"""The GPU checks of ``bench/device_check.sh``: prebuild, races, commits, layouts, syncs, GradScaler, memory, timing.
 
     python -m bench.device_checks --list                          # the checks and what each asserts
     python -m bench.device_checks --device cuda races commits     # some of them, on the GPU
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from bench._check_runner import run_check
+from bench._device_layouts import HostReference, _batch, _counts, _model, _optimizer, check_layouts, dist_layouts
 from bench._fake_device import FakeDevice
 from bench._device_perturb import CpuLoad, SlowCopies, delay_gradients, edit_after_backward
 
@@ -41,20 +42,6 @@ __all__ = ["CHECKS", "main"]
 #: Seconds a check may run before every thread's stack is dumped to stderr (``--watchdog-s``):
 #: below each step's ``timeout`` in ``bench/device_check.sh``, above what a check should take.
 WATCHDOG_S = 40.0
-
-
-def _model(device: str, dtype: torch.dtype, *, width: int = 256, layers: int = 4, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device=device, dtype=dtype)
-
-
-def _optimizer(model: nn.Module, *, overlap: bool, kernel: str = "auto", device_ops: Any = None) -> Any:
-    """The checks' optimizer: small chunks (several per model, so some start during backward)."""
-    from offload import CPUOffloadAdamW, OffloadSettings
-
-    return CPUOffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_backward=overlap,
-                           settings=OffloadSettings(threads=2, chunk_numel=1 << 15, kernel=kernel),  # type: ignore[arg-type]
-                           device_ops=device_ops)
 
 
 def _pair(device: str, dtype: torch.dtype, *, device_ops: Any = None, **kwargs: Any) -> list[tuple[nn.Module, Any]]:
@@ -67,11 +54,6 @@ def _pair(device: str, dtype: torch.dtype, *, device_ops: Any = None, **kwargs: 
     return out
 
 
-def _batch(device: str, dtype: torch.dtype, step: int, width: int = 256) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(8, width, generator=gen).to(device=device, dtype=dtype)
-
-
 def _differs(pair: list[tuple[nn.Module, Any]]) -> list[str]:
     (m0, o0), (m1, o1) = pair
     bad = [f"param {i}" for i, (a, b) in enumerate(zip(m0.parameters(), m1.parameters())) if not torch.equal(a, b)]
@@ -80,11 +62,6 @@ def _differs(pair: list[tuple[nn.Module, Any]]) -> list[str]:
             if not torch.equal(o0.state[a][key], o1.state[b][key]):
                 bad.append(f"{key} {i}")
     return bad
-
-
-def _counts(opt: Any) -> tuple[int, int]:
-    stats = opt.last_stats
-    return stats.speculated_chunks, stats.committed_chunks
 
 
 def _train(pair: list[tuple[nn.Module, Any]], device: str, dtype: torch.dtype, steps: Sequence[int],
@@ -177,24 +154,16 @@ def check_prebuild(device: str) -> dict[str, Any]:
 
 
 def _reference(device: str, dtype: torch.dtype, steps: Sequence[int]) -> tuple[nn.Module, list[dict[str, Any]]]:
-    """An independent run of the loop: torch.optim.AdamW(fused=True) on fp32 masters on the host,
-    stepped from the upcast gradients, the weights the masters rounded to the model's dtype; host
-    syncs anywhere. Its weights and moments (per parameter) after ``steps``."""
+    """An independent run of the loop (:class:`bench._device_layouts.HostReference`: torch's
+    AdamW(fused=True) on fp32 masters on the host, host syncs anywhere). Its weights and moments
+    (per parameter) after ``steps``."""
     model = _model(device, dtype)
-    params = list(model.parameters())
-    masters = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
-    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, fused=True)
+    ref = HostReference(model)
     for step in steps:
-        for p in params:
-            p.grad = None
+        ref.zero_grad()
         model(_batch(device, dtype, step)).float().square().mean().backward()
-        for m, p in zip(masters, params):
-            m.grad = p.grad.float().cpu()
-        opt.step()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
-    return model, [opt.state[m] for m in masters]
+        ref.step()
+    return model, [ref.state(i) for i in range(len(ref.masters))]
 
 
 def check_producer(device: str, *, fake: Callable[[], FakeDevice] = FakeDevice) -> dict[str, Any]:
@@ -461,7 +430,10 @@ def check_timing(device: str) -> dict[str, Any]:
 
 def check_dist(device: str) -> dict[str, Any]:
     """Under torchrun (one process is enough): FSDP2 with overlap, and DDP with ``attach_ddp``,
-    each bitwise the same loop with overlap off (NCCL on CUDA, gloo on the CPU)."""
+    each bitwise the same loop with overlap off (NCCL on CUDA, gloo on the CPU); then DDP with
+    ``gradient_as_bucket_view=True`` and DDP accumulating 3 micro-batches under ``no_sync()`` and
+    ``opt.accumulating()``, each bitwise overlap off and the independent reference, every early
+    chunk of the last step committed (``bench._device_layouts.dist_layouts``)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -502,6 +474,8 @@ def check_dist(device: str) -> dict[str, Any]:
             bad = [i for i, (a, b) in enumerate(zip(runs[0][0], runs[1][0])) if not torch.equal(a, b)]
             out[kind] = {"differs": bad, "committed_last_step": runs[1][1]}
             assert not bad, f"{kind}: overlap differs from overlap off in params {bad}"
+        for kind in ("ddp-bucket-view", "ddp-accumulate"):  # also against the reference (bench._device_layouts)
+            out[kind] = dist_layouts(device, kind)
     finally:
         if started:
             dist.destroy_process_group()
@@ -515,6 +489,7 @@ CHECKS: dict[str, Callable[[str], dict[str, Any]]] = {
     "producer": check_producer,
     "commits": check_commits,
     "data_edits": check_data_edits,
+    "layouts": check_layouts,
     "syncs": check_syncs,
     "scaler": check_scaler,
     "memory": check_memory,

@@ -47,6 +47,52 @@ def test_prebuild_and_producer_delays_hold_on_the_host(capsys) -> None:
         assert runs["torch.bfloat16-fused-mp"]["kernel"] == "fused-mp"
 
 
+def test_gradient_layouts_hold_on_the_host(capsys) -> None:
+    """Issue 40's coverage gaps: channels_last gradients, non-contiguous ones (a hook's transposed
+    view), accumulation under ``opt.accumulating()``; each bitwise overlap off and torch's AdamW on
+    fp32 masters, fp32 and bf16 (bf16 through the CUDA transport over the fake device)."""
+    assert device_checks.main(["--device", "cpu", "layouts"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] and list(result["layouts"]) == ["channels_last", "noncontiguous", "accumulation"]
+    for layout in result["layouts"]:
+        runs = {k: v for k, v in result.items() if k.endswith(("-" + layout + "-torch.float32",
+                                                                "-" + layout + "-torch.bfloat16"))
+                or k.startswith(layout + "-")}
+        assert set(runs) == {f"{layout}-torch.float32", f"fake-cuda-{layout}-torch.bfloat16"}, result
+        for run in runs.values():
+            assert run["vs_overlap_off"] == [] and run["vs_reference"] == [], run
+            speculated, committed = run["speculated/committed"]
+            assert speculated == committed > 0, run
+    assert result["channels_last-torch.float32"]["grad_strides"][1] == [576, 1, 192, 64]  # NHWC
+    assert result["noncontiguous-torch.float32"]["grad_strides"][0] == [1, 256]  # transposed
+    assert result["fake-cuda-noncontiguous-torch.bfloat16"]["device_order_violations"] == 0
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "noncontiguous", "accumulation"])
+def test_the_layouts_check_fails_when_one_layouts_result_is_perturbed(layout: str, monkeypatch, capsys) -> None:
+    """The seam: one layout's overlapped gradients changed before ``step()`` (a transport that read
+    the wrong bits of that layout would do the same); the check reports exactly that layout as
+    failed, against overlap off and the reference, and the command exits 1."""
+    def fault(name: str, model) -> None:
+        if name == layout:
+            next(p for p in model.parameters() if p.dim() > 1).grad.mul_(1.5)
+
+    monkeypatch.setitem(device_checks.CHECKS, "layouts", functools.partial(device_checks.check_layouts, fault=fault))
+    assert device_checks.main(["--device", "cpu", "--watchdog-s", "0", "layouts"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert not result["ok"] and result["error"].startswith(
+        f"AssertionError: gradient layouts failed: ['{layout}-torch.float32', 'fake-cuda-{layout}-torch.bfloat16']: "
+        f"{layout}-torch.float32: overlap off differs in ['param 0'"), result["error"]
+    assert "the reference in ['param 0'" in result["error"]
+
+
+def test_the_layouts_check_fails_when_the_transport_drops_the_ready_wait() -> None:
+    """The bf16 layouts run the CUDA transport over the fake device: one that drops the d2h
+    stream's wait on the ready event reads unfinished (non-contiguous, channels_last) gradients."""
+    with pytest.raises(AssertionError, match=r"gradient layouts failed: \['fake-cuda-channels_last-torch.bfloat16'"):
+        device_checks.check_layouts("cpu", fake=functools.partial(FakeDevice, drop="ready"))
+
+
 @pytest.mark.parametrize("drop, says", [
     ("ready", "differs from the reference"),  # the gradient copies read unfinished gradients
     ("write", "copies not in device order"),  # the weight copies may overwrite what backward still reads
@@ -143,7 +189,8 @@ def test_list_names_every_check(capsys) -> None:
 
 @pytest.mark.slow
 def test_dist_under_torchrun_on_gloo() -> None:
-    """FSDP2 with overlap and DDP with attach_ddp, one gloo process: bitwise overlap off."""
+    """FSDP2 with overlap and DDP with attach_ddp, one gloo process: bitwise overlap off; DDP with
+    gradient_as_bucket_view=True and DDP accumulating under no_sync: also bitwise the reference."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
                            "bench.device_checks", "--device", "cpu", "dist"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
@@ -151,3 +198,6 @@ def test_dist_under_torchrun_on_gloo() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["fsdp2"]["differs"] == [] and result["ddp"]["differs"] == []
     assert result["fsdp2"]["committed_last_step"] > 0 and result["ddp"]["committed_last_step"] > 0
+    for kind in ("ddp-bucket-view", "ddp-accumulate"):  # gradient_as_bucket_view=True; no_sync + accumulating()
+        assert result[kind]["differs"] == [] and result[kind]["vs_reference"] == [], result
+        assert result[kind]["committed_last_step"] > 0, result
