@@ -94,9 +94,14 @@ class Launcher:
         """Outside backward (a new layout, the end of a ``step()``, speculation switched on): the
         second generation of every segment whose chunks may start during the next backward
         (speculable, a parameter there has state), so no hook zero-fills it (12 bytes per element:
-        seconds for a 7B model, inside backward). Nothing once every such segment has one."""
+        seconds for a 7B model, inside backward). Nothing once every such segment has one. Also a
+        CUDA lr's pinned places (:meth:`_lr_place`), for the same reason: page-locking synchronises
+        the device, which a backward hook must not do."""
         layout = self.layout
-        if layout is None or not self.settings.speculate:
+        if layout is None:
+            return
+        self._reserve_lr()
+        if not self.settings.speculate:
             return
         slabs = layout.slabs
         seen = (id(slabs), slabs.used.count(1))  # (a C count: no per-parameter Python each step)
@@ -112,6 +117,23 @@ class Launcher:
         assert self.hooks is not None and self.layout is not None
         self.hooks.set_chunks(self.layout.chunks)
         self.speculation.forget_layout()
+        self._reserve_lr()
+
+    def _reserve_lr(self) -> None:
+        """Between steps: the pinned block of :meth:`_lr_place` for the current chunks, when a
+        param group's lr is a tensor on the model's CUDA device (else nothing), so no hook makes it."""
+        opt, layout = self._opt(), self.layout
+        if opt is None or layout is None:
+            return
+        lrs = [g["lr"] for g in opt.param_groups if isinstance(g.get("lr"), Tensor)
+               and g["lr"].device.type == "cuda" and g["lr"].device == layout.registry.device]
+        if lrs:
+            self._lr_block(len(layout.chunks), lrs[0].dtype)
+
+    def _lr_block(self, n: int, dtype: torch.dtype) -> Tensor:
+        if self._lr_host is None or self._lr_host.numel() < n or self._lr_host.dtype != dtype:
+            self._lr_host = torch.empty(n, dtype=dtype, pin_memory=True)
+        return self._lr_host
 
     def set_external(self) -> None:
         """Gradients arrive from DDP's comm hook from now on (``attach_ddp``)."""
@@ -179,10 +201,8 @@ class Launcher:
         assert self.layout is not None
         if not (isinstance(lr, Tensor) and lr.device.type == "cuda" and lr.device == self.layout.registry.device):
             return None
-        n = len(self.layout.chunks)
-        if self._lr_host is None or self._lr_host.numel() < n or self._lr_host.dtype != lr.dtype:
-            self._lr_host = torch.empty(n, dtype=lr.dtype, pin_memory=True)
-        return self._lr_host[chunk.index]
+        # Made between steps (_reserve_lr); here only if groups' lrs differ in dtype.
+        return self._lr_block(len(self.layout.chunks), lr.dtype)[chunk.index]
 
     # ------------------------------------------------------------ step()
     def start_step(self, *, hyper_now: Callable[[int], Any], late: Sequence[int], threads: int,
