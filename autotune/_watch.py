@@ -87,8 +87,9 @@ class Watch:
     """Rank 0's watch over a locked ``winner``.
 
     ``challengers``: the settings to compare with, in turn (the runner-up first, then the static
-    plan). ``conditional``: more challengers that take turns only while the winner runs
-    :data:`SLOWDOWN` times slower than when it was locked in (the lighter setting). ``reference_s``:
+    plan). ``conditional``: more challengers that take turns only while both arms of the latest
+    round ran :data:`SLOWDOWN` times slower than the winner when it was locked in (the lighter
+    setting). ``reference_s``:
     the winner's step time at lock-in (then the median of its :data:`RECENT_SAMPLES` latest watch
     samples). ``locked_at``: the index of the first locked step.
     """
@@ -110,7 +111,6 @@ class Watch:
         winner's time in that same round (a faster challenger's rounds credit it). Counted in steps,
         not seconds, so a load that slows every step changes the cost and the allowance alike."""
         self._last_round_min = 0.0  # the faster arm's time in the latest round
-        """Excess seconds spent by the watch's rounds so far (a faster challenger's rounds credit it)."""
         self.rounds: dict[Key, list[dict[Key, float]]] = {c: [] for c in self.challengers + self.conditional}
         self.excesses: dict[Key, list[float]] = {c: [] for c in self.challengers + self.conditional}
         self.switches = 0
@@ -137,9 +137,9 @@ class Watch:
     def _challenger(self) -> Key:
         if self._current is not None:
             return self._current  # the round under way
+        if self._pressed is not None:
+            return self._pressed  # faster just now: pressed on (a lighter setting too, slowed or not)
         turns = self._in_turn()
-        if self._pressed is not None and (self._pressed in turns or self._pressed in self.conditional):
-            return self._pressed  # (a lighter setting faster just now stays in turn, slowed or not)
         return turns[self._turn % len(turns)]
 
     def _estimate(self, challenger: Key) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -204,12 +205,5 @@ def follow_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "regret_at_change_median": statistics.median(r["regret_at_change"] for r in rows),
         "final_regret": {"median": statistics.median(finals), "p95": _quantile(finals, 0.95), "max": max(finals)},
         "watch_cost": {"median": statistics.median(costs), "max": max(costs)},
-        "finals": dict(sorted(_count(r["final"] for r in rows).items(), key=lambda kv: -kv[1])),
+        "finals": dict(Counter(str(r["final"]) for r in rows).most_common()),
     }
-
-
-def _count(keys: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in keys:
-        out[str(k)] = out.get(str(k), 0) + 1
-    return out

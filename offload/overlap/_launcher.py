@@ -125,10 +125,14 @@ class Launcher:
         opt, layout = self._opt(), self.layout
         if opt is None or layout is None:
             return
-        lrs = [g["lr"] for g in opt.param_groups if isinstance(g.get("lr"), Tensor)
-               and g["lr"].device.type == "cuda" and g["lr"].device == layout.registry.device]
+        lrs = [g["lr"] for g in opt.param_groups if self._on_model_cuda(g.get("lr"))]
         if lrs:
             self._lr_block(len(layout.chunks), lrs[0].dtype)
+
+    def _on_model_cuda(self, lr: Any) -> bool:
+        """``lr`` is a tensor on the model's CUDA device (its copy can follow the chunk's ready event)."""
+        assert self.layout is not None
+        return isinstance(lr, Tensor) and lr.device.type == "cuda" and lr.device == self.layout.registry.device
 
     def _lr_block(self, n: int, dtype: torch.dtype) -> Tensor:
         if self._lr_host is None or self._lr_host.numel() < n or self._lr_host.dtype != dtype:
@@ -199,7 +203,7 @@ class Launcher:
         on another device than the model's: None (a blocking copy), since the ready event is
         recorded on the model's device and would not order a copy queued on the lr's."""
         assert self.layout is not None
-        if not (isinstance(lr, Tensor) and lr.device.type == "cuda" and lr.device == self.layout.registry.device):
+        if not self._on_model_cuda(lr):
             return None
         # Made between steps (_reserve_lr); here only if groups' lrs differ in dtype.
         return self._lr_block(len(self.layout.chunks), lr.dtype)[chunk.index]
