@@ -68,10 +68,11 @@ _PHASES: dict[str, tuple[str, bool, str]] = {
     "check": ("D", True, "re-check: the cached choice vs the static plan, paired"),
     "watch_warmup": ("^", False, "watch after lock-in: warm-up step (not counted)"),
     "watch": ("^", True, "watch after lock-in: winner vs runner-up and static plan"),
+    "watch_pulse": ("v", True, "watch after lock-in: a pulse, the winner alone"),
     "locked": ("P", True, "locked in: a step of the winner"),
 }
 #: Markers for phases a client of the tuner named itself, in order of appearance.
-_OTHER_MARKERS = ("v", "<", ">", "h", "X", "*", "p", "8")
+_OTHER_MARKERS = ("<", ">", "h", "X", "*", "p", "8")
 
 
 def step_time_of(row: Mapping[str, Any]) -> float | None:

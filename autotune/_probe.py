@@ -51,7 +51,7 @@ logger = logging.getLogger("autotune._tuner")
 __all__ = ["BudgetPlan", "Key", "Phase", "ProbeSession", "Slot", "plan_budget", "sweep_next"]
 
 Key = tuple[Scalar, ...]
-Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "check", "watch_warmup", "watch"]
+Phase = Literal["warmup", "measure", "final_warmup", "final", "check_warmup", "check", "watch_warmup", "watch", "watch_pulse"]
 
 #: Times the sampler may propose already-measured candidates before the session picks the next
 #: unmeasured one itself (categorical TPE repeats itself on small spaces).

@@ -238,7 +238,7 @@ class Directive:
     watch_at: int | None = None
     """A locked directive: the index of the step that starts the next watch round (None: none)."""
     watch_phase: str = ""
-    """The phase of that step (``"watch_warmup"`` or ``"watch"``)."""
+    """The phase of that step (``"watch_warmup"``, ``"watch"`` or ``"watch_pulse"``)."""
     watch_setting: dict[str, Any] | None = None
     """The setting that step runs."""
 

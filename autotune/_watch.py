@@ -34,6 +34,18 @@ of the latest round ran :data:`SLOWDOWN` times slower than the winner did when i
 On a quiet host it costs nothing; when a load starts, it is the setting that can win, and once it
 does, the old winner becomes a challenger: the way back when the load leaves
 (``python -m bench.simulate``, "The watch follows a load change").
+
+A winner that slows down sharply. The allowance spaces a challenger's rounds by what they are
+expected to cost: a runner-up twice as slow as the winner waits 400 steps for its first round. But
+the winner's own pace can collapse long before (on a 2-core host an OpenMP team of 2 threads ran
+13 ms for the first steps after lock-in, then 140 ms per step for good, while 1 thread ran 20 ms:
+``bench.tuner_load --load threads``). So while no round is due within :data:`PULSE_EVERY` steps,
+the watch takes a *pulse*: one measured step of the winner alone (no switch, no warm-up, no
+excess; only the step's two collectives). A pulse :data:`SLOWDOWN` times slower than the winner's
+time that a challenger's expected cost was counted against makes that estimate optimistic: the
+challenger is assumed not to have slowed, so a challenger that is now faster pays for its round and
+it runs at once; the lighter setting takes turns too. Being wrong costs one round, which the
+allowance then pays back: the cost bound holds within one round.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ from autotune._config import AutotuneConfig
 from autotune._paired import PairedComparison, gain_margin, round_order
 from autotune._probe import Key, Slot
 
-__all__ = ["MIN_ROUND_COST", "Switch", "Watch", "WatchStart"]
+__all__ = ["MIN_ROUND_COST", "PULSE_EVERY", "Switch", "Watch", "WatchStart"]
 
 #: The least a round is assumed to cost, as a fraction of a step: the two switches' warm-up
 #: steps are never free (a thread team is rebuilt, buffers are resized).
@@ -62,6 +74,9 @@ COST_MEMORY = 3
 SLOWDOWN = 1.25
 #: The winner's latest watch samples whose median is its step time now (:attr:`Watch.reference_s`).
 RECENT_SAMPLES = 3
+#: Steps between the winner's pulses while no round is due sooner: how soon the watch notices a
+#: winner that slowed down sharply, for two small collectives per pulse.
+PULSE_EVERY = 25
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +125,9 @@ class Watch:
         """What the watch's rounds cost so far, in steps of the winner: each round's excess over the
         winner's time in that same round (a faster challenger's rounds credit it). Counted in steps,
         not seconds, so a load that slows every step changes the cost and the allowance alike."""
-        self._last_round_min = 0.0  # the faster arm's time in the latest round
+        self._latest_s = 0.0  # the faster arm's time in the latest round, or the winner's in the latest pulse
+        self._pulse_s: float | None = None  # the winner's time in a pulse since the latest round
+        self._winner_then: dict[Key, float] = {}  # the winner's time in each challenger's latest round
         self.rounds: dict[Key, list[dict[Key, float]]] = {c: [] for c in self.challengers + self.conditional}
         self.excesses: dict[Key, list[float]] = {c: [] for c in self.challengers + self.conditional}
         self.switches = 0
@@ -128,8 +145,9 @@ class Watch:
         return bool(self.challengers) and self.config.watch
 
     def _slowed(self) -> bool:
-        """Both arms of the latest round ran :data:`SLOWDOWN` times slower than the winner when locked in."""
-        return self._last_round_min > SLOWDOWN * self.locked_s
+        """Both arms of the latest round (or the winner in a later pulse) ran :data:`SLOWDOWN` times
+        slower than the winner when locked in."""
+        return self._latest_s > SLOWDOWN * self.locked_s
 
     def _in_turn(self) -> list[Key]:
         return self.challengers + self.conditional if self._slowed() else self.challengers
@@ -153,6 +171,11 @@ class Watch:
             estimate = 2.0 * max(self._expected.get(challenger, 1.0) - 1.0, 0.0)
         if estimate > 0.0 or not past:
             estimate = max(estimate, MIN_ROUND_COST)
+        then = self._winner_then.get(challenger, self.locked_s)
+        if self._pulse_s is not None and self._pulse_s > SLOWDOWN * then:
+            # The winner slowed since the estimate's rounds: assume the challenger did not (two
+            # measured steps a round, so the arms' ratio behind the estimate is 1 + estimate / 2).
+            estimate = min(estimate, 2.0 * ((1.0 + estimate / 2.0) * then / self._pulse_s - 1.0))
         return estimate
 
     def next_start(self, after_step: int) -> WatchStart | None:
@@ -160,20 +183,24 @@ class Watch:
         without challengers. Queues the round's slots."""
         if not self.active:
             return None
-        challenger = self._current = self._challenger()
+        challenger = self._challenger()
         needed = self.spent + self._estimate(challenger)
         at = self.locked_at + math.ceil(needed / self.config.watch_cost) if needed > 0 else after_step + 1
         at = max(at, after_step + 1)
+        self._queue.clear()
+        self._round_times = []
+        if at > after_step + PULSE_EVERY:  # no round due soon: a pulse of the winner alone
+            self.slot = Slot(self.winner, "watch_pulse", 0)
+            return WatchStart(after_step + PULSE_EVERY, self.slot)
+        self._current = challenger
         index = len(self.rounds[challenger])
         warm = self.config.warmup_steps
-        self._queue.clear()
         for arm in round_order([challenger, self.winner], index):
             if arm == challenger or index % 2 == 0:  # the winner runs before an odd round: no switch
                 self._queue.extend([Slot(arm, "watch_warmup", index)] * warm)
             self._queue.append(Slot(arm, "watch", index))
         if index % 2 == 1:
             self._queue.extend([Slot(self.winner, "watch_warmup", index)] * warm)  # back to the winner
-        self._round_times = []
         self.rounds[challenger].append({})
         self.slot = self._queue.popleft()
         return WatchStart(at, self.slot)
@@ -185,7 +212,9 @@ class Watch:
         if slot is None:
             raise RuntimeError("no watch round is running")
         self._round_times.append(node_time)
-        if slot.phase == "watch":
+        if slot.phase == "watch_pulse":
+            self._winner_samples.append(node_time)
+        elif slot.phase == "watch":
             self.rounds[self._challenger()][-1][slot.key] = node_time
             if slot.key == self.winner:
                 self._winner_samples.append(node_time)
@@ -193,15 +222,20 @@ class Watch:
         return self.slot
 
     def conclude(self) -> Switch | None:
-        """After a round: book its cost, test the challenger, and say whether to switch."""
-        challenger = self._challenger()
+        """After a round (or a pulse): book its cost, test the challenger, and say whether to switch."""
         if self._winner_samples:
             self.reference_s = max(statistics.median(list(self._winner_samples)[-RECENT_SAMPLES:]), 1e-9)
+        if self._current is None:  # a pulse: the winner alone, nothing spent
+            self._pulse_s = self._latest_s = self._round_times[-1]
+            return None
+        challenger = self._challenger()
+        self._pulse_s = None
         if len(self.rounds[challenger][-1]) == 2 and challenger not in self.conditional:
-            self._last_round_min = min(self.rounds[challenger][-1].values())  # (the lighter's own pace says nothing)
+            self._latest_s = min(self.rounds[challenger][-1].values())  # (the lighter's own pace says nothing)
         # What the round cost beyond as many steps of the winner, measured in the same round (a
         # change of load since the winner's earlier samples must not count as the watch's cost).
         winner_now = max(self.rounds[challenger][-1].get(self.winner, self.reference_s), 1e-9)
+        self._winner_then[challenger] = winner_now
         excess = math.fsum(self._round_times) / winner_now - len(self._round_times)
         self.spent += excess
         self.excesses[challenger].append(excess)
@@ -230,6 +264,7 @@ class Watch:
             self.challengers = [old if c == challenger else c for c in self.challengers]
         self.rounds = {c: [] for c in self.challengers + self.conditional}
         self.excesses = {c: [] for c in self.challengers + self.conditional}
+        self._winner_then = {}
         # The fastest the winner ran when locked in: a switch under load does not make the load the
         # new normal, or a lighter setting would never get its turn while it lasts.
         self.locked_s = min(self.locked_s, max(statistics.median(comparison.candidate), 1e-9))
