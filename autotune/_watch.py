@@ -15,7 +15,12 @@ keeps the turn. Each block of ``watch_window`` (5) rounds of a challenger is tes
 challenger was faster in every round of it (a sign test at p = 1/32) and by more than ``min_gain``
 on the ratio of the mean step times (:class:`~autotune._paired.PairedComparison`), every rank
 switches to it at the same step (settings never change the numbers, so a switch is exact) and the
-old winner becomes a challenger.
+old winner becomes a challenger. A block that does not pass is tested on the mean too: the
+challenger's latest :data:`MEAN_BLOCKS` blocks together (at least two), the exact paired
+permutation test of the step-time differences at :data:`MEAN_LEVEL` and the ratio of means beyond
+``min_gain``. The sign test alone would keep a winner that is fast in most rounds and many times
+slower in the others (on the loaded 2-CPU VM, 2 threads of stock AdamW ran 13 ms or 140 ms a step
+in regimes of seconds, 1 thread 20 ms: 4x slower on the mean, faster in most rounds).
 
 Cost. A round costs what its four steps took beyond four steps of the winner as measured in the
 same round (its *excess*: a slower challenger and the warm-up steps after a switch), counted in
@@ -59,7 +64,7 @@ from autotune._config import AutotuneConfig
 from autotune._paired import PairedComparison, gain_margin, round_order
 from autotune._probe import Key, Slot
 
-__all__ = ["MIN_ROUND_COST", "PULSE_EVERY", "Switch", "Watch", "WatchStart"]
+__all__ = ["MEAN_BLOCKS", "MEAN_LEVEL", "MIN_ROUND_COST", "PULSE_EVERY", "Switch", "Watch", "WatchStart"]
 
 #: The least a round is assumed to cost, as a fraction of a step: the two switches' warm-up
 #: steps are never free (a thread team is rebuilt, buffers are resized).
@@ -74,6 +79,13 @@ COST_MEMORY = 3
 SLOWDOWN = 1.25
 #: The winner's latest watch samples whose median is its step time now (:attr:`Watch.reference_s`).
 RECENT_SAMPLES = 3
+#: Blocks of a challenger's rounds (its latest ``MEAN_BLOCKS * watch_window``) that the test on the
+#: mean looks at, when a block's sign test did not switch.
+MEAN_BLOCKS = 4
+#: The level of that test (the exact paired permutation test of :mod:`autotune._paired`, on the
+#: differences of step times: the mean, what a run pays), half the block test's 1/32: it looks at
+#: overlapping windows, block after block.
+MEAN_LEVEL = 1.0 / 64.0
 #: Steps between the winner's pulses while no round is due sooner: how soon the watch notices a
 #: winner that slowed down sharply, for two small collectives per pulse.
 PULSE_EVERY = 25
@@ -130,6 +142,7 @@ class Watch:
         self._winner_then: dict[Key, float] = {}  # the winner's time in each challenger's latest round
         self.rounds: dict[Key, list[dict[Key, float]]] = {c: [] for c in self.challengers + self.conditional}
         self.excesses: dict[Key, list[float]] = {c: [] for c in self.challengers + self.conditional}
+        self._history: dict[Key, deque[dict[Key, float]]] = {}  # each challenger's latest tested rounds
         self.switches = 0
         self._expected = dict(expected_ratios or {})
         self._winner_samples: deque[float] = deque(maxlen=8)
@@ -138,6 +151,7 @@ class Watch:
         self._pressed: Key | None = None  # a challenger faster than the winner in its last round: next again
         self._queue: deque[Slot] = deque()
         self._round_times: list[float] = []
+        self._round_slots: list[Slot] = []
         self.slot: Slot | None = None
 
     @property
@@ -189,6 +203,7 @@ class Watch:
         at = max(at, after_step + 1)
         self._queue.clear()
         self._round_times = []
+        self._round_slots = []
         if at > after_step + PULSE_EVERY:  # no round due soon: a pulse of the winner alone
             self.slot = Slot(self.winner, "watch_pulse", 0)
             return WatchStart(after_step + PULSE_EVERY, self.slot)
@@ -212,6 +227,7 @@ class Watch:
         if slot is None:
             raise RuntimeError("no watch round is running")
         self._round_times.append(node_time)
+        self._round_slots.append(slot)
         if slot.phase == "watch_pulse":
             self._winner_samples.append(node_time)
         elif slot.phase == "watch":
@@ -220,6 +236,24 @@ class Watch:
                 self._winner_samples.append(node_time)
         self.slot = self._queue.popleft() if self._queue else None
         return self.slot
+
+    def _excess(self, challenger: Key, winner_now: float) -> float:
+        """What the round's steps took beyond as many steps of the winner at ``winner_now`` (its
+        measured step in the round), in steps of the winner. The winner's own warm-up steps run
+        the winner, which the run would have run anyway: each is charged the switch penalty the
+        challenger's warm-up showed (its warm-up over its measured step), not its own time, which a
+        winner slow now and then (a preempted thread team) would book as the watch's cost."""
+        measured = self.rounds[challenger][-1].get(challenger)
+        times = list(zip(self._round_slots, self._round_times))
+        warm = [t for slot, t in times if slot.key == challenger and slot.phase == "watch_warmup"]
+        penalty = max(statistics.fmean(warm) - measured, 0.0) if warm and measured is not None else 0.0
+        total = 0.0
+        for slot, t in times:
+            if slot.key == challenger:
+                total += t - winner_now
+            elif slot.phase == "watch_warmup":
+                total += penalty
+        return total / winner_now
 
     def conclude(self) -> Switch | None:
         """After a round (or a pulse): book its cost, test the challenger, and say whether to switch."""
@@ -236,7 +270,7 @@ class Watch:
         # change of load since the winner's earlier samples must not count as the watch's cost).
         winner_now = max(self.rounds[challenger][-1].get(self.winner, self.reference_s), 1e-9)
         self._winner_then[challenger] = winner_now
-        excess = math.fsum(self._round_times) / winner_now - len(self._round_times)
+        excess = self._excess(challenger, winner_now)
         self.spent += excess
         self.excesses[challenger].append(excess)
         rounds = [r for r in self.rounds[challenger] if len(r) == 2]
@@ -251,10 +285,19 @@ class Watch:
         # A block of watch_window rounds is tested once, then dropped: sliding windows retested
         # after every round would raise the false-alarm rate far above one block's.
         self.rounds[challenger] = []
+        window = self.config.watch_window
+        history = self._history.setdefault(challenger, deque(maxlen=MEAN_BLOCKS * window))
+        history.extend(rounds)
         comparison = PairedComparison.of([r[challenger] for r in rounds], [r[self.winner] for r in rounds])
         margin = gain_margin(self.config.min_gain)
         if not (all(v < 0.0 for v in comparison.log_ratios) and -comparison.effect > margin):
-            return None
+            # Not faster in every round of the block: a winner that is fast most of the time and
+            # many times slower now and then (an OpenMP team preempted in every barrier while the
+            # load holds its cores) wins most rounds and loses the run. The mean decides that.
+            comparison = PairedComparison.of([r[challenger] for r in history], [r[self.winner] for r in history])
+            if not (len(history) >= 2 * window and -comparison.effect > margin
+                    and comparison.p_value() <= MEAN_LEVEL):
+                return None
         old = self.winner
         self.winner = challenger
         if challenger in self.conditional:  # the lighter setting won: the old winner in turn, the way back
@@ -265,6 +308,7 @@ class Watch:
         self.rounds = {c: [] for c in self.challengers + self.conditional}
         self.excesses = {c: [] for c in self.challengers + self.conditional}
         self._winner_then = {}
+        self._history = {}
         # The fastest the winner ran when locked in: a switch under load does not make the load the
         # new normal, or a lighter setting would never get its turn while it lasts.
         self.locked_s = min(self.locked_s, max(statistics.median(comparison.candidate), 1e-9))
