@@ -140,6 +140,7 @@ class Watch:
         self._latest_s = 0.0  # the faster arm's time in the latest round, or the winner's in the latest pulse
         self._pulse_s: float | None = None  # the winner's time in a pulse since the latest round
         self._winner_then: dict[Key, float] = {}  # the winner's time in each challenger's latest round
+        self._challenger_last: dict[Key, float] = {}  # each challenger's measured step in its latest round
         self.rounds: dict[Key, list[dict[Key, float]]] = {c: [] for c in self.challengers + self.conditional}
         self.excesses: dict[Key, list[float]] = {c: [] for c in self.challengers + self.conditional}
         self._history: dict[Key, deque[dict[Key, float]]] = {}  # each challenger's latest tested rounds
@@ -187,9 +188,11 @@ class Watch:
             estimate = max(estimate, MIN_ROUND_COST)
         then = self._winner_then.get(challenger, self.locked_s)
         if self._pulse_s is not None and self._pulse_s > SLOWDOWN * then:
-            # The winner slowed since the estimate's rounds: assume the challenger did not (two
-            # measured steps a round, so the arms' ratio behind the estimate is 1 + estimate / 2).
-            estimate = min(estimate, 2.0 * ((1.0 + estimate / 2.0) * then / self._pulse_s - 1.0))
+            # The winner slowed since the estimate's rounds: assume the challenger did not. Its
+            # time then: as measured in its latest round, else the expected ratio's (two measured
+            # steps a round, so the ratio behind a first estimate is 1 + estimate / 2).
+            own = self._challenger_last.get(challenger, (1.0 + estimate / 2.0) * then)
+            estimate = min(estimate, 2.0 * (own / self._pulse_s - 1.0))
         return estimate
 
     def next_start(self, after_step: int) -> WatchStart | None:
@@ -237,23 +240,34 @@ class Watch:
         self.slot = self._queue.popleft() if self._queue else None
         return self.slot
 
-    def _excess(self, challenger: Key, winner_now: float) -> float:
-        """What the round's steps took beyond as many steps of the winner at ``winner_now`` (its
-        measured step in the round), in steps of the winner. The winner's own warm-up steps run
-        the winner, which the run would have run anyway: each is charged the switch penalty the
-        challenger's warm-up showed (its warm-up over its measured step), not its own time, which a
-        winner slow now and then (a preempted thread team) would book as the watch's cost."""
-        measured = self.rounds[challenger][-1].get(challenger)
+    def _excess(self, challenger: Key) -> tuple[float, float]:
+        """What the round's steps took beyond as many steps of the winner, in steps of the winner,
+        and the winner's time it counted against.
+
+        The switch penalty is what a warm-up step takes over its arm's measured step, the smaller
+        of the two arms' (a stall in one warm-up is not a penalty). The winner's time is its
+        measured step, unless its warm-up less the penalty differs from that by more than
+        :data:`SLOWDOWN`: then the round straddles a change of load (the winner measured before
+        it, the challenger after) or the winner is fast and slow by turns, and the mean of the two
+        is its time, so that the change is not booked as the watch's cost. The winner's warm-up
+        steps run the winner, which the run would have run anyway: each is charged the penalty
+        only (a winner slow now and then would book its own slowness as the watch's cost)."""
+        measured = self.rounds[challenger][-1]
         times = list(zip(self._round_slots, self._round_times))
-        warm = [t for slot, t in times if slot.key == challenger and slot.phase == "watch_warmup"]
-        penalty = max(statistics.fmean(warm) - measured, 0.0) if warm and measured is not None else 0.0
+        penalties = []
+        for arm in (challenger, self.winner):
+            warm = [t for slot, t in times if slot.key == arm and slot.phase == "watch_warmup"]
+            if warm and arm in measured:
+                penalties.append(max(statistics.fmean(warm) - measured[arm], 0.0))
+        penalty = min(penalties, default=0.0)
+        winner = max(measured.get(self.winner, self.reference_s), 1e-9)
+        warm = [max(t - penalty, 1e-9) for slot, t in times if slot.key == self.winner and slot.phase == "watch_warmup"]
+        if warm and not 1.0 / SLOWDOWN <= statistics.fmean(warm) / winner <= SLOWDOWN:
+            winner = statistics.fmean([winner, *warm])
         total = 0.0
         for slot, t in times:
-            if slot.key == challenger:
-                total += t - winner_now
-            elif slot.phase == "watch_warmup":
-                total += penalty
-        return total / winner_now
+            total += t - winner if slot.key == challenger else penalty if slot.phase == "watch_warmup" else 0.0
+        return total / winner, winner
 
     def conclude(self) -> Switch | None:
         """After a round (or a pulse): book its cost, test the challenger, and say whether to switch."""
@@ -268,9 +282,9 @@ class Watch:
             self._latest_s = min(self.rounds[challenger][-1].values())  # (the lighter's own pace says nothing)
         # What the round cost beyond as many steps of the winner, measured in the same round (a
         # change of load since the winner's earlier samples must not count as the watch's cost).
-        winner_now = max(self.rounds[challenger][-1].get(self.winner, self.reference_s), 1e-9)
-        self._winner_then[challenger] = winner_now
-        excess = self._excess(challenger, winner_now)
+        excess, self._winner_then[challenger] = self._excess(challenger)
+        if challenger in self.rounds[challenger][-1]:
+            self._challenger_last[challenger] = self.rounds[challenger][-1][challenger]
         self.spent += excess
         self.excesses[challenger].append(excess)
         rounds = [r for r in self.rounds[challenger] if len(r) == 2]
@@ -308,6 +322,7 @@ class Watch:
         self.rounds = {c: [] for c in self.challengers + self.conditional}
         self.excesses = {c: [] for c in self.challengers + self.conditional}
         self._winner_then = {}
+        self._challenger_last = {}
         self._history = {}
         # The fastest the winner ran when locked in: a switch under load does not make the load the
         # new normal, or a lighter setting would never get its turn while it lasts.

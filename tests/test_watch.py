@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from test_tuner_logic import BASELINE, Client, FakeTrace, make_space, make_tuner, table
 
-from autotune import AutotuneConfig, StepSample
+from autotune import AutotuneConfig, OnlineTuner, StepSample
 
 FAST, RUNNER = {"threads": 2, "chunk_numel": 1 << 22}, {"threads": 4, "chunk_numel": 1 << 22}
 
@@ -92,6 +92,34 @@ def test_a_load_that_starts_is_followed_to_the_lighter_setting():
     assert switches and 300 < switches[0] <= 300 + 600, switches
 
 
+def test_a_load_that_starts_inside_a_round_is_followed_all_the_same():
+    # The same load as above, starting on the step after a round's first measured winner step: the
+    # round's challenger steps run under the load, its winner step did not. Counted against that
+    # winner step, the round would book the load as 10 steps of cost and space the next rounds
+    # 2000 steps apart; it is counted against the winner's steps around it.
+    best, lighter = (8, 1 << 22), (4, 1 << 22)
+    before = {best: 0.9, (8, 1 << 21): 0.95, (8, 1 << 20): 1.0, lighter: 1.1}
+    after = {best: 3.6, (8, 1 << 21): 3.8, (8, 1 << 20): 4.0, lighter: 1.2}
+
+    def run(at: int) -> tuple[OnlineTuner, FakeTrace]:
+        client = shifting_client(before, after, at=at)
+        trace = FakeTrace()
+        tuner = make_tuner(client, config=AutotuneConfig(probe_steps=80), trace=trace)
+        client.run(tuner, 1500)
+        return tuner, trace
+
+    _, quiet = run(10**9)
+    rows = watch_rows(quiet)  # a round that opens with the winner's measured step (w c' c w')
+    first = next(r for r, nxt in zip(rows, rows[1:]) if r["phase"] == "watch" and tuple(r["candidate"].values()) == best
+                 and nxt["step"] == r["step"] + 1 and tuple(nxt["candidate"].values()) != best)
+    at = first["step"]  # steps counted from 1 in the trace: the load starts on the step after it
+    tuner, trace = run(at)
+    rows = [r for r in watch_rows(trace) if r["step"] <= at + 3]
+    assert rows[-4]["step"] == at and rows[-4]["node_time_s"] == 0.9 and rows[-1]["node_time_s"] > 1.0  # it straddles
+    switches = [r["step"] for r in trace.rows if (r["decision"] or "").startswith("switched to threads=4")]
+    assert tuple(tuner.summary()["winner"].values()) == lighter and switches and switches[0] <= at + 600, switches
+
+
 def test_the_watch_costs_at_most_its_share_of_the_run():
     # The runner-up is 5 % slower, the static plan 60 % slower; the warm-up step after a switch costs 50 %.
     costs = {(2, 1 << 22): 1.0, (4, 1 << 22): 1.05, (8, 1 << 20): 1.6}
@@ -149,7 +177,7 @@ def test_a_winner_fast_in_most_rounds_but_slower_on_the_mean_is_left():
     # switches (the old watch never did).
     space = make_space(threads=(1, 2), chunks=(1 << 22,))
     plan = {"threads": 2, "chunk_numel": 1 << 22}
-    fast, runner = (2, 1 << 22), (1, 1 << 22)
+    runner = (1, 1 << 22)
     locked: list[int] = []
 
     def cost(setting: dict[str, Any]) -> float:
