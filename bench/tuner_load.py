@@ -5,7 +5,8 @@ from the best setting of its own search space, scored right after lock-in under 
     python -m bench.tuner_load --load busy --quick --out-dir runs/tuner_load   # smoke run (tests)
 
 Load (:mod:`bench._load`, started before the first session, stopped in ``finally``, also on
-Ctrl-C): ``threads``: ``--load-procs`` processes each running a ``--load-threads``-thread torch
+Ctrl-C; with ``--load-starts lock`` started in each session right after its lock-in and stopped
+after its scoring: a load that starts mid-run, which only the post-lock watch can follow): ``threads``: ``--load-procs`` processes each running a ``--load-threads``-thread torch
 loop without pause; ``bursts``: the same loop busy 30-150 ms, idle 10-60 ms (seeded); ``busy``:
 plain Python busy loops; ``none``: nothing.
 
@@ -57,6 +58,7 @@ import shlex
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -208,6 +210,8 @@ def summarize(sessions: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "above_bad_settled_regret": sum(s["score"]["settled_regret"] > BAD_REGRET for s in scored),
             "median_whole_run_regret_watched": median([s["score"]["whole_run_regret_watched"] for s in scored]),
             "sessions_with_switches": sum(bool(s.get("switches")) for s in scored),
+            "median_first_switch_step": median([s["first_switch_step"] for s in scored
+                                                if s.get("first_switch_step") is not None]),
             "pooled_means_s": pooled,
             "max_pooled_regret": max(pooled_regrets, default=float("nan")),
             "above_bad_pooled_regret": sum(r > BAD_REGRET for r in pooled_regrets),
@@ -296,7 +300,9 @@ def score(step_as: Callable[[dict[str, Any]], None], candidates: Sequence[dict[s
     return {"orders": orders, "samples_s": samples}
 
 
-def run_session(kind: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_session(kind: str, seed: int, args: argparse.Namespace, load_at_lock: LoadSpec | None = None) -> dict[str, Any]:
+    """One session; ``load_at_lock``: a load started right after the lock-in (its workers ready
+    before the first watched step) and stopped after the scoring."""
     from autotune import AutotuneConfig
 
     began = time.perf_counter()
@@ -321,14 +327,20 @@ def run_session(kind: str, seed: int, args: argparse.Namespace) -> dict[str, Any
                 raise RuntimeError(f"{kind}: winner {summary['winner']} is not in the space {candidates}")
             # The run goes on with the post-lock watch for --watch-steps steps (its rounds and
             # switches included, as a training run pays them); then the setting it follows is scored.
-            watched = [_timed(opt.step) for _ in range(args.watch_steps)]
-            after = tuner.summary()
-            rec.update(watch_walls_s=watched, settled=after["winner"], switches=after["switches"],
-                       watch_rounds_steps=after["watch_steps"])
-            step_as, close_scorer = make_scorer(kind, opt, params)  # closes opt: no tuner from here on
-            t0 = time.perf_counter()
-            raw = score(step_as, candidates, rounds=args.rounds, per_visit=args.per_visit, seed=seed)
-            rec.update(raw, scoring_s=time.perf_counter() - t0)
+            with BackgroundLoad(load_at_lock) if load_at_lock is not None else nullcontext() as load:
+                rec["load_pids_at_lock"] = list(load.pids) if load is not None else None
+                watched, first_switch = [], None
+                for i in range(args.watch_steps):
+                    watched.append(_timed(opt.step))
+                    if first_switch is None and tuner.summary()["switches"]:
+                        first_switch = i + 1
+                after = tuner.summary()
+                rec.update(watch_walls_s=watched, settled=after["winner"], switches=after["switches"],
+                           watch_rounds_steps=after["watch_steps"], first_switch_step=first_switch)
+                step_as, close_scorer = make_scorer(kind, opt, params)  # closes opt: no tuner from here on
+                t0 = time.perf_counter()
+                raw = score(step_as, candidates, rounds=args.rounds, per_visit=args.per_visit, seed=seed)
+                rec.update(raw, scoring_s=time.perf_counter() - t0)
             rec["score"] = analyse_session(candidates, raw["samples_s"], summary["winner"], walls,
                                            settled=after["winner"], watch_walls=watched)
     finally:
@@ -351,7 +363,8 @@ def _pct(x: float) -> str:
 def render_markdown(result: dict[str, Any]) -> str:
     m, cfg = result["machine"], result["config"]
     lines = [
-        f"# Tuner under load: {result['load']['description']}", "",
+        f"# Tuner under load: {result['load']['description']}"
+        + (", starting at each session's lock-in" if cfg.get("load_starts") == "lock" else ""), "",
         f"Command: `{result['command']}`", "",
         f"Machine: {m['cpu_model']}, {m['affinity_cpus']} CPUs in the affinity mask, torch {m['torch']}, "
         f"{m['date_utc']}; {cfg['params']:,} fp32 parameters ({LAYERS} x Linear({cfg['width']}, {cfg['width']})), "
@@ -376,11 +389,16 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"{k['above_bad_regret']} | {k['beyond_noise']} | {_pct(k['max_pooled_regret'])} | "
                      f"{_pct(k['median_whole_run_regret'])} | "
                      f"{k['median_probe_steps']} | {k['median_session_s']:.1f} | {winners} |")
+    if cfg.get("load_starts") == "lock":
+        lines[-1] += (" The load started in each session right after its lock-in (the probe steps ran "
+                      "unloaded) and stopped after its scoring: the watched steps and the scoring ran under it.")
     lines += ["", f"| kind | max settled regret | settled > {BAD_REGRET:.0%} | sessions that switched | "
-              "median whole-run regret, watched |", "|---|---:|---:|---:|---:|"]
+              "median watched steps to the first switch | median whole-run regret, watched |",
+              "|---|---:|---:|---:|---:|---:|"]
     for kind, k in result["summary"].items():
         lines.append(f"| {kind} | {_pct(k['max_settled_regret'])} | {k['above_bad_settled_regret']} | "
-                     f"{k['sessions_with_switches']} | {_pct(k['median_whole_run_regret_watched'])} |")
+                     f"{k['sessions_with_switches']} | {k.get('median_first_switch_step', float('nan'))} | "
+                     f"{_pct(k['median_whole_run_regret_watched'])} |")
     lines += ["", "Beyond noise: sessions whose regret interval (95 % bootstrap over scoring rounds) is above 0. "
               "Pooled regret: the winner's mean over every session's scoring rounds against the best such "
               "mean (the load's statistics do not change from session to session): "]
@@ -424,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", choices=LOAD_KINDS, default="none", help="background load (see bench._load)")
     p.add_argument("--load-procs", type=int, default=2, help="background load processes")
     p.add_argument("--load-threads", type=int, default=2, help="torch threads per load process (threads, bursts)")
+    p.add_argument("--load-starts", choices=("start", "lock"), default="start",
+                   help="when the load starts: before the first session, or in each session right after "
+                        "its lock-in (stopped after its scoring: a load that starts mid-run)")
     p.add_argument("--sessions", type=int, default=None, help="sessions per kind (default 20; 2 quick)")
     p.add_argument("--kinds", type=_kinds, default=list(KINDS), help="session kinds, alternated")
     p.add_argument("--rounds", type=int, default=None, help="interleaved scoring rounds (default 15; 3 quick)")
@@ -447,7 +468,8 @@ def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.rounds = args.rounds if args.rounds is not None else (3 if q else 15)
     args.watch_steps = args.watch_steps if args.watch_steps is not None else (4 if q else 200)
     args.width = QUICK_WIDTH if q else WIDTH
-    args.name = args.name or f"tuner_load-{args.load}" + ("-quick" if q else "")
+    args.name = args.name or (f"tuner_load-{args.load}" + ("-at-lock" if args.load_starts == "lock" else "")
+                               + ("-quick" if q else ""))
     for flag, value, lo in (("--sessions", args.sessions, 1), ("--rounds", args.rounds, 1),
                             ("--per-visit", args.per_visit, 1), ("--max-steps", args.max_steps, 1),
                             ("--load-procs", args.load_procs, 1), ("--load-threads", args.load_threads, 1),
@@ -478,10 +500,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     _warm_up()
     spec = LoadSpec(kind=args.load, procs=args.load_procs, threads=args.load_threads, seed=args.seed)
     sessions = []
-    with BackgroundLoad(spec) as load:
+    at_lock = args.load_starts == "lock"
+    with BackgroundLoad(dataclasses.replace(spec, kind="none") if at_lock else spec) as load:
         for i in range(args.sessions):
             for kind in args.kinds:
-                sessions.append(run_session(kind, args.seed + i, args))
+                sessions.append(run_session(kind, args.seed + i, args, load_at_lock=spec if at_lock else None))
     params = sum(p.numel() for p in make_params(args.width, 0))
     return {
         "benchmark": "bench.tuner_load",
@@ -490,6 +513,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "load": {**dataclasses.asdict(spec), "description": spec.describe(), "pids": load.pids},
         "config": {"kinds": args.kinds, "sessions_per_kind": args.sessions, "rounds": args.rounds,
                    "per_visit": args.per_visit, "max_steps": args.max_steps, "watch_steps": args.watch_steps,
+                   "load_starts": args.load_starts,
                    "seed": args.seed, "quick": args.quick,
                    "width": args.width, "layers": LAYERS, "params": params, "lr": LR, "run_steps": RUN_STEPS,
                    "plan_threads": plan.threads, "plan_reason": plan.reason},

@@ -117,6 +117,23 @@ def test_load_workers_are_gone_and_the_report_names_the_command(quick: tuple[dic
     tl.build_parser().parse_args(result["command"].split()[3:])  # the stored command parses
 
 
+@pytest.mark.slow
+def test_a_load_that_starts_at_lock_in_runs_under_the_watched_steps_and_the_scoring(tmp_path: Path) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("OFFLOAD_AUTOTUNE_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "OFFLOAD_AUTOTUNE_CACHE"):
+            mp.delenv(var, raising=False)
+        assert tl.main(["--quick", "--load", "busy", "--load-starts", "lock", "--kinds", "stock", "--sessions", "2",
+                        "--out-dir", str(tmp_path), "--log-level", "WARNING"]) == 0
+    result = _strict_json((tmp_path / "tuner_load-busy-at-lock-quick.json").read_text())
+    assert result["config"]["load_starts"] == "lock" and result["load"]["pids"] == []  # none before lock-in
+    pids = [s["load_pids_at_lock"] for s in result["sessions"]]
+    assert all(len(p) == 2 for p in pids) and len({*pids[0], *pids[1]}) == 4  # a load of its own per session
+    assert all(_gone(pid) for p in pids for pid in p)
+    assert all("first_switch_step" in s and s["score"]["settled_index"] >= 0 for s in result["sessions"])
+    markdown = (tmp_path / "tuner_load-busy-at-lock-quick.md").read_text()
+    assert "starting at each session's lock-in" in markdown and "the first switch" in markdown
+
+
 def test_regret_arithmetic_on_injected_samples() -> None:
     candidates = [{"threads": 1}, {"threads": 2}]
     # threads=1: median 1.0 but mean 3.25 (one slow step counts: a run pays it); threads=2: 2.0 flat.
