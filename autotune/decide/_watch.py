@@ -13,7 +13,7 @@ after a switch, discarded). The challengers take turns: the runner-up of the dec
 construction) and the static plan; a challenger that was faster than the winner in its last round
 keeps the turn. Each block of ``watch_window`` (5) rounds of a challenger is tested once: if the
 challenger was faster in every round of it (a sign test at p = 1/32) and by more than ``min_gain``
-on the ratio of the mean step times (:class:`~autotune._paired.PairedComparison`), every rank
+on the ratio of the mean step times (:class:`~autotune.measure._paired.PairedComparison`), every rank
 switches to it at the same step (settings never change the numbers, so a switch is exact) and the
 old winner becomes a challenger.
 
@@ -44,8 +44,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from autotune._config import AutotuneConfig
-from autotune._paired import PairedComparison, gain_margin, round_order
-from autotune._probe import Key, Slot
+from autotune.measure._paired import PairedComparison, gain_margin, round_order
+from autotune.decide._probe import Key, Slot
 
 __all__ = ["MIN_ROUND_COST", "Switch", "Watch", "WatchStart"]
 
