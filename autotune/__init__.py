@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune._agree import Agreement, AgreementError, AgreementMismatch, AgreementTimeout, make_agreement
-from autotune._cache import TuningCache
-from autotune._fingerprint import Fingerprint, fingerprint
-from autotune._measurement import Measurement
-from autotune._space import Knob, SearchSpace, geometric_ladder, powers_of_two
-from autotune._trace import TraceWriter
+from autotune.agree._agree import Agreement, AgreementError, AgreementMismatch, AgreementTimeout, make_agreement
+from autotune.cache._cache import TuningCache
+from autotune.cache._fingerprint import Fingerprint, fingerprint
+from autotune.measure._measurement import Measurement
+from autotune.measure._space import Knob, SearchSpace, geometric_ladder, powers_of_two
+from autotune.report._trace import TraceWriter
 from autotune._config import AutotuneConfig, StepSample
-from autotune._tuner import OnlineTuner
-from autotune._session import TuningSession, cache_for, trace_for
+from autotune.tuner._tuner import OnlineTuner
+from autotune.tuner._session import TuningSession, cache_for, trace_for
 
 __all__ = [
     "Agreement",

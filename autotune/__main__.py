@@ -1,10 +1,10 @@
-"""``python -m autotune show|export|plot|clear``; see :mod:`autotune._cli`."""
+"""``python -m autotune show|export|plot|clear``; see :mod:`autotune.report._cli`."""
 
 from __future__ import annotations
 
 import logging
 
-from autotune._cli import main
+from autotune.report._cli import main
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="python -m autotune: %(levelname)s: %(message)s")

@@ -1,8 +1,8 @@
 """What a client configures and reports: :class:`AutotuneConfig` (how the tuner probes, decides
 and watches) and :class:`StepSample` (one measured training step).
 
-Kept apart from the tuner so the schedule modules (:mod:`autotune._probe`,
-:mod:`autotune._check`) read the config without importing the tuner that drives them.
+Kept apart from the tuner so the schedule modules (:mod:`autotune.decide._probe`,
+:mod:`autotune.decide._check`) read the config without importing the tuner that drives them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from autotune._measurement import MIN_GAIN, NOISE_FACTOR, TIE_TOLERANCE
+from autotune.measure._measurement import MIN_GAIN, NOISE_FACTOR, TIE_TOLERANCE
 
 __all__ = ["AutotuneConfig", "StepSample"]
 
@@ -66,7 +66,7 @@ class AutotuneConfig:
     watch: bool = True
     """After lock-in, keep comparing the winner with the runner-up and the static plan in paired
     rounds now and then, and switch (every rank at the same step) when one is clearly faster
-    (:mod:`autotune._watch`): a run follows a host whose load changes."""
+    (:mod:`autotune.decide._watch`): a run follows a host whose load changes."""
     watch_cost: float = 0.005
     """The most the watch may cost, as a fraction of the locked steps' time (0.5 %): what its
     rounds took beyond as many steps of the winner."""
@@ -77,7 +77,7 @@ class AutotuneConfig:
     not outvote the rounds after it and repeated tests do not add up false alarms (one block of
     two equal settings passes with probability 1/2**watch_window)."""
     use_cache: bool = True
-    """Read and write the tuning cache (``autotune._session.cache_for`` builds it from the field below)."""
+    """Read and write the tuning cache (``autotune.tuner._session.cache_for`` builds it from the field below)."""
     cache_path: str | os.PathLike[str] | None = None
     """Cache file (a ``Path`` is accepted and stored as ``str``); None: ``$OFFLOAD_AUTOTUNE_CACHE``
     or the user cache directory (``autotune.knobs``)."""

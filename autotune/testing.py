@@ -10,6 +10,6 @@ public classes; ``offload.testing`` holds the optimizer's. Importing this module
 
 from __future__ import annotations
 
-from autotune._inprocess import InProcessAgreement
+from autotune.agree._inprocess import InProcessAgreement
 
 __all__ = ["InProcessAgreement"]

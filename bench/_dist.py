@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from autotune import AutotuneConfig, knobs
-from autotune._peers import ProcessInfo, describe_state, me, peer_states
+from autotune.agree._peers import ProcessInfo, describe_state, me, peer_states
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from autotune._runs import resolve_run_dir
+from autotune.report._runs import resolve_run_dir
 from bench._dist import run_torchrun
 from bench._stats import iqr, median
 

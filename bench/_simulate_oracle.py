@@ -34,7 +34,7 @@ __all__ = ["MAX_STEPS", "ORACLE_CONTENDERS", "ORACLE_SEEDS", "oracle_bound", "st
 ORACLE_CONTENDERS = 3
 #: Simulated sessions per node; seeded, so the bound is deterministic.
 ORACLE_SEEDS = 1000
-#: The tuner's stall rule (``autotune._measurement.OUTLIER_FACTOR``).
+#: The tuner's stall rule (``autotune.measure._measurement.OUTLIER_FACTOR``).
 _OUTLIER_FACTOR = 1.5
 #: Steps of every draw (more when a budget asks for more): a contender's first ``n`` samples are
 #: then the same whatever the budget, so :func:`oracle_bound` and :func:`steps_needed` agree.

@@ -15,7 +15,7 @@ the chunks started during backward that were committed (:mod:`bench._train_summa
 
 Rank 0 prints one line per step (loss, step wall time, the optimizer's stage times) and a final
 summary, and writes ``--summary-json`` once, atomically. With ``--trace-dir DIR`` every run gets
-its own ``DIR/run-N`` (``DIR/latest`` links to the newest; see :mod:`autotune._runs`) holding the
+its own ``DIR/run-N`` (``DIR/latest`` links to the newest; see :mod:`autotune.report._runs`) holding the
 tuner's trace, ``train_steps.jsonl`` and ``run.json`` (the summary), so a second run never
 overwrites the first. A bad ``--trace-dir`` or environment value ends the run with one line
 naming it and exit status 2. Under torchrun the ranks initialise the
@@ -152,7 +152,7 @@ def _run_dir(args: argparse.Namespace, info: _dist.DistInfo) -> Path | None:
     traces go to. torchrun numbers a node's ranks consecutively."""
     if args.trace_dir is None:
         return None
-    from autotune._runs import RunDirError, new_run_dir
+    from autotune.report._runs import RunDirError, new_run_dir
 
     made: str | Path = ""
     if info.local_rank == 0:

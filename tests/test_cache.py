@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from autotune import AutotuneConfig, TuningCache, knobs
-from autotune._cache import SCHEMA_VERSION, CacheWriteError
-from autotune._cachefile import exclusive_lock
-from autotune._entry import CacheEntry, CacheEntryError
+from autotune.cache._cache import SCHEMA_VERSION, CacheWriteError
+from autotune.cache._cachefile import exclusive_lock
+from autotune.cache._entry import CacheEntry, CacheEntryError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,8 @@ def null_device(tmp_path: Path) -> Path:
 
 
 def cache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "autotune._cache" and r.levelno >= logging.WARNING]
+    return [r.getMessage() for r in caplog.records
+            if r.name == "autotune.cache._cache" and r.levelno >= logging.WARNING]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +137,7 @@ def test_the_probe_cost_is_an_optional_field_of_the_entry(tmp_path: Path) -> Non
 
 #: Functions outside _entry.py that read the tuner's summary (summary.json), whose keys share
 #: names with the entry's (``winner``, ``probe_steps``, ...): the same facts in another record.
-_SUMMARY_READERS = {("autotune/_cli.py", "_run_summary")}
+_SUMMARY_READERS = {("autotune/report/_cli.py", "_run_summary")}
 
 
 def _str_constants(node: ast.AST, function: str | None = None) -> Iterator[tuple[str, str | None, int]]:
@@ -154,16 +155,17 @@ def _str_constants(node: ast.AST, function: str | None = None) -> Iterator[tuple
 
 def _uses_the_cache(tree: ast.Module) -> bool:
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in ("autotune._cache", "autotune._entry"):
+        if isinstance(node, ast.ImportFrom) and node.module in ("autotune.cache._cache", "autotune.cache._entry"):
             return True
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if any(a.name in ("autotune._cache", "autotune._entry", "TuningCache", "CacheEntry") for a in node.names):
+            names = ("autotune.cache._cache", "autotune.cache._entry", "TuningCache", "CacheEntry")
+            if any(a.name in names for a in node.names):
                 return True
     return False
 
 
 def test_only_the_cache_module_spells_the_entry_json_keys() -> None:
-    """The entry's JSON form is owned by autotune._entry, so it changes in one place; every other
+    """The entry's JSON form is owned by autotune.cache._entry, so it changes in one place; every other
     reader goes through :class:`CacheEntry` fields. The keys come from a real ``to_json()``, so
     they cannot go stale. Keys the tuner's summary also has are allowed in modules that never touch
     the cache (there they are the summary's: bench/, the trace's plots, the tuner itself) and in
@@ -181,14 +183,15 @@ def test_only_the_cache_module_spells_the_entry_json_keys() -> None:
     for package in ("autotune", "offload", "bench"):
         for path in sorted((REPO / package).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
-            if rel == "autotune/_entry.py":
+            if rel == "autotune/cache/_entry.py":
                 continue
             tree = ast.parse(path.read_text(), filename=rel)
             strict = _uses_the_cache(tree)
             for value, function, line in _str_constants(tree):
                 if value in keys and (value not in shared or strict and (rel, function) not in _SUMMARY_READERS):
                     offenders.append(f"{rel}:{line}: {value!r} (in {function or 'the module'})")
-    assert not offenders, "the cache entry's JSON keys spelled outside autotune/_entry.py:\n" + "\n".join(offenders)
+    assert not offenders, ("the cache entry's JSON keys spelled outside autotune/cache/_entry.py:\n"
+                           + "\n".join(offenders))
 
 
 def test_default_path_follows_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

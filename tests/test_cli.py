@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from autotune import TraceWriter, TuningCache, knobs
-from autotune._cli import main
+from autotune.report._cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

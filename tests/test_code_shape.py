@@ -6,7 +6,8 @@
 * ``autotune`` imports neither ``offload`` nor ``bench``; ``offload`` never imports ``bench``;
 * ``offload``'s top-level import graph (a subpackage is one node) has at most :data:`MAX_NODES`
   nodes, :data:`MAX_LAYERS` layers and :data:`MAX_EDGES` edges, and each part imports only the
-  parts under it (:data:`PARTS`);
+  parts under it (:data:`PARTS`); ``autotune``'s has at most :data:`AUTOTUNE_MAX_NODES` nodes and
+  each of its nodes imports only the nodes under it (:data:`AUTOTUNE_PARTS`);
 * no test or bench module patches a private name of ``offload`` or ``autotune``. A patch is a
   ``setattr``/``delattr`` (builtin, ``monkeypatch.``, ``object.__setattr__``), ``mock.patch``
   (a dotted string, also as ``target=``), ``patch.object``, ``patch.multiple``, ``patch.dict``,
@@ -180,13 +181,13 @@ def _node(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _top_graph() -> dict[str, set[str]]:
+def _top_graph(package: str = "offload") -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for m, targets in _graph().items():
-        if m.split(".")[0] != "offload":
+        if m.split(".")[0] != package:
             continue
         src = _node(m)
-        out.setdefault(src, set()).update(_node(t) for t in targets if t.split(".")[0] == "offload")
+        out.setdefault(src, set()).update(_node(t) for t in targets if t.split(".")[0] == package)
         out[src].discard(src)
     return out
 
@@ -223,6 +224,37 @@ def test_offload_parts_import_only_what_they_stand_on() -> None:
     bad.update({leaf: sorted(graph.get(leaf, set()) - allowed) for leaf, allowed in LEAVES.items()
                 if graph.get(leaf, set()) - allowed})
     assert not bad, f"imports a part must not make (part -> forbidden targets): {bad}"
+
+
+#: ``autotune``'s top-level nodes (its parts, the root's modules and the package's ``__init__``)
+#: with everything each may import of the rest of ``autotune`` (docs/architecture.md draws the
+#: same picture): every import runs down, none from a lower layer up.
+AUTOTUNE_PARTS: dict[str, set[str]] = {
+    "knobs": set(),
+    "measure": set(),
+    "_config": {"measure"},
+    "agree": {"knobs"},
+    "cache": {"measure", "knobs"},
+    "report": {"cache", "knobs"},
+    "decide": {"measure", "_config"},
+    "tuner": {"decide", "agree", "cache", "report", "measure", "_config", "knobs"},
+    "testing": {"agree"},
+    "__main__": {"report"},
+    "__init__": {"tuner", "agree", "cache", "report", "measure", "_config"},
+}
+#: Limit on ``autotune``'s top-level nodes (modules and packages at its root, ``__init__`` included).
+AUTOTUNE_MAX_NODES = 12
+
+
+def test_autotune_top_level_is_small_and_every_import_runs_down() -> None:
+    graph = _top_graph("autotune")
+    assert not _cycles(graph), f"import cycles between autotune's parts: {_cycles(graph)}"
+    assert len(graph) <= AUTOTUNE_MAX_NODES, \
+        f"{len(graph)} top-level nodes in autotune (at most {AUTOTUNE_MAX_NODES}): {sorted(graph)}"
+    unplaced = set(graph) - set(AUTOTUNE_PARTS)
+    assert not unplaced, f"autotune nodes without a place in AUTOTUNE_PARTS: {sorted(unplaced)}"
+    bad = {node: sorted(graph[node] - AUTOTUNE_PARTS[node]) for node in graph if graph[node] - AUTOTUNE_PARTS[node]}
+    assert not bad, f"imports an autotune node must not make (node -> forbidden targets): {bad}"
 
 
 def test_the_part_rules_catch_what_they_claim() -> None:

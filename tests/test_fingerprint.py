@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from autotune import Fingerprint, fingerprint
-from autotune._fingerprint import canonical_json, hardware_details, software_details
+from autotune.cache._fingerprint import canonical_json, hardware_details, software_details
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = {"params": 1_234_567, "dtypes": ["torch.bfloat16", "torch.float32"]}
@@ -156,7 +156,7 @@ def test_bad_arguments_raise_naming_the_value(kwargs: dict, error: type) -> None
 
 _CHILD = """
 import json, sys
-from autotune._fingerprint import fingerprint
+from autotune.cache._fingerprint import fingerprint
 f = fingerprint(workload=json.loads(sys.argv[1]), space=json.loads(sys.argv[2]), local_world_size=2)
 print(json.dumps({"key": f.key}))
 """
@@ -177,7 +177,7 @@ def test_step_environment_variables_split_the_key_and_none_keep_the_old_one(monk
     """OMP_*, KMP_*, GOMP_*, MALLOC_* change how a step runs: a setting tuned under one value is
     not reused under another. With none set, the software facts are those of earlier versions."""
     from autotune import fingerprint, knobs
-    from autotune._fingerprint import software_details
+    from autotune.cache._fingerprint import software_details
 
     for name in [k for k in os.environ if k.startswith(knobs.STEP_ENV_PREFIXES)]:
         monkeypatch.delenv(name)

@@ -71,7 +71,7 @@ def test_two_nodes_tune_and_cache_each_on_their_own(tmp_path: Path) -> None:
         # The node's local rank 0 (global rank 2 on the second node) wrote its own cache entry and trace.
         entries = json.loads((node_dir / "cache.json").read_text())["entries"]
         assert len(entries) == 1, entries
-        run = node_dir / "trace" / "run-1"  # --trace-dir DIR writes DIR/run-N (autotune/_runs.py)
+        run = node_dir / "trace" / "run-1"  # --trace-dir DIR writes DIR/run-N (autotune/report/_runs.py)
         (summary_file,) = run.glob("summary*.json")  # summary.rank2.json on node 1
         summary = json.loads(summary_file.read_text())
         assert summary["state"] == "locked" and summary["winner"] is not None, summary

@@ -99,7 +99,7 @@ def _parse(argv: list[str]) -> bool:
     if not re.fullmatch(r"[\w.]+", module) or not rest:  # output ("python -m bench.train: ..."), a name
         return False
     if module == "autotune":
-        from autotune._cli import _parser  # noqa: PLC0415
+        from autotune.report._cli import _parser  # noqa: PLC0415
 
         _parser().parse_args(rest)
         return True

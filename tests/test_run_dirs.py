@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune import _cli
-from autotune._runs import new_run_dir, resolve_run_dir, runs_in
+from autotune.report import _cli
+from autotune.report._runs import new_run_dir, resolve_run_dir, runs_in
 from bench import train
 
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "2", "--seq-len", "16"]

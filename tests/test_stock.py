@@ -382,7 +382,7 @@ def test_refuses_what_it_cannot_tune(tmp_path: Path) -> None:
 
 
 def test_second_run_hits_the_cache_and_the_cli_shows_it(tmp_path: Path) -> None:
-    from autotune._cli import main as cli
+    from autotune.report._cli import main as cli
 
     def run() -> ThreadTunedOptimizer:
         model = wide_model()

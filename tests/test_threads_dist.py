@@ -32,7 +32,7 @@ def record(plan):
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 plans = {"node": record(plan_cpu_threads(timeout_s=30)),  # node ranks from LOCAL_RANK/LOCAL_WORLD_SIZE
          "group": record(plan_cpu_threads(group=dist.group.WORLD, timeout_s=30))}
-from autotune._agree import GlooAgreement  # the agreement an OnlineTuner builds for the local ranks
+from autotune.agree._agree import GlooAgreement  # the agreement an OnlineTuner builds for the local ranks
 agreement = GlooAgreement.for_local_ranks(timeout_s=30)
 plans["agreement"] = record(plan_cpu_threads(agreement=agreement))
 agreement.close()

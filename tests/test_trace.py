@@ -169,7 +169,8 @@ def test_png_when_matplotlib_is_installed(tmp_path: Path) -> None:
 
 def test_matplotlib_is_not_imported_with_the_package() -> None:
     code = (
-        "import sys, autotune, autotune._trace, autotune._cache, autotune._fingerprint, autotune._cli\n"
+        "import sys, autotune, autotune.report._trace, autotune.cache._cache, autotune.cache._fingerprint\n"
+        "import autotune.report._cli\n"
         "print('matplotlib' in sys.modules)\n"
     )
     env = dict(os.environ)
@@ -221,7 +222,7 @@ def test_unwritable_directory_warns_and_never_raises(tmp_path: Path, caplog: pyt
         writer.write_summary(SUMMARY)
         writer.close()
         writer.close()  # idempotent
-    warnings = [r for r in caplog.records if r.name == "autotune._trace" and r.levelno == logging.WARNING]
+    warnings = [r for r in caplog.records if r.name == "autotune.report._trace" and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "disabled" in warnings[0].getMessage()
 
 
@@ -263,7 +264,7 @@ def test_a_new_run_in_the_same_directory_starts_clean(tmp_path: Path) -> None:
 def test_a_writer_nobody_closes_is_closed_at_exit(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from autotune._trace import TraceWriter\n"
+        "from autotune.report._trace import TraceWriter\n"
         "w = TraceWriter(sys.argv[1], plot=False)\n"
         "w.add_step({'step': 0, 'phase': 'probe', 'node_time_s': 0.5})\n"
         "w.add_spans(0, 0, [('d2h', 0, 0.0, 0.1)])\n"
@@ -279,7 +280,7 @@ def test_a_writer_nobody_closes_is_closed_at_exit(tmp_path: Path) -> None:
 
 def test_plot_words_match_the_console_and_the_objective() -> None:
     """tuning.png reads on its own: steps from 1, what the y axis measures, "static plan"."""
-    from autotune._trace import plot_text
+    from autotune.report._trace import plot_text
 
     rows = [{"step": 0, "phase": "probe", "node_time_s": 0.02,
              "ranks": {"0": {"time_s": 0.02, "iteration_s": 0.02, "step_s": 0.01}}}]
@@ -296,7 +297,7 @@ def test_plot_words_match_the_console_and_the_objective() -> None:
 
 def test_a_cache_hit_plot_draws_its_check_steps(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="tuning.png needs matplotlib (the [plot] extra)")
-    from autotune._trace import plot_trace
+    from autotune.report._trace import plot_trace
 
     rows = [{"step": i, "phase": "check_warmup" if i == 0 else "check", "candidate": WINNER,
              "node_time_s": 0.02 + 0.001 * i} for i in range(4)]

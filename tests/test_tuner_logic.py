@@ -26,10 +26,10 @@ from autotune import (
     geometric_ladder,
     powers_of_two,
 )
-from autotune import _measurement, _paired, _space
-from autotune._measurement import gain_threshold, significantly_faster
-from autotune._decide import LEAN_ROUNDS, choose, decide_paired
-from autotune._probe import plan_budget
+from autotune.measure import _measurement, _paired, _space
+from autotune.measure._measurement import gain_threshold, significantly_faster
+from autotune.decide._decide import LEAN_ROUNDS, choose, decide_paired
+from autotune.decide._probe import plan_budget
 
 THREADS = (1, 2, 4, 8)
 CHUNKS = (1 << 20, 1 << 21, 1 << 22)
@@ -511,7 +511,7 @@ def test_two_stalls_in_a_row_do_not_stop_a_candidate_but_a_slow_one_stops_after_
 
 
 def test_sweep_is_a_deterministic_function_of_the_results():
-    from autotune._probe import sweep_next
+    from autotune.decide._probe import sweep_next
 
     space = make_space(threads=(1, 2, 4, 8, 16), chunks=(1 << 20, 1 << 22, 1 << 25))
     cost = _separable(4, 1 << 20)
@@ -738,7 +738,7 @@ def test_real_cache_file_round_trip(tmp_path, monkeypatch):
 
 
 def test_sampler_that_repeats_itself_still_yields_every_candidate_once():
-    from autotune import _probe
+    from autotune.decide import _probe
 
     space = make_space(threads=(1, 2, 4, 8), chunks=(1 << 20,))
     plan = _probe.BudgetPlan("tpe", 4, 0, 0, 16)
@@ -755,7 +755,7 @@ def test_sampler_that_repeats_itself_still_yields_every_candidate_once():
 
 
 def test_single_process_agreement_needs_no_process_group():
-    from autotune._agree import LocalAgreement, make_agreement
+    from autotune.agree._agree import LocalAgreement, make_agreement
 
     agreement = make_agreement(None, timeout_s=1.0)
     assert isinstance(agreement, LocalAgreement)
@@ -766,7 +766,7 @@ def test_single_process_agreement_needs_no_process_group():
 
 
 def test_grid_with_fewer_final_rounds_beats_sampling_when_it_fits() -> None:
-    from autotune._probe import plan_budget
+    from autotune.decide._probe import plan_budget
 
     # 47 steps; 8 candidates x 4 = 32 (exploring: round 0); two rounds of 3 finalists (12) and one
     # duel round (4) to reach the 4 paired rounds a rank test needs would be 48; one round (6) and

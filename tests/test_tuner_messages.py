@@ -11,7 +11,7 @@ import pytest
 from test_tuner_logic import BASELINE, Client, FakeCache, make_space, make_tuner, table
 
 from autotune import AutotuneConfig, Measurement
-from autotune._measurement import format_ms
+from autotune.measure._measurement import format_ms
 
 _OTHER_UNITS = re.compile(r"\d(?: s\b| us\b|e[-+]\d)")
 
@@ -119,7 +119,7 @@ def test_only_one_candidate_logs_no_empty_table_header(caplog) -> None:
 
 
 def test_probe_cost_is_the_unclipped_excess_over_the_winners_median_floored_at_zero() -> None:
-    from autotune._measurement import probe_cost_pct, probe_cost_s
+    from autotune.measure._measurement import probe_cost_pct, probe_cost_s
 
     times = [0.030, 0.010, 0.020, 0.010, 0.005]  # at a winner's median of 10 ms
     assert probe_cost_s(times, 0.010) == pytest.approx(0.025)  # 20 + 0 + 10 + 0 - 5 ms: not clipped per step

@@ -12,8 +12,8 @@ import pytest
 from test_tuner_logic import Client, fake_fingerprint, make_space, table
 
 from autotune import AutotuneConfig, OnlineTuner, TraceWriter
-from autotune._plot import OTHER_COLOUR, PALETTE, plot_text, y_range
-from autotune._trace import read_rows
+from autotune.report._plot import OTHER_COLOUR, PALETTE, plot_text, y_range
+from autotune.report._trace import read_rows
 
 WINNER = {"threads": 4, "chunk_numel": 1 << 22}
 BASELINE = {"threads": 8, "chunk_numel": 1 << 20}
@@ -76,7 +76,7 @@ def test_the_trace_and_the_plot_count_steps_from_1(tmp_path: Path) -> None:
     chrome = [e["args"]["step"] for e in trace.chrome_trace()["traceEvents"] if e.get("cat") == "step"]
     assert sorted(set(chrome)) == steps
     pytest.importorskip("matplotlib", reason="tuning.png needs matplotlib (the [plot] extra)")
-    from autotune._plot import draw_trace
+    from autotune.report._plot import draw_trace
 
     ax = draw_trace(read_rows(tmp_path), None).axes[0]
     drawn = sorted({float(x) for c in ax.collections for x, _ in c.get_offsets()})
@@ -87,7 +87,7 @@ def test_a_long_title_fits_and_steps_are_whole_numbers() -> None:
     pytest.importorskip("matplotlib", reason="tuning.png needs matplotlib (the [plot] extra)")
     from matplotlib.text import Text
 
-    from autotune._plot import draw_trace
+    from autotune.report._plot import draw_trace
 
     rows = [{"step": s, "phase": "check", "candidate": WINNER, "node_time_s": 0.030 + 0.0001 * s} for s in (1, 2, 3)]
     summary = {**SUMMARY, "cache_hit": True}  # the longest title: a re-check, its recorded speed-up
@@ -109,7 +109,7 @@ def test_a_long_title_fits_and_steps_are_whole_numbers() -> None:
 
 def test_the_clipped_axis_is_drawn_with_the_stall_on_its_edge() -> None:
     pytest.importorskip("matplotlib", reason="tuning.png needs matplotlib (the [plot] extra)")
-    from autotune._plot import draw_trace
+    from autotune.report._plot import draw_trace
 
     rows = rows_with_a_stall()
     fig = draw_trace(rows, SUMMARY)
@@ -196,7 +196,7 @@ def test_a_kept_static_plan_is_said_once_and_in_the_title() -> None:
 
 def test_the_drawn_legend_is_plot_texts_and_the_watch_has_its_own_panel() -> None:
     pytest.importorskip("matplotlib", reason="tuning.png needs matplotlib (the [plot] extra)")
-    from autotune._plot import draw_trace
+    from autotune.report._plot import draw_trace
 
     rows = a_tuning_run()
     fig = draw_trace(rows, SUMMARY)

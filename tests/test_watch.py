@@ -367,7 +367,7 @@ def test_watch_switches_keep_the_optimizer_bitwise_equal_to_one_fixed_setting():
 
 
 def test_the_permutation_test_beyond_the_exact_rounds_is_deterministic_and_agrees():
-    from autotune._paired import EXACT_ROUNDS, permutation_p
+    from autotune.measure._paired import EXACT_ROUNDS, permutation_p
 
     faster = [-1.0] * (EXACT_ROUNDS + 4) + [0.5, 0.5]
     p = permutation_p(faster)

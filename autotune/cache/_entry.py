@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
-from autotune._measurement import probe_cost_pct
+from autotune.measure._measurement import probe_cost_pct
 
 if TYPE_CHECKING:
-    from autotune._space import SearchSpace
+    from autotune.measure._space import SearchSpace
 
 __all__ = ["CacheEntry", "CacheEntryError", "validate_entry"]
 
@@ -141,7 +141,7 @@ class CacheEntry:
     """The static plan's median step time when recorded."""
     measurements: tuple[dict[str, Any], ...]
     """Every measured candidate: ``{"candidate": setting, "samples": [seconds, ...]}``; other
-    keys (a :class:`~autotune._records.Decision`'s ``median_s``, ...) are not stored."""
+    keys (a :class:`~autotune.decide._records.Decision`'s ``median_s``, ...) are not stored."""
     probe_steps: int
     """Probe steps the tuning session spent."""
     created_unix: float
@@ -151,7 +151,7 @@ class CacheEntry:
     None when not recorded (entries of older versions): the JSON form then has no such key."""
     probe_cost_s: float | None = None
     """Seconds the session's probe steps took beyond as many steps at the winner's median
-    (:func:`autotune._measurement.probe_cost_s`); None when not recorded (older versions, or a
+    (:func:`autotune.measure._measurement.probe_cost_s`); None when not recorded (older versions, or a
     winner without a median): the JSON form then has no such key."""
     runner_up: dict[str, Any] | None = None
     """The setting the post-lock watch compared the winner with (the best other finalist, or the

@@ -1,7 +1,7 @@
 """Local rank 0's half of the tuner: the cache lookup, the probing session or the re-check of a
 cached choice, the lock-in and the cache write; it says what every next step runs.
 
-:class:`Schedule` turns each step's node time into the next :class:`~autotune._records.Directive`;
+:class:`Schedule` turns each step's node time into the next :class:`~autotune.decide._records.Directive`;
 ``OnlineTuner`` broadcasts it and every rank (rank 0 included) follows it. Only rank 0 builds a
 schedule, so the cache and the Optuna sampler live on one rank and cannot disagree.
 """
@@ -13,13 +13,13 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Protocol
 
-from autotune._entry import CacheEntry, CacheEntryError
-from autotune._check import CheckSession, CheckVerdict
+from autotune.cache._entry import CacheEntry, CacheEntryError
+from autotune.decide._check import CheckSession, CheckVerdict
 from autotune._config import AutotuneConfig
-from autotune._probe import ProbeSession
-from autotune._records import Decision, Directive, TunerState
-from autotune._space import SearchSpace
-from autotune._watch import Watch
+from autotune.decide._probe import ProbeSession
+from autotune.decide._records import Decision, Directive, TunerState
+from autotune.measure._space import SearchSpace
+from autotune.decide._watch import Watch
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ survivors find out which local rank is missing from a small side channel: a priv
 and step of the last collective it entered (one ~10 us store write per collective). The error then
 names the owner ("OnlineTuner"), the step, the collective and the missing rank(s).
 
-Every read of that store runs under a deadline (:func:`autotune._peers.call_with_deadline`):
+Every read of that store runs under a deadline (:func:`autotune.agree._peers.call_with_deadline`):
 ``TCPStore.check``/``get`` wait forever for a reply when rank 0's process is stopped, so an
 unbounded read would turn one frozen rank into a hung node. Local ranks also exchange their pids
 at setup, so the error says what happened to a missing rank (exited, stopped, or running but
@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from autotune._peers import (
+from autotune.agree._peers import (
     ProcessInfo,
     StoreUnresponsive,
     call_with_deadline,

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from autotune._trace import SUMMARY_JSON, TRACE_JSONL
+from autotune.report._trace import SUMMARY_JSON, TRACE_JSONL
 
 __all__ = ["LATEST", "RUN_PREFIX", "new_run_dir", "resolve_run_dir", "runs_in"]
 

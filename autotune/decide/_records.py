@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from autotune._measurement import COST_REFERENCE_STEPS, Measurement, format_ms, probe_cost_pct, probe_cost_s
-from autotune._paired import PairedComparison
-from autotune._space import Scalar, SearchSpace
+from autotune.measure._measurement import COST_REFERENCE_STEPS, Measurement, format_ms, probe_cost_pct, probe_cost_s
+from autotune.measure._paired import PairedComparison
+from autotune.measure._space import Scalar, SearchSpace
 
 __all__ = ["NO_DECISION", "Decision", "Directive", "TunerState", "lock_in_table"]
 
@@ -48,7 +48,7 @@ class Decision:
     """Every measured candidate: ``{"candidate": setting, "samples", "median_s", "iqr_s", "n"}``."""
     probe_cost_s: float | None = None
     """Seconds the session's probe steps took beyond as many steps at the winner's median
-    (:func:`autotune._measurement.probe_cost_s`); 0 for a cache hit or one candidate (nothing
+    (:func:`autotune.measure._measurement.probe_cost_s`); 0 for a cache hit or one candidate (nothing
     probed), None when the winner is unmeasured."""
     paired: tuple[dict[str, Any], ...] = ()
     """The paired evidence that decided: ``{"candidate", "ratio", "rounds"}`` per arm compared with
@@ -248,7 +248,7 @@ def lock_in_table(decision: Decision, space: SearchSpace, *, probe_budget: int, 
     the figure summary.json, the cache and ``python -m autotune show`` report). The decision rests
     on paired rounds: the reason states the paired ratio that decided, and the table's "paired"
     column shows each finalist's mean-time ratio to the static plan over its rounds (see
-    :mod:`autotune._paired`). The line also states the probing cost (:meth:`Decision.cost_text`)."""
+    :mod:`autotune.measure._paired`). The line also states the probing cost (:meth:`Decision.cost_text`)."""
     winner, baseline = decision.winner, decision.baseline
     paired = {space.key(p["candidate"]): p for p in decision.paired}
     if decision.kept_baseline:

@@ -1,7 +1,7 @@
 """``python -m autotune``: inspect, export, plot and clear tuning results.
 
 Works on the tuning cache (``--cache PATH``, else ``OFFLOAD_AUTOTUNE_CACHE``, else the user's
-cache directory) and on run directories written by :class:`autotune._trace.TraceWriter`
+cache directory) and on run directories written by :class:`autotune.report._trace.TraceWriter`
 (``--run DIR``). Imports neither the tuner nor torch.
 
 A user error (a cache path that does not exist or is not a regular file, a run path that is not
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autotune import knobs
-from autotune._cache import SCHEMA_VERSION, CacheWriteError, TuningCache
-from autotune._entry import CacheEntry
-from autotune._runs import resolve_run_dir
-from autotune._trace import (
+from autotune.cache._cache import SCHEMA_VERSION, CacheWriteError, TuningCache
+from autotune.cache._entry import CacheEntry
+from autotune.report._runs import resolve_run_dir
+from autotune.report._trace import (
     SUMMARY_JSON,
     TRACE_JSONL,
     TUNING_PNG,
@@ -59,7 +59,7 @@ def _created(entry: CacheEntry) -> str:
 
 
 def _machine(entry: CacheEntry) -> str:
-    fp = entry.fingerprint  # its keys are the fingerprint's (autotune._fingerprint), not the entry's
+    fp = entry.fingerprint  # its keys are the fingerprint's (autotune.cache._fingerprint), not the entry's
     if fp is None:
         return "-"
     hw = fp.get("hardware") if isinstance(fp.get("hardware"), Mapping) else {}

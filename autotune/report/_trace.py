@@ -13,7 +13,7 @@ One run directory holds:
 - ``summary.json``: what the tuner decided (baseline, winner, speed-up, probe steps, cache hit,
   fingerprint), written by :meth:`~TraceWriter.write_summary`;
 - ``tuning.png``: step time per step, colour = candidate, shape = phase, the winner ringed; only when
-  matplotlib is installed (drawn by :mod:`autotune._plot`).
+  matplotlib is installed (drawn by :mod:`autotune.report._plot`).
 
 The rows are whatever the tuner passes; the documented shape is ``{"step": int, "phase": str,
 "candidate": {knob: value}, "ranks": {rank: {stage: seconds}}, "node_time_s": float,
@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from autotune._plot import plot_text, plot_trace, step_time_of
+from autotune.report._plot import plot_text, plot_trace, step_time_of
 
 __all__ = [
     "TraceWriter",

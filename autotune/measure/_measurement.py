@@ -46,8 +46,8 @@ NOISE_FACTOR = 1.25
 MEDIAN_SE_PER_IQR = math.sqrt(math.pi / 2.0) / 1.349
 #: A step this many times the best median so far may be a stall (on a node the step time is the
 #: slowest rank's, so one rank's stall doubles a whole step): exploring does not stop a candidate
-#: on two such samples alone (``autotune._probe.STALL_CONFIRM_SAMPLES``). No decision filters
-#: samples by it: a candidate's slow samples are its own (:mod:`autotune._paired`).
+#: on two such samples alone (``autotune.decide._probe.STALL_CONFIRM_SAMPLES``). No decision filters
+#: samples by it: a candidate's slow samples are its own (:mod:`autotune.measure._paired`).
 OUTLIER_FACTOR = 1.5
 #: Default relative distance between medians under which two candidates count as equally fast.
 TIE_TOLERANCE = 0.005

@@ -1,4 +1,4 @@
-"""An :class:`~autotune._agree.Agreement` whose ranks are threads of one process.
+"""An :class:`~autotune.agree._agree.Agreement` whose ranks are threads of one process.
 
 For simulations and tests: several tuners (or anything else that takes an agreement, such as
 ``offload.plan_cpu_threads(agreement=...)``) run in threads of one process and agree as local
@@ -17,7 +17,7 @@ import pickle
 import threading
 from typing import Any
 
-from autotune._agree import AgreementTimeout, where
+from autotune.agree._agree import AgreementTimeout, where
 
 __all__ = ["InProcessAgreement"]
 

@@ -26,12 +26,12 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from autotune import knobs
-from autotune._cache import TuningCache
+from autotune.cache._cache import TuningCache
 from autotune._config import AutotuneConfig, StepSample
-from autotune._runs import new_run_dir
-from autotune._space import SearchSpace
-from autotune._trace import TraceWriter
-from autotune._tuner import OnlineTuner
+from autotune.report._runs import new_run_dir
+from autotune.measure._space import SearchSpace
+from autotune.report._trace import TraceWriter
+from autotune.tuner._tuner import OnlineTuner
 
 __all__ = ["TuningSession", "cache_for", "global_rank", "trace_for"]
 

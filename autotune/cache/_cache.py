@@ -5,9 +5,9 @@ File format (JSON only, never pickle)::
     {"schema": 1, "entries": {"<fingerprint key>": {<entry>}, ...}}
 
 An entry is what the tuner locked in for one fingerprint, a :class:`CacheEntry`
-(:mod:`autotune._entry`, which alone spells its JSON form and checks its values).
+(:mod:`autotune.cache._entry`, which alone spells its JSON form and checks its values).
 
-Guarantees (the file primitives live in :mod:`autotune._cachefile`):
+Guarantees (the file primitives live in :mod:`autotune.cache._cachefile`):
 
 - Reads take no lock: writers only ever ``os.replace`` a complete, fsynced temp file.
 - Writes take an exclusive ``fcntl.flock`` on the sidecar ``<path>.lock`` (polled, with a timeout:
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from autotune import knobs
-from autotune._cachefile import atomic_write_bytes, bad_path, exclusive_lock, kind, read_regular
-from autotune._entry import CacheEntry, CacheEntryError, validate_entry
+from autotune.cache._cachefile import atomic_write_bytes, bad_path, exclusive_lock, kind, read_regular
+from autotune.cache._entry import CacheEntry, CacheEntryError, validate_entry
 
 __all__ = ["CacheEntry", "TuningCache", "CacheEntryError", "CacheWriteError", "SCHEMA_VERSION", "validate_entry"]
 

@@ -1,8 +1,8 @@
 """The lock-in rules of a probing session: on paired rounds (:func:`decide_paired`, the rule) and,
 for a session without paired rounds (no finals), on unpaired medians (:func:`choose`).
 
-Kept apart from the schedule of :mod:`autotune._probe` (what the next step runs) because they
-are the part a reader checks against the statistics of :mod:`autotune._paired`.
+Kept apart from the schedule of :mod:`autotune.decide._probe` (what the next step runs) because they
+are the part a reader checks against the statistics of :mod:`autotune.measure._paired`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import math
 from statistics import NormalDist
 
 from autotune._config import AutotuneConfig
-from autotune._measurement import Measurement, format_ms, gain_threshold, significantly_faster
-from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison, gain_margin
-from autotune._space import Scalar, SearchSpace
+from autotune.measure._measurement import Measurement, format_ms, gain_threshold, significantly_faster
+from autotune.measure._paired import MIN_DECIDING_ROUNDS, PairedComparison, gain_margin
+from autotune.measure._space import Scalar, SearchSpace
 
 __all__ = ["choose", "decide_paired", "lighter_lead", "paired_comparisons"]
 
@@ -37,7 +37,7 @@ def choose(
     space's preference breaks the tie (fewer threads, then larger chunks). The static plan stays
     if it is among the tied, or unless the winner beats it by more than ``max(min_gain *
     median_plan, noise_factor * standard error of the difference of the medians)``
-    (:func:`autotune._measurement.gain_threshold`). Nothing is filtered: a candidate's slow
+    (:func:`autotune.measure._measurement.gain_threshold`). Nothing is filtered: a candidate's slow
     samples are its own (a setting slow four times in five must not win on its fifth).
     """
     best = min(m.median for m in measurements.values())
@@ -74,7 +74,7 @@ def decide_paired(
     """The lock-in rule on paired rounds. Returns ``(winner, reason, runner_up)``.
 
     Each arm is compared with the static plan over the rounds that measured both
-    (:class:`~autotune._paired.PairedComparison`: the ratio of the mean step times). Only arms
+    (:class:`~autotune.measure._paired.PairedComparison`: the ratio of the mean step times). Only arms
     clearly faster than the plan may replace it (:meth:`PairedComparison.clearly_faster`: a ratio
     under ``1 - min_gain`` and an exact paired permutation test at the level ``noise_factor``
     names); of those the smallest ratio wins, arms within ``tie_tolerance`` of it are tied and the

@@ -13,13 +13,13 @@ A session spends at most ``config.probe_steps`` training steps:
    (:data:`EARLY_STOP_MARGIN`; three when both may be stalls), which leaves room for more candidates.
 2. finals: the static plan and the best ``finalists - 1`` others (by the median of their
    exploring samples, nothing filtered) are measured again in paired rounds
-   (:mod:`autotune._paired`): ``final_rounds`` rounds (beyond the grid :data:`TPE_FINAL_ROUNDS`),
+   (:mod:`autotune.measure._paired`): ``final_rounds`` rounds (beyond the grid :data:`TPE_FINAL_ROUNDS`),
    each visiting every finalist once, one warm-up step (the first step after a switch is slower,
    so it is discarded as in exploring) and one measured step per visit, the order reversed every
    other round (A B C, then C B A). A change of load between rounds hits every finalist alike.
    While the fastest finalist is not yet clearly faster than the static plan but still could be,
    and the budget allows, duel rounds of just those two follow (at least
-   :data:`~autotune._paired.MIN_DECIDING_ROUNDS` rounds decide anything; beyond the grid the
+   :data:`~autotune.measure._paired.MIN_DECIDING_ROUNDS` rounds decide anything; beyond the grid the
    budget reserves :data:`DUEL_ROUNDS` of them).
 3. decide (see :func:`decide_paired`) on the paired rounds alone: each finalist's mean step time
    over the static plan's in the rounds that measured both, and an exact paired permutation test.
@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 from autotune._config import AutotuneConfig
-from autotune._decide import LEAN_ROUNDS, choose, decide_paired, paired_comparisons
-from autotune._measurement import OUTLIER_FACTOR, Measurement
-from autotune._paired import MIN_DECIDING_ROUNDS, PairedComparison, round_order
-from autotune._space import Scalar, SearchSpace
+from autotune.decide._decide import LEAN_ROUNDS, choose, decide_paired, paired_comparisons
+from autotune.measure._measurement import OUTLIER_FACTOR, Measurement
+from autotune.measure._paired import MIN_DECIDING_ROUNDS, PairedComparison, round_order
+from autotune.measure._space import Scalar, SearchSpace
 
-logger = logging.getLogger("autotune._tuner")
+logger = logging.getLogger("autotune.tuner._tuner")
 
 __all__ = ["BudgetPlan", "Key", "Phase", "ProbeSession", "Slot", "plan_budget", "sweep_next"]
 
@@ -64,7 +64,7 @@ EARLY_STOP_MARGIN = 0.05
 #: step: one slow sample may be a hiccup, the faster of two rarely is.
 EARLY_STOP_SAMPLES = 2
 #: ... unless even the faster of the two is a stall next to the best median so far (beyond
-#: :data:`~autotune._measurement.OUTLIER_FACTOR` of it): two stalls in a row look just like a
+#: :data:`~autotune.measure._measurement.OUTLIER_FACTOR` of it): two stalls in a row look just like a
 #: candidate twice as slow, and on a node where one rank's stall stalls the step they are not rare
 #: (``python -m bench.simulate``: 15 % of node steps, so 2 % of candidates get two in a row; one
 #: such lost candidate locked in a 28 % slower setting). Such a candidate is stopped only after this
@@ -80,10 +80,10 @@ TPE_FINAL_ROUNDS = 2
 #: ... followed by up to this many duel rounds (the fastest finalist against the static plan, see
 #: ``ProbeSession._queue_duel``) while the comparison is undecided; the budget reserves them, so
 #: that exploring's pass (round 0), one finals round and the duel reach
-#: :data:`~autotune._paired.MIN_DECIDING_ROUNDS`. A grid plans its duel rounds the same way.
+#: :data:`~autotune.measure._paired.MIN_DECIDING_ROUNDS`. A grid plans its duel rounds the same way.
 DUEL_ROUNDS = MIN_DECIDING_ROUNDS - 1 - TPE_FINAL_ROUNDS
 #: Paired rounds before a duel may end in the static plan's favour without the plan being clearly
-#: faster (budget permitting): as many as a lean needs (:data:`~autotune._decide.LEAN_ROUNDS`).
+#: faster (budget permitting): as many as a lean needs (:data:`~autotune.decide._decide.LEAN_ROUNDS`).
 #: A few rounds of a few milliseconds each can all fall in one lull of a load that comes and goes:
 #: on the 2-core VM beside two 2-thread torch loops working in bursts (30-150 ms busy, 10-60 ms
 #: idle), 5 of 30 sessions of stock AdamW kept 2 threads on three rounds, 14 steps in 0.1-0.2 s,
@@ -118,7 +118,7 @@ class BudgetPlan:
     within ``probe_steps``."""
     duel_rounds: int = 0
     """Duel rounds reserved after the finals, so that the best finalist and the static plan reach
-    :data:`~autotune._paired.MIN_DECIDING_ROUNDS` paired rounds (see :data:`DUEL_ROUNDS`)."""
+    :data:`~autotune.measure._paired.MIN_DECIDING_ROUNDS` paired rounds (see :data:`DUEL_ROUNDS`)."""
 
 
 def _final_cost(n: int, config: AutotuneConfig, rounds: int) -> int:

@@ -13,7 +13,7 @@ after a switch, discarded). The challengers take turns: the runner-up of the dec
 construction) and the static plan; a challenger that was faster than the winner in its last round
 keeps the turn. Each block of ``watch_window`` (5) rounds of a challenger is tested once: if the
 challenger was faster in every round of it (a sign test at p = 1/32) and by more than ``min_gain``
-on the ratio of the mean step times (:class:`~autotune._paired.PairedComparison`), every rank
+on the ratio of the mean step times (:class:`~autotune.measure._paired.PairedComparison`), every rank
 switches to it at the same step (settings never change the numbers, so a switch is exact) and the
 old winner becomes a challenger. A block that does not pass is tested on the mean too: the
 challenger's latest :data:`MEAN_BLOCKS` blocks together (at least two), the exact paired
@@ -61,8 +61,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from autotune._config import AutotuneConfig
-from autotune._paired import PairedComparison, gain_margin, round_order
-from autotune._probe import Key, Slot
+from autotune.measure._paired import PairedComparison, gain_margin, round_order
+from autotune.decide._probe import Key, Slot
 
 __all__ = ["MEAN_BLOCKS", "MEAN_LEVEL", "MIN_ROUND_COST", "PULSE_EVERY", "Switch", "Watch", "WatchStart"]
 
@@ -82,7 +82,7 @@ RECENT_SAMPLES = 3
 #: Blocks of a challenger's rounds (its latest ``MEAN_BLOCKS * watch_window``) that the test on the
 #: mean looks at, when a block's sign test did not switch.
 MEAN_BLOCKS = 4
-#: The level of that test (the exact paired permutation test of :mod:`autotune._paired`, on the
+#: The level of that test (the exact paired permutation test of :mod:`autotune.measure._paired`, on the
 #: differences of step times: the mean, what a run pays), half the block test's 1/32: it looks at
 #: overlapping windows, block after block.
 MEAN_LEVEL = 1.0 / 64.0

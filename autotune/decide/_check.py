@@ -6,7 +6,7 @@ cannot see (other jobs, thermal limits, a noisy neighbour). Today's samples are 
 with the recorded median: that record was made under other conditions, and on a noisy host it
 threw good choices away (issue 36: "clearly slower than recorded (median 3.98 ms / IQR 1.99 ms /
 n=3 (very noisy) vs 2.80 ms); re-tuning", then 28 steps of probing). Instead the choice and the
-static plan run ``recheck_rounds`` paired rounds (:mod:`autotune._paired`: each round one visit
+static plan run ``recheck_rounds`` paired rounds (:mod:`autotune.measure._paired`: each round one visit
 of each, the order alternating, each visit a warm-up step and a measured one), and the choice is
 kept unless the static plan is clearly faster *now*. A cached static plan has nothing to be
 compared with: it is measured for ``warmup_steps + measure_steps`` steps (the watch's reference)
@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from autotune._config import AutotuneConfig
-from autotune._measurement import Measurement
-from autotune._paired import PairedComparison, round_order
-from autotune._probe import Key, Slot
+from autotune.measure._measurement import Measurement
+from autotune.measure._paired import PairedComparison, round_order
+from autotune.decide._probe import Key, Slot
 
 __all__ = ["CheckSession", "CheckVerdict"]
 

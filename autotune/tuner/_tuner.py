@@ -3,15 +3,15 @@ locks in the fastest setting and remembers it in a cache.
 
 One *step* is one :meth:`OnlineTuner.observe` call. The tuner never repeats or skips a step and
 never touches the math: it only calls ``apply(setting)`` between steps, at the same step on every
-local rank. Local rank 0 runs the schedule (:mod:`autotune._schedule`: the probing session of
-:mod:`autotune._probe` or the re-check of :mod:`autotune._check`) and broadcasts each next
-setting with the step index as a :class:`~autotune._records.Directive`; every rank follows it.
+local rank. Local rank 0 runs the schedule (:mod:`autotune.tuner._schedule`: the probing session of
+:mod:`autotune.decide._probe` or the re-check of :mod:`autotune.decide._check`) and broadcasts each next
+setting with the step index as a :class:`~autotune.decide._records.Directive`; every rank follows it.
 
 Per step while probing (or re-checking a cached choice) the tuner runs two small collectives on
 its gloo group: an all-gather of ``(step, time_s, stages, spans)`` (the node time of a step is the
 maximum over local ranks; rank 0 also writes the per-rank stages to the trace) and a broadcast of
 the next setting. After lock-in it runs none, except during the watch's rounds
-(:mod:`autotune._watch`): four steps now and then, each with the same two collectives. Every
+(:mod:`autotune.decide._watch`): four steps now and then, each with the same two collectives. Every
 rank learns when the next round starts, and what its first step runs, from the directive that
 ended the previous one, so a locked step between rounds only counts.
 """
@@ -27,11 +27,11 @@ import weakref
 from typing import Any, Callable, Mapping, Protocol
 
 from autotune import knobs
-from autotune._agree import Agreement, AgreementError, AgreementMismatch, make_agreement
+from autotune.agree._agree import Agreement, AgreementError, AgreementMismatch, make_agreement
 from autotune._config import AutotuneConfig, StepSample
-from autotune._records import NO_DECISION, Decision, Directive, TunerState, lock_in_table
-from autotune._schedule import CacheLike, FingerprintLike, Schedule
-from autotune._space import SearchSpace, Setting
+from autotune.decide._records import NO_DECISION, Decision, Directive, TunerState, lock_in_table
+from autotune.tuner._schedule import CacheLike, FingerprintLike, Schedule
+from autotune.measure._space import SearchSpace, Setting
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class TraceLike(Protocol):
 
 
 def _default_fingerprint(**kwargs: Any) -> FingerprintLike:
-    from autotune._fingerprint import fingerprint
+    from autotune.cache._fingerprint import fingerprint
 
     return fingerprint(**kwargs)
 
@@ -77,11 +77,11 @@ class OnlineTuner:
     else runs single-process; an ``Agreement`` or gloo ``ProcessGroup`` may be passed instead.
     ``cache`` and ``trace`` are used by local rank 0 only (other ranks may pass None); the cache
     key is ``fingerprint(workload=, space=, local_world_size=)`` (default
-    :func:`autotune._fingerprint.fingerprint`). ``clock`` times the tuner's own overhead.
+    :func:`autotune.cache._fingerprint.fingerprint`). ``clock`` times the tuner's own overhead.
 
     Collectives: ``start()`` creates the group, checks that every local rank tunes the same
     space, static plan and config, and broadcasts rank 0's cache decision. Each probing or
-    re-check step runs two, and so does each step of a watch round (:mod:`autotune._watch`); a
+    re-check step runs two, and so does each step of a watch round (:mod:`autotune.decide._watch`); a
     locked step between rounds none.
     """
 
@@ -227,7 +227,7 @@ class OnlineTuner:
         steps that re-checked a cached choice. ``winner``/``reason``/``measurements`` describe the
         latest decision (None before the first lock-in). ``probe_cost_s``: the seconds the
         deciding session's probe steps (warm-ups included) took beyond as many steps at the
-        winner's median, summed unclipped and floored at 0 (:func:`autotune._measurement.probe_cost_s`);
+        winner's median, summed unclipped and floored at 0 (:func:`autotune.measure._measurement.probe_cost_s`);
         ``probe_cost_pct_of_1000_steps``: that as a percentage of 1000 steps at the winner's
         median. Both are 0 on a cache hit (re-check steps are not probing) or with one candidate.
         """
