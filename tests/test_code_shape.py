@@ -6,7 +6,8 @@
 * ``autotune`` imports neither ``offload`` nor ``bench``; ``offload`` never imports ``bench``;
 * ``offload``'s top-level import graph (a subpackage is one node) has at most :data:`MAX_NODES`
   nodes, :data:`MAX_LAYERS` layers and :data:`MAX_EDGES` edges, and each part imports only the
-  parts under it (:data:`PARTS`);
+  parts under it (:data:`PARTS`); ``bench``'s has at most :data:`BENCH_MAX_NODES` nodes and
+  :data:`BENCH_MAX_EDGES` edges, and its shared modules (:data:`BENCH_SHARED`) import no benchmark;
 * no test or bench module patches a private name of ``offload`` or ``autotune``. A patch is a
   ``setattr``/``delattr`` (builtin, ``monkeypatch.``, ``object.__setattr__``), ``mock.patch``
   (a dotted string, also as ``target=``), ``patch.object``, ``patch.multiple``, ``patch.dict``,
@@ -180,13 +181,13 @@ def _node(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _top_graph() -> dict[str, set[str]]:
+def _top_graph(package: str = "offload") -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for m, targets in _graph().items():
-        if m.split(".")[0] != "offload":
+        if m.split(".")[0] != package:
             continue
         src = _node(m)
-        out.setdefault(src, set()).update(_node(t) for t in targets if t.split(".")[0] == "offload")
+        out.setdefault(src, set()).update(_node(t) for t in targets if t.split(".")[0] == package)
         out[src].discard(src)
     return out
 
@@ -211,6 +212,22 @@ def test_offload_top_level_graph_is_small_and_layered() -> None:
     assert len(graph) <= MAX_NODES, f"{len(graph)} top-level nodes in offload (at most {MAX_NODES}): {sorted(graph)}"
     assert _layers(graph) <= MAX_LAYERS, f"{_layers(graph)} layers (at most {MAX_LAYERS})"
     assert edges <= MAX_EDGES, f"{edges} import edges between offload's top-level nodes (at most {MAX_EDGES})"
+
+
+#: Limits on ``bench``'s top-level import graph (issue 39: grouped by what it measures, a
+#: subpackage per concern; it was 54 nodes and 130 edges as flat modules).
+BENCH_MAX_NODES, BENCH_MAX_EDGES = 25, 60
+#: ``bench``'s shared modules: they import nothing else of ``bench``.
+BENCH_SHARED = ("_args", "_stats", "_cli")
+
+
+def test_bench_top_level_graph_is_small() -> None:
+    graph = _top_graph("bench")
+    edges = sum(len(t) for t in graph.values())
+    assert len(graph) <= BENCH_MAX_NODES, f"{len(graph)} top-level nodes in bench (at most {BENCH_MAX_NODES}): {sorted(graph)}"
+    assert edges <= BENCH_MAX_EDGES, f"{edges} import edges between bench's top-level nodes (at most {BENCH_MAX_EDGES})"
+    bad = {m: sorted(graph[m] - set(BENCH_SHARED)) for m in BENCH_SHARED if graph[m] - set(BENCH_SHARED)}
+    assert not bad, f"bench's shared modules import benchmarks: {bad}"
 
 
 def test_offload_parts_import_only_what_they_stand_on() -> None:
