@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -42,9 +41,10 @@ from typing import Any, Sequence
 
 import torch
 
-from bench._args import OUT_DIR_HELP, HelpFormatter, int_list, output_dir, thread_list
+from bench._args import int_list, thread_list
 from bench._cli import bench_main
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
+from bench.membus._harness import add_output, command, new_parser
 from bench.membus._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.train.model import GPT, PRESETS, preset
 
@@ -119,8 +119,7 @@ def _str_list(choices: Sequence[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.membus.bandwidth", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = new_parser("bandwidth", __doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=_str_list(sorted(PRESETS)), default=None,
                    help="model presets, comma-separated (default 50m; tiny with --quick)")
     p.add_argument("--dtypes", type=_str_list(sorted(_DTYPES)), default=["fp32", "bf16"],
@@ -138,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "verified bitwise and built, else torch)")
     p.add_argument("--quick", action="store_true", help="tiny model, small chunks, 2 rounds: a smoke run")
     p.add_argument("--allow-small", action="store_true", help="accept models under 50M parameters")
-    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default=None, help="result file stem (default bandwidth or bandwidth-quick)")
+    add_output(p, None, "result file stem (default bandwidth or bandwidth-quick)")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging level (stderr)")
@@ -340,7 +338,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     runs = [_bench_one(size, dtype, args) for size in args.sizes for dtype in args.dtypes]
     result = {
         "benchmark": "bench.membus.bandwidth",
-        "command": "python -m bench.membus.bandwidth " + " ".join(shlex.quote(a) for a in argv),
+        "command": command("bandwidth", argv),
         "machine": info,
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "duration_s": round(time.time() - started, 1),

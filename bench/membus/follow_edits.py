@@ -18,16 +18,18 @@ IQR of the per-round ratio follow / plain. Results go to ``<out-dir>/<name>.json
 from __future__ import annotations
 
 import argparse
-import shlex
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir, thread_list
+from bench._args import thread_list
 from bench._cli import bench_main
-from bench._stats import iqr, machine_info, median
+from bench._stats import machine_info, median
+from bench.membus._harness import (add_output, command, interleaved, machine_line, new_parser, paired,
+                                   require_positive)
+from offload import thread_limit
 from offload.kernels._adamw import Hyper, mixed_precision_adamw_
 
 __all__ = ["build_parser", "main", "run"]
@@ -38,8 +40,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.membus.follow_edits", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = new_parser("follow_edits", __doc__)
     p.add_argument("--numel", type=int, default=50_000_000, help="elements of the step")
     p.add_argument("--chunk-numel", type=int, default=4 << 20, help="elements per kernel call")
     p.add_argument("--threads", type=thread_list, default=None, help="thread counts (default 1..cpus)")
@@ -47,21 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=15, help="measured interleaved rounds")
     p.add_argument("--allow-small", action="store_true", help=f"allow --numel below {_MIN_NUMEL} (caches)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2M elements, 3 rounds")
-    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default="follow_edits", help="result file stem")
+    add_output(p, "follow_edits")
     return p
 
 
 def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.quick:
         args.numel, args.rounds, args.allow_small = 2_000_000, 3, True
-    if args.numel < 1 or args.chunk_numel < 1:
-        parser.error(f"--numel {args.numel} / --chunk-numel {args.chunk_numel}: expected integers >= 1")
+    require_positive(parser, args, "numel", "chunk_numel", "rounds")
     if args.numel < _MIN_NUMEL and not args.allow_small:
         parser.error(f"--numel {args.numel}: expected >= {_MIN_NUMEL} (a step that fits in the caches "
                      "measures no memory traffic), or --allow-small")
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: expected an integer >= 1")
     bad = [d for d in args.dtypes.split(",") if d not in _DTYPES]
     if bad:
         parser.error(f"--dtypes {args.dtypes}: expected a comma list of {', '.join(_DTYPES)}")
@@ -91,29 +88,21 @@ class _Step:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    before = torch.get_num_threads()
     cases = []
-    try:
-        for name in args.dtypes.split(","):
-            step = _Step(args.numel, args.chunk_numel, _DTYPES[name])
-            step.step.fill_(1.0)
-            for threads in args.threads:
-                torch.set_num_threads(threads)
+    for name in args.dtypes.split(","):
+        step = _Step(args.numel, args.chunk_numel, _DTYPES[name])
+        step.step.fill_(1.0)
+        for count in args.threads:
+            with thread_limit(count):
                 step(False), step(True)  # warm-up
-                times: dict[str, list[float]] = {"plain": [], "follow": []}
-                for r in range(args.rounds):
-                    order = ("plain", "follow") if r % 2 == 0 else ("follow", "plain")
-                    for k in order:
-                        times[k].append(step(k == "follow"))
-                ratios = [f / p for f, p in zip(times["follow"], times["plain"])]
-                gbs = {k: 28 * args.numel / median(v) / 1e9 for k, v in times.items()}
-                cases.append({"dtype": name, "threads": threads,
-                              "plain_ms": median(times["plain"]) * 1e3, "follow_ms": median(times["follow"]) * 1e3,
-                              "plain_gbs": gbs["plain"], "follow_gbs": gbs["follow"],
-                              "ratio_median": median(ratios), "ratio_iqr": iqr(ratios), "rounds": args.rounds})
-    finally:
-        torch.set_num_threads(before)
-    return {"command": "python -m bench.membus.follow_edits " + shlex.join(list(argv)), "machine": machine_info(),
+                times = interleaved({"plain": lambda: step(False), "follow": lambda: step(True)}, args.rounds)
+            ratio = paired(times["follow"], times["plain"])
+            gbs = {k: 28 * args.numel / median(v) / 1e9 for k, v in times.items()}
+            cases.append({"dtype": name, "threads": count,
+                          "plain_ms": median(times["plain"]) * 1e3, "follow_ms": median(times["follow"]) * 1e3,
+                          "plain_gbs": gbs["plain"], "follow_gbs": gbs["follow"],
+                          "ratio_median": ratio["median"], "ratio_iqr": ratio["iqr"], "rounds": args.rounds})
+    return {"command": command("follow_edits", argv), "machine": machine_info(),
             "numel": args.numel, "chunk_numel": args.chunk_numel, "cases": cases}
 
 
@@ -127,9 +116,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     for c in result["cases"]:
         lines.append(f"| {c['dtype']} | {c['threads']} | {c['plain_ms']:.1f} | {c['follow_ms']:.1f} | "
                      f"{c['plain_gbs']:.1f} | {c['follow_gbs']:.1f} | {c['ratio_median']:.3f} ({c['ratio_iqr']:.3f}) |")
-    m = result["machine"]
-    lines += ["", f"Machine: {m.get('cpu_model', '?')}, {m.get('logical_cpus', '?')} logical CPUs, "
-              f"{m.get('torch_cpu_capability', '?')}; load average {m.get('load_avg_1_5_15', '?')} at the start."]
+    lines += ["", machine_line(result["machine"])]
     return "\n".join(lines) + "\n"
 
 

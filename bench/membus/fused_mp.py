@@ -31,26 +31,27 @@ processes share the CPUs. Results go to ``<out-dir>/<name>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
-import shlex
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir, thread_list
+from bench._args import thread_list
 from bench._cli import bench_main
-from bench._stats import iqr, machine_info, median
+from bench._stats import machine_info
+from bench.membus._harness import add_output, command, interleaved, new_parser, paired, rotation, summary, timed
 from bench.membus._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.train.model import GPT, PRESETS, preset
+from offload import thread_limit
 from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_adamw_, fused_mp_available
 from offload.kernels._mp_reference import torch_mp_adamw_
 
 logger = logging.getLogger("bench.membus.fused_mp")
 
-__all__ = ["BYTES_PER_PARAM", "build_parser", "main", "run"]
+__all__ = ["BYTES_PER_PARAM", "at_best_threads", "build_parser", "main", "run"]
 
 #: Bytes per parameter each variant moves (see the module docstring).
 BYTES_PER_PARAM = {"torch": 40, "fused-mp": 28, "probe": PROBE_BYTES_PER_ELEMENT["c_4r3w"]}
@@ -62,10 +63,7 @@ _VARIANTS = ("torch", "fused-mp", "probe")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.membus.fused_mp", description=__doc__.split("\n\n")[0],
-        formatter_class=HelpFormatter,
-    )
+    p = new_parser("fused_mp", __doc__.split("\n\n")[0])
     p.add_argument("--model-size", choices=sorted(PRESETS), default="125m",
                    help="GPT preset whose parameter shapes are used")
     p.add_argument("--threads", type=thread_list, default=None,
@@ -76,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="discarded rounds before measuring")
     p.add_argument("--allow-small", action="store_true",
                    help=f"accept models under {_MIN_PARAMS:,} parameters")
-    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default="fused_mp", help="result file stem")
+    add_output(p, "fused_mp")
     p.add_argument("--note", default="", help="free text stored with the result")
     return p
 
@@ -121,31 +118,16 @@ def _model_sizes(size: str) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _with_threads(threads: int, fn: Callable[[], None]) -> float:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _timed(fn)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _summary(samples: Sequence[float], bytes_moved: int) -> dict[str, Any]:
-    med = median(samples)
-    return {"median_s": med, "iqr_s": iqr(samples), "n": len(samples),
-            "gbps": bytes_moved / med / 1e9, "samples_s": list(samples)}
-
-
-def _ratios(numerators: Sequence[float], denominators: Sequence[float],
-            scale: float) -> dict[str, Any]:
-    values = [scale * a / b for a, b in zip(numerators, denominators)]
-    return {"median": median(values), "iqr": iqr(values), "n": len(values)}
+def at_best_threads(per_threads: dict[str, dict[str, Any]], threads: Sequence[int]) -> dict[str, Any]:
+    """Each variant's best thread count, torch / fused-mp and fused-mp GB/s / probe GB/s at those
+    counts, and the per-round ratios at fused-mp's best count (paired at one thread count, where
+    the fused kernel is compared with both); shared with :mod:`bench.membus.fused_mp_optimizer`."""
+    best = {v: min(threads, key=lambda t: per_threads[str(t)][v]["median_s"]) for v in _VARIANTS}
+    best_of = {v: per_threads[str(best[v])][v] for v in _VARIANTS}
+    return {"best_threads": best,
+            "speedup_torch_over_fused": best_of["torch"]["median_s"] / best_of["fused-mp"]["median_s"],
+            "fused_over_probe_gbps": best_of["fused-mp"]["gbps"] / best_of["probe"]["gbps"],
+            "paired_at_fused_best_threads": per_threads[str(best["fused-mp"])]["paired"]}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
@@ -176,45 +158,38 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             fused_mp_adamw_(chunk["params_lowp"], chunk["grads_lowp"], chunk["masters"],
                             chunk["exp_avgs"], chunk["exp_avg_sqs"], step=step, **_HYPER)
 
-    samples: dict[tuple[str, int], list[float]] = {(v, t): [] for v in _VARIANTS for t in threads}
-    for round_ in range(args.warmup + args.rounds):
-        for t in threads:
-            order = _VARIANTS[round_ % 3:] + _VARIANTS[:round_ % 3]
-            for variant in order:
-                step += 1
-                if variant == "torch":
-                    seconds = _with_threads(t, torch_step)
-                elif variant == "fused-mp":
-                    seconds = _with_threads(t, fused_step)
-                else:
-                    seconds = probe.run("c_4r3w", t).seconds
-                if round_ >= args.warmup:
-                    samples[(variant, t)].append(seconds)
-        logger.info("round %d/%d done", round_ + 1, args.warmup + args.rounds)
+    def visit(variant: str, t: int) -> float:
+        nonlocal step
+        step += 1
+        if variant == "probe":
+            return probe.run("c_4r3w", t).seconds
+        with thread_limit(t):
+            return timed(torch_step if variant == "torch" else fused_step)
+
+    samples = interleaved({(v, t): functools.partial(visit, v, t) for v in _VARIANTS for t in threads},
+                          args.rounds, warmup=args.warmup, progress=logger,
+                          order=lambda r: [(v, t) for t in threads for v in rotation(_VARIANTS, r)])
     load_after = [round(x, 2) for x in os.getloadavg()]
 
     per_threads: dict[str, dict[str, Any]] = {}
     for t in threads:
         row: dict[str, Any] = {
-            v: _summary(samples[(v, t)], BYTES_PER_PARAM[v] * numel) for v in _VARIANTS
+            v: summary(samples[(v, t)], BYTES_PER_PARAM[v] * numel) for v in _VARIANTS
         }
         # Per-round ratios: the three variants of a round run back to back, so load that drifts
         # over the run (other processes on shared CPUs) cancels out of each ratio.
         fused = samples[("fused-mp", t)]
         row["paired"] = {
-            "torch_over_fused": _ratios(samples[("torch", t)], fused, 1.0),
-            "fused_over_probe_gbps": _ratios(samples[("probe", t)], fused,
-                                             BYTES_PER_PARAM["fused-mp"] / BYTES_PER_PARAM["probe"]),
+            "torch_over_fused": paired(samples[("torch", t)], fused),
+            "fused_over_probe_gbps": paired(samples[("probe", t)], fused,
+                                            BYTES_PER_PARAM["fused-mp"] / BYTES_PER_PARAM["probe"]),
         }
         per_threads[str(t)] = row
-    best = {v: min(threads, key=lambda t: per_threads[str(t)][v]["median_s"]) for v in _VARIANTS}
-    best_of = {v: per_threads[str(best[v])][v] for v in _VARIANTS}
-    speedup = best_of["torch"]["median_s"] / best_of["fused-mp"]["median_s"]
-    probe_ratio = best_of["fused-mp"]["gbps"] / best_of["probe"]["gbps"]
-    # Paired, at one thread count: the fused kernel's best, where it is compared with both.
-    paired = per_threads[str(best["fused-mp"])]["paired"]
+    head = at_best_threads(per_threads, threads)
+    speedup, probe_ratio = head["speedup_torch_over_fused"], head["fused_over_probe_gbps"]
+    at_best = head["paired_at_fused_best_threads"]
     return {
-        "command": "python -m bench.membus.fused_mp " + shlex.join(argv),
+        "command": command("fused_mp", argv),
         "model_size": args.model_size,
         "params": numel,
         "tensors": len(sizes),
@@ -227,16 +202,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "probe": {"name": "c_4r3w", "build": c_kernel_status()},
         "kernel": {"available": reason, "bitwise_matches_torch": bitwise_matches_torch()},
         "per_threads": per_threads,
-        "best_threads": best,
-        "speedup_torch_over_fused": speedup,
-        "fused_over_probe_gbps": probe_ratio,
-        "paired_at_fused_best_threads": paired,
+        **head,
         "targets": {"speedup": TARGET_SPEEDUP, "probe_ratio": TARGET_PROBE_RATIO,
                     "speedup_met": speedup >= TARGET_SPEEDUP,
                     "probe_ratio_met": probe_ratio >= TARGET_PROBE_RATIO,
-                    "paired_speedup_met": paired["torch_over_fused"]["median"] >= TARGET_SPEEDUP,
+                    "paired_speedup_met": at_best["torch_over_fused"]["median"] >= TARGET_SPEEDUP,
                     "paired_probe_ratio_met":
-                        paired["fused_over_probe_gbps"]["median"] >= TARGET_PROBE_RATIO},
+                        at_best["fused_over_probe_gbps"]["median"] >= TARGET_PROBE_RATIO},
         "load_avg_before": load_before,
         "load_avg_after": load_after,
         "note": args.note,

@@ -27,9 +27,9 @@ fused-mp's best thread count, and the load average (the CPUs may be shared). Res
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
-import shlex
 import subprocess
 import time
 from collections.abc import Sequence
@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir, thread_list
+from bench._args import thread_list
 from bench._cli import bench_main
-from bench._stats import iqr, machine_info, median
+from bench._stats import machine_info, median
+from bench.membus._harness import add_output, alternate, command, interleaved, new_parser, paired, rotation, summary
 from bench.membus._stream import ProbeBuffers, c_kernel_status
-from bench.membus.fused_mp import BYTES_PER_PARAM, TARGET_PROBE_RATIO, TARGET_SPEEDUP
+from bench.membus.fused_mp import BYTES_PER_PARAM, TARGET_PROBE_RATIO, TARGET_SPEEDUP, at_best_threads
 from bench.train.model import GPT, PRESETS, preset
 
 logger = logging.getLogger("bench.membus.fused_mp_optimizer")
@@ -53,9 +54,7 @@ _VARIANTS = ("torch", "fused-mp", "probe")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.membus.fused_mp_optimizer",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = new_parser("fused_mp_optimizer", __doc__.split("\n\n")[0])
     p.add_argument("--model-size", choices=sorted(PRESETS), default="125m",
                    help="GPT preset whose bf16 parameters are stepped")
     p.add_argument("--threads", type=thread_list, default=None, help="thread counts (default 1..cpus)")
@@ -64,8 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds before measuring")
     p.add_argument("--steps", type=int, default=2, help="measured steps per optimizer visit")
     p.add_argument("--allow-small", action="store_true", help=f"accept models under {_MIN_PARAMS:,} params")
-    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default="fused_mp_optimizer", help="result file stem")
+    add_output(p, "fused_mp_optimizer")
     p.add_argument("--note", default="", help="free text stored with the result")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model (implies --allow-small), 2 rounds, 1 step per visit")
@@ -79,12 +77,6 @@ def _uptime() -> str:
         return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         return f"uptime unavailable: {exc}"
-
-
-def _summary(samples: Sequence[float], bytes_moved: int) -> dict[str, Any]:
-    med = median(samples)
-    return {"median_s": med, "iqr_s": iqr(samples), "n": len(samples),
-            "gbps": bytes_moved / med / 1e9, "samples_s": list(samples)}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
@@ -114,32 +106,30 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     probe = ProbeBuffers(numel)
     probe.run("c_4r3w", threads[-1])  # first touch of the probe buffers
 
-    samples: dict[tuple[str, int], list[float]] = {(v, t): [] for v in _VARIANTS for t in threads}
     kernels_seen: dict[str, set[str]] = {"torch": set(), "fused-mp": set()}
     # Per step: the share of step() spent inside the kernel stage (the rest is the optimizer's
-    # own work: job building, hand-off, Python between kernel calls, the drain).
+    # own work: job building, hand-off, Python between kernel calls, the drain); recorded in every
+    # round, the warm-up rounds' first ``warmup * steps`` shares dropped below.
     kernel_share: dict[tuple[str, int], list[float]] = {(v, t): [] for v in ("torch", "fused-mp") for t in threads}
-    for round_ in range(args.warmup + args.rounds):
-        for t in threads if round_ % 2 == 0 else list(reversed(threads)):
-            order = _VARIANTS[round_ % 3:] + _VARIANTS[:round_ % 3]
-            for variant in order:
-                if variant == "probe":
-                    got = [probe.run("c_4r3w", t).seconds]
-                else:
-                    opt.apply_settings(OffloadSettings(threads=t, chunk_numel=args.chunk_numel,
-                                                       kernel=variant))  # type: ignore[arg-type]
-                    opt.step()  # discarded: first step after a switch
-                    got = []
-                    for _ in range(args.steps):
-                        opt.step()
-                        stats = opt.last_stats
-                        got.append(stats.step_s)
-                        kernels_seen[variant].add(stats.kernel)
-                        if round_ >= args.warmup:
-                            kernel_share[(variant, t)].append(stats.adam_kernel_s / stats.step_s)
-                if round_ >= args.warmup:
-                    samples[(variant, t)].extend(got)
-        logger.info("round %d/%d done", round_ + 1, args.warmup + args.rounds)
+
+    def visit(variant: str, t: int) -> list[float]:
+        if variant == "probe":
+            return [probe.run("c_4r3w", t).seconds]
+        opt.apply_settings(OffloadSettings(threads=t, chunk_numel=args.chunk_numel,
+                                           kernel=variant))  # type: ignore[arg-type]
+        opt.step()  # discarded: first step after a switch
+        got = []
+        for _ in range(args.steps):
+            opt.step()
+            stats = opt.last_stats
+            got.append(stats.step_s)
+            kernels_seen[variant].add(stats.kernel)
+            kernel_share[(variant, t)].append(stats.adam_kernel_s / stats.step_s)
+        return got
+
+    samples = interleaved({(v, t): functools.partial(visit, v, t) for v in _VARIANTS for t in threads},
+                          args.rounds, warmup=args.warmup, progress=logger,
+                          order=lambda r: [(v, t) for t in alternate(threads, r) for v in rotation(_VARIANTS, r)])
     uptime_after = _uptime()
     opt.close()
     for variant, seen in kernels_seen.items():
@@ -148,37 +138,30 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
     per_threads: dict[str, dict[str, Any]] = {}
     for t in threads:
-        row: dict[str, Any] = {v: _summary(samples[(v, t)], BYTES_PER_PARAM[v] * numel) for v in _VARIANTS}
+        row: dict[str, Any] = {v: summary(samples[(v, t)], BYTES_PER_PARAM[v] * numel) for v in _VARIANTS}
         # Per-round ratios: the variants of a round run back to back at one thread count.
         k = args.steps
         torch_r = [median(samples[("torch", t)][i:i + k]) for i in range(0, len(samples[("torch", t)]), k)]
         fused_r = [median(samples[("fused-mp", t)][i:i + k]) for i in range(0, len(samples[("fused-mp", t)]), k)]
         probe_r = samples[("probe", t)]
-        speed = [a / b for a, b in zip(torch_r, fused_r)]
-        bw = [(BYTES_PER_PARAM["fused-mp"] / f) / (BYTES_PER_PARAM["probe"] / p) for f, p in zip(fused_r, probe_r)]
         row["paired"] = {
-            "torch_over_fused": {"median": median(speed), "iqr": iqr(speed), "n": len(speed)},
-            "fused_over_probe_gbps": {"median": median(bw), "iqr": iqr(bw), "n": len(bw)},
+            "torch_over_fused": paired(torch_r, fused_r),
+            "fused_over_probe_gbps": paired(probe_r, fused_r, BYTES_PER_PARAM["fused-mp"] / BYTES_PER_PARAM["probe"]),
         }
-        row["fused-mp"]["kernel_stage_share"] = median(kernel_share[("fused-mp", t)])
+        row["fused-mp"]["kernel_stage_share"] = median(kernel_share[("fused-mp", t)][args.warmup * k:])
         per_threads[str(t)] = row
-    best = {v: min(threads, key=lambda t: per_threads[str(t)][v]["median_s"]) for v in _VARIANTS}
-    best_of = {v: per_threads[str(best[v])][v] for v in _VARIANTS}
-    speedup = best_of["torch"]["median_s"] / best_of["fused-mp"]["median_s"]
-    probe_ratio = best_of["fused-mp"]["gbps"] / best_of["probe"]["gbps"]
-    paired = per_threads[str(best["fused-mp"])]["paired"]
+    head = at_best_threads(per_threads, threads)
+    speedup, probe_ratio = head["speedup_torch_over_fused"], head["fused_over_probe_gbps"]
     return {
         "benchmark": "bench.membus.fused_mp_optimizer",
-        "command": "python -m bench.membus.fused_mp_optimizer " + shlex.join(argv),
+        "command": command("fused_mp_optimizer", argv),
         "model_size": args.model_size, "params": numel, "dtype": "bf16", "device": "cpu",
         "chunk_numel": args.chunk_numel, "threads": threads, "rounds": args.rounds,
         "warmup": args.warmup, "steps_per_visit": args.steps,
         "bytes_per_param": BYTES_PER_PARAM,
         "probe": {"name": "c_4r3w", "build": c_kernel_status()},
         "kernel": {"available": reason, "bitwise_matches_torch": bitwise_matches_torch()},
-        "per_threads": per_threads, "best_threads": best,
-        "speedup_torch_over_fused": speedup, "fused_over_probe_gbps": probe_ratio,
-        "paired_at_fused_best_threads": paired,
+        "per_threads": per_threads, **head,
         "targets": {"speedup": TARGET_SPEEDUP, "probe_ratio": TARGET_PROBE_RATIO,
                     "speedup_met": speedup >= TARGET_SPEEDUP,
                     "probe_ratio_met": probe_ratio >= TARGET_PROBE_RATIO},

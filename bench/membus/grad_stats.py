@@ -28,17 +28,18 @@ its code: the report states that floor from the measured read speeds. Results go
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
 from bench._cli import bench_main
 from bench._stats import iqr, machine_info, median
+from bench.membus._harness import add_output, interleaved, new_parser, paired, timed
+from offload import thread_limit
 from offload.kernels._fused_mp import fused_mp_available
 from offload.kernels._grad_stats import grad_stats_
 from offload.kernels._adamw import Hyper, native_adamw_f32_
@@ -56,21 +57,13 @@ BYTES_READ = {"grad_stats": 4, "grad_stats_bf16": 2, "vector_norm": 4, "copy": 4
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.membus.grad_stats", description=__doc__.split("\n")[0],
-                                formatter_class=HelpFormatter)
+    p = new_parser("grad_stats", __doc__.split("\n")[0])
     p.add_argument("--numel", type=int, default=50_000_000, help="gradient elements")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads")
     p.add_argument("--rounds", type=int, default=15, help="measured interleaved rounds")
     p.add_argument("--warmup", type=int, default=2, help="discarded rounds before measuring")
-    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default="grad_stats", help="result file stem")
+    add_output(p, "grad_stats")
     return p
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
@@ -106,33 +99,23 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "step_coef": lambda: kernel(coef),
         "clipped_step": clipped,
     }
-    names = list(variants)
-    samples: dict[str, list[float]] = {k: [] for k in names}
     load_before = os.getloadavg()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        for r in range(args.warmup + args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
-            times = {k: _timed(variants[k]) for k in order}
-            if r >= args.warmup:
-                for k in names:
-                    samples[k].append(times[k])
-    finally:
-        torch.set_num_threads(previous)
+    with thread_limit(args.threads):
+        samples = interleaved({k: functools.partial(timed, fn) for k, fn in variants.items()}, args.rounds,
+                              warmup=args.warmup)
     rows = {k: {"median_s": median(s), "iqr_s": iqr(s), "min_s": min(s),
                 "gb_s": BYTES_PER_ELEMENT[k] * n / median(s) / 1e9,
                 "best_gb_s": BYTES_PER_ELEMENT[k] * n / min(s) / 1e9,
                 "read_gb_s": BYTES_READ[k] * n / median(s) / 1e9} for k, s in samples.items()}
     ratios = {
-        "clipped_step/step": [a / b for a, b in zip(samples["clipped_step"], samples["step"])],
-        "step_coef/step": [a / b for a, b in zip(samples["step_coef"], samples["step"])],
-        "vector_norm/grad_stats": [a / b for a, b in zip(samples["vector_norm"], samples["grad_stats"])],
+        "clipped_step/step": paired(samples["clipped_step"], samples["step"]),
+        "step_coef/step": paired(samples["step_coef"], samples["step"]),
+        "vector_norm/grad_stats": paired(samples["vector_norm"], samples["grad_stats"]),
     }
     return {
         "argv": list(argv), "numel": n, "threads": args.threads, "rounds": args.rounds,
         "variants": rows,
-        "ratios": {k: {"median": median(x), "iqr": iqr(x)} for k, x in ratios.items()},
+        "ratios": ratios,
         "read_bound_floor": read_bound_floor(rows),
         "load_before": load_before, "load_after": os.getloadavg(), "machine": machine_info(),
     }

@@ -22,17 +22,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shlex
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir, thread_list
+from bench._args import thread_list
 from bench._cli import bench_main
 from bench._stats import iqr, machine_info, median
+from bench.membus._harness import add_output, alternate, command, new_parser, timed
 
 logger = logging.getLogger("bench.membus.many_tensors")
 
@@ -97,12 +96,6 @@ def _copy(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     from offload import CPUOffloadAdamW, OffloadSettings
 
@@ -116,25 +109,24 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     # Construction (+ first step: both optimizers allocate state then), each once.
     torch.set_num_threads(args.threads[-1])
     ours: list[Any] = []
-    ours_build = _timed(lambda: (ours.append(CPUOffloadAdamW(
+    ours_build = timed(lambda: (ours.append(CPUOffloadAdamW(
         ours_p, lr=1e-4, settings=OffloadSettings(threads=args.threads[-1]))), ours[0].step()))
     opt = ours[0]
     refs: list[Any] = []
-    ref_build = _timed(lambda: (refs.append(torch.optim.AdamW(ref_p, lr=1e-4, fused=True)), refs[0].step()))
+    ref_build = timed(lambda: (refs.append(torch.optim.AdamW(ref_p, lr=1e-4, fused=True)), refs[0].step()))
     ref = refs[0]
 
     samples: dict[int, dict[str, list[float]]] = {t: {"ours": [], "torch": [], "kernel": []} for t in args.threads}
     for rnd in range(args.repeats):
-        order = args.threads if rnd % 2 == 0 else list(reversed(args.threads))
-        for threads in order:
+        for threads in alternate(args.threads, rnd):
             opt.apply_settings(OffloadSettings(threads=threads))
             opt.step()  # discarded: first step after a change
             torch.set_num_threads(threads)
             ref.step()
             for _ in range(args.steps):
-                samples[threads]["ours"].append(_timed(opt.step))
+                samples[threads]["ours"].append(timed(opt.step))
                 samples[threads]["kernel"].append(opt.last_stats.adam_kernel_s)
-                samples[threads]["torch"].append(_timed(ref.step))
+                samples[threads]["torch"].append(timed(ref.step))
         logger.info("round %d/%d done", rnd + 1, args.repeats)
     torch.set_num_threads(main_threads)
     kernel = opt.settings.kernel
@@ -151,7 +143,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         })
     result = {
         "benchmark": "bench.membus.many_tensors",
-        "command": "python -m bench.membus.many_tensors " + " ".join(shlex.quote(a) for a in argv),
+        "command": command("many_tensors", argv),
         "machine": machine_info(),
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "note": args.note,
@@ -195,8 +187,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.membus.many_tensors", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = new_parser("many_tensors", __doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="tensor shapes (default moe; quick with --quick)")
     p.add_argument("--threads", type=thread_list, default=None,
@@ -204,8 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per optimizer, thread count and round")
     p.add_argument("--quick", action="store_true", help="the quick preset, 2 rounds")
-    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default=None, help="result file stem (default many_tensors[-quick])")
+    add_output(p, None, "result file stem (default many_tensors[-quick])")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. machine load)")
     return p
 

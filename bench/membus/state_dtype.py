@@ -19,16 +19,15 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing
-import shlex
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
 from bench._cli import bench_main
 from bench._stats import iqr, machine_info, median
+from bench.membus._harness import (add_output, command, interleaved, machine_line, new_parser, paired,
+                                   require_positive, timed)
 from bench.membus._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers
 from offload import CPUOffloadAdamW, OffloadSettings
 
@@ -40,24 +39,21 @@ STEP_BYTES = {("bf16", "fp32"): 28, ("bf16", "bf16"): 20, ("fp32", "fp32"): 28, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.membus.state_dtype", description=__doc__, formatter_class=HelpFormatter)
+    p = new_parser("state_dtype", __doc__)
     p.add_argument("--numel", type=int, default=50_000_000, help="parameters")
     p.add_argument("--tensor-numel", type=int, default=4_000_000, help="elements per parameter tensor")
     p.add_argument("--models", default="bf16,fp32", help="comma list of the model dtypes: bf16, fp32")
     p.add_argument("--threads", type=int, default=2, help="the optimizer's threads")
     p.add_argument("--rounds", type=int, default=11, help="measured rounds")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2M parameters, 2 rounds")
-    p.add_argument("--out-dir", type=output_dir, default=None, help=OUT_DIR_HELP)
-    p.add_argument("--name", default="state_dtype", help="result file stem")
+    add_output(p, "state_dtype")
     return p
 
 
 def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.quick:
         args.numel, args.tensor_numel, args.rounds = 2_000_000, 500_000, 2
-    for name in ("numel", "tensor_numel", "threads", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
+    require_positive(parser, args, "numel", "tensor_numel", "threads", "rounds")
     bad = [m for m in args.models.split(",") if m not in _DTYPES]
     if bad:
         parser.error(f"--models {args.models}: expected a comma list of {', '.join(_DTYPES)}")
@@ -97,12 +93,6 @@ def _rss_per_param(model: str, state: str, numel: int, tensor_numel: int, thread
     return grown
 
 
-def _timed_step(opt: CPUOffloadAdamW) -> float:
-    t0 = time.perf_counter()
-    opt.step()
-    return time.perf_counter() - t0
-
-
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     settings = OffloadSettings(threads=args.threads, chunk_numel=4 << 20, kernel="fused-mp")
     probe = ProbeBuffers(args.numel)
@@ -118,17 +108,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             opts[state].step()
         for opt in opts.values():
             opt.step()  # warm-up
-        times: dict[str, list[float]] = {"fp32": [], "bf16": []}
-        probe_s: list[float] = []
-        for r in range(args.rounds):
-            for state in (("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")):
-                times[state].append(_timed_step(opts[state]))
-            sample = probe.run("c_4r3w", args.threads)
-            probe_s.append(sample.seconds)
-        ratios = [b / f for b, f in zip(times["bf16"], times["fp32"])]
-        probe_gbs = [PROBE_BYTES_PER_ELEMENT["c_4r3w"] * args.numel / s / 1e9 for s in probe_s]
-        case: dict[str, Any] = {"model": model, "ratio_bf16_over_fp32_median": median(ratios),
-                                "ratio_iqr": iqr(ratios), "probe_gbs_median": median(probe_gbs)}
+        times = interleaved({state: (lambda opt=opt: timed(opt.step)) for state, opt in opts.items()}, args.rounds,
+                            then=("probe", lambda: probe.run("c_4r3w", args.threads).seconds))
+        ratio = paired(times["bf16"], times["fp32"])
+        probe_gbs = [PROBE_BYTES_PER_ELEMENT["c_4r3w"] * args.numel / s / 1e9 for s in times["probe"]]
+        case: dict[str, Any] = {"model": model, "ratio_bf16_over_fp32_median": ratio["median"],
+                                "ratio_iqr": ratio["iqr"], "probe_gbs_median": median(probe_gbs)}
         for state in ("fp32", "bf16"):
             gbs = [STEP_BYTES[(model, state)] * args.numel / s / 1e9 for s in times[state]]
             case[state] = {"step_ms_median": median(times[state]) * 1e3, "step_ms_iqr": iqr(times[state]) * 1e3,
@@ -140,7 +125,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             opt.close()
         del opts
         gc.collect()
-    return {"command": "python -m bench.membus.state_dtype " + shlex.join(list(argv)), "machine": machine_info(),
+    return {"command": command("state_dtype", argv), "machine": machine_info(),
             "numel": args.numel, "threads": args.threads, "rounds": args.rounds, "cases": cases}
 
 
@@ -159,9 +144,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     for c in result["cases"]:
         lines.append(f"| {c['model']} | {c['ratio_bf16_over_fp32_median']:.3f} ({c['ratio_iqr']:.3f}) | "
                      f"{c['probe_gbs_median']:.1f} |")
-    m = result["machine"]
-    lines += ["", f"Machine: {m.get('cpu_model', '?')}, {m.get('logical_cpus', '?')} logical CPUs, "
-              f"{m.get('torch_cpu_capability', '?')}; load average {m.get('load_avg_1_5_15', '?')} at the start."]
+    lines += ["", machine_line(result["machine"])]
     return "\n".join(lines) + "\n"
 
 
