@@ -10,7 +10,9 @@ so every benchmark refuses a bad value the same way (one usage line, exit status
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+from types import ModuleType
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -18,12 +20,19 @@ from typing import Any, Callable, Sequence
 from bench._args import resolve_out_dir
 from bench._stats import atomic_write_json, atomic_write_text
 
-__all__ = ["LOG_FORMAT", "bench_main", "write_results"]
+__all__ = ["LOG_FORMAT", "bench_main", "command_module", "write_results"]
 
 #: The benchmarks' log line (stderr; stdout carries the report).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 Result = dict[str, Any]
+
+
+def command_module(name: str) -> ModuleType:
+    """The module whose ``main`` ``python -m <name>`` runs: ``<name>`` itself, or a command package's
+    ``_main`` (``bench.simulate`` -> ``bench.simulate._main``)."""
+    module = importlib.import_module(name)
+    return importlib.import_module(f"{name}._main") if hasattr(module, "__path__") else module
 
 
 def write_results(out_dir: Path, name: str, result: Result, markdown: str) -> tuple[Path, Path]:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autotune.report._runs import resolve_run_dir
-from bench._dist import run_torchrun
 from bench._stats import iqr, median
+from bench.train._dist import run_torchrun
 
 logger = logging.getLogger(__name__)
 

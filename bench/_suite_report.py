@@ -122,14 +122,14 @@ def _headline_table(s: dict[str, Any]) -> list[str]:
 
 
 def render_roofline_md(r: dict[str, Any], header: list[str], png: str = "roofline.png") -> str:
-    from bench.bandwidth import verdict_text
+    from bench.membus.bandwidth import verdict_text
 
     out = ["# Roofline: memory-bandwidth probe vs. the offload kernel, per thread count", "", *header,
            f"- command: `{r['command']}` ({r['duration_s']} s)",
            f"- uptime right after the roofline: `{r.get('uptime_after_roofline')}`",
            f"- C probe: {r['c_probe_status']}", "",
            f"adam_kernel GB/s counts {r['adam_bytes_per_param']} B per parameter; the probe is the best "
-           "read-4/write-3 in-place variant at that thread count (`bench/_stream.py`), slab-sized, measured "
+           "read-4/write-3 in-place variant at that thread count (`bench/membus/_stream.py`), slab-sized, measured "
            f"interleaved with the optimizer. Ratio = kernel / probe. Plot: `{png}`.", ""]
     for s in r["series"]:
         h = s["headline"]

@@ -52,7 +52,7 @@ import torch
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
 from bench._cli import bench_main
 from bench._stats import iqr, machine_info, median
-from bench.model import GPT, PRESETS, preset
+from bench.train.model import GPT, PRESETS, preset
 
 logger = logging.getLogger("bench.clip")
 
@@ -224,7 +224,7 @@ def _train_env() -> dict[str, str]:
 
 def _train_run(args: argparse.Namespace, ranks: int, clip: float, overlap: bool, tmp: Path) -> dict[str, Any]:
     """One trainer run; the figures of its summary."""
-    from bench import train
+    from bench.train import _main as train
 
     out = tmp / f"train-{ranks}-{clip:g}-{int(overlap)}.json"
     flags = ["--model-size", args.train_model_size, "--device", "cpu", "--steps", str(args.train_steps),

@@ -11,7 +11,7 @@
 #      and the native kernel, commits asserted, weights edited through .data followed (bf16/fp16,
 #      overlap on and off), the gradient layouts (channels_last conv gradients, a .grad that a hook
 #      set to a non-contiguous transposed view, accumulation of 3 backward passes under
-#      opt.accumulating(); each bitwise overlap off AND the independent reference, bench/_device_layouts.py),
+#      opt.accumulating(); each bitwise overlap off AND the independent reference, bench/device_checks/_layouts.py),
 #      host-device syncs counted in an overlapped backward and a clip,
 #   2. FSDP2 with overlap and DDP with attach_ddp under NCCL (torchrun, 1 process); DDP with
 #      gradient_as_bucket_view=True and DDP accumulating under no_sync(), each bitwise overlap off
@@ -19,7 +19,7 @@
 #   3. GradScaler fp16 with overflow steps, peak GPU memory of a 256M-element parameter's
 #      backward + clip + step; then, in a step of its own, a ~1B bf16 model's backward and step
 #      with and without overlap,
-#   4. python -m bench.bandwidth --device cuda (copy throughput each way and the step; 50M
+#   4. python -m bench.membus.bandwidth --device cuda (copy throughput each way and the step; 50M
 #      parameters, fp32 and bf16, 2 thread counts),
 #   5. the CUDA tests (-k cuda over tests/test_cuda_*.py and the files with a cuda marker or test;
 #      -rs: a skipped native kernel shows),
@@ -27,14 +27,14 @@
 #      and with --amp fp16 (125m GPT, 12 steps each).
 # Steps 0-3's checks also run on the CPU in CI (--device cpu, tests/test_device_checks.py); there the
 # producer check also runs the CUDA transport over a fake device that keeps a GPU's order
-# (bench/_fake_device.py), so a transport that drops the copy stream's wait on a gradient's ready
+# (bench/device_checks/_fake_device.py), so a transport that drops the copy stream's wait on a gradient's ready
 # event, or the weight copies' wait on the write event, fails in CI, before any GPU run.
 # The time limits are estimates: the script has not yet run on a GPU. (The layouts took 10 s more for
 # checks-races and 5 s for checks-dist, taken from train-overlap-clip, now its fp16 twin's 35 s for the
 # same model and steps, and from pytest; the sum stays 460 s, 20 s left for the environment lines.) A step that runs past its
 # limit gets SIGABRT (then SIGKILL 10 s later): with PYTHONFAULTHANDLER=1 every Python thread's stack
 # goes to the log first, so a hang says where it hung; inside the checks, each check also dumps
-# the stacks after --watchdog-s (bench/device_checks.py) and a check that raises is reported and
+# the stacks after --watchdog-s (bench/device_checks/_main.py) and a check that raises is reported and
 # the next one runs.
 # What it measured goes to bench/results/device/ (or $DEVICE_CHECK_OUT): the console log, pytest's
 # report, the bandwidth .json/.md, the checks' JSON lines, the trainer summaries, and status.txt
@@ -67,7 +67,7 @@ STEPS=(
   "checks-dist|45|-m torch.distributed.run --nproc-per-node 1 -m bench.device_checks --device cuda dist"
   "checks-scale|30|-m bench.device_checks --device cuda scaler memory"
   "checks-timing|50|-m bench.device_checks --device cuda timing"
-  "bandwidth|40|-m bench.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 1 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
+  "bandwidth|40|-m bench.membus.bandwidth --device cuda --dtypes fp32,bf16 --threads $HALF,$CPUS --chunks 4194304 --repeats 1 --name bandwidth-cuda --out-dir $OUT --log-level WARNING"
   "pytest|90|-m pytest -q -rs -p no:cacheprovider -k cuda $CUDA_TESTS --junitxml $OUT/pytest.xml"
   "train-overlap-clip|35|$TRAIN --overlap-backward --clip-grad-norm 1.0 --summary-json $OUT/train-overlap-clip.json"
   "train-overlap-clip-amp|35|$TRAIN --overlap-backward --clip-grad-norm 1.0 --amp fp16 --summary-json $OUT/train-overlap-clip-amp.json"

@@ -4,7 +4,7 @@
     python -m bench.fsdp_memory --model-size tiny --world-sizes 1,2 --out-dir /tmp/mem
 
 For each world size it launches that many gloo ranks (``torch.distributed.run --standalone``) on
-this machine. Each rank builds the same GPT in fp32, shards it (``bench._fsdp.shard_model``), runs
+this machine. Each rank builds the same GPT in fp32, shards it (``bench.train._fsdp.shard_model``), runs
 one forward/backward so that FSDP's buffers, gradients and the allocator's pools exist, and reads
 its RSS (after constructing, stepping and closing a 4096-parameter optimizer, so one-off
 per-process costs are not counted); then it constructs ``CPUOffloadAdamW`` and runs two steps (every slab page written) and
@@ -35,7 +35,7 @@ import torch
 from bench._args import OUT_DIR_HELP, HelpFormatter, int_list, output_dir
 from bench._cli import bench_main
 from bench._stats import machine_info
-from bench.model import PRESETS
+from bench.train.model import PRESETS
 
 __all__ = ["main", "measure_rank"]
 
@@ -52,8 +52,8 @@ def measure_rank(model_size: str, steps: int = 2) -> dict[str, Any]:
     """This rank's measurement (needs the default process group; see the module doc)."""
     import torch.distributed as dist
 
-    from bench._fsdp import shard_model
-    from bench.model import GPT, SyntheticTokens, count_params, preset
+    from bench.train._fsdp import shard_model
+    from bench.train.model import GPT, SyntheticTokens, count_params, preset
     from offload import CPUOffloadAdamW
     from offload.state._dtensor import local
 
@@ -101,7 +101,7 @@ def measure_rank(model_size: str, steps: int = 2) -> dict[str, Any]:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from bench import _dist
+    from bench.train import _dist
 
     torch.set_num_threads(1)
     info = _dist.setup(torch.device("cpu"), group=True)

@@ -13,7 +13,7 @@ This machine: three optimizers over three identical tensor sets. The wrapped one
 step of each variant per round, in a rotating order, each timed around ``step()`` with its thread
 count set (the wrapper sets its own). Reported: median, IQR and n of each, and ratios of medians.
 
-Simulated nodes (:mod:`bench.simulate`'s 8-rank nodes and step-time model, :mod:`bench._stepmodel`):
+Simulated nodes (:mod:`bench.simulate`'s 8-rank nodes and step-time model, :mod:`bench.simulate._stepmodel`):
 the same nodes, masks and real ``plan_cpu_threads``, a workload of ``--sim-params`` elements per
 rank moving 28 bytes per element (fused AdamW in fp32: read parameter, gradient and both moments,
 write three) with no PCIe stage (FSDP2 copies outside the step), and the real ``OnlineTuner`` of
@@ -36,11 +36,11 @@ from typing import Any, Sequence
 import torch
 
 from autotune import AutotuneConfig
-from bench import simulate
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
 from bench._cli import bench_main
 from bench._stats import iqr, machine_info, median, quantile
-from bench._stepmodel import Workload
+from bench.simulate import _main as simulate
+from bench.simulate._stepmodel import Workload
 from offload import thread_limit, tune_step_threads
 from offload._stock import step_threads_space
 from offload.threads._rule import static_rule_threads
@@ -51,7 +51,7 @@ __all__ = ["build_parser", "main", "measure_here", "simulate_nodes"]
 
 #: Bytes per element of fused AdamW in fp32 (read p, g, m, v; write p, m, v).
 ADAMW_FP32_BYTES = 28.0
-#: simulate.py's 8-rank nodes.
+#: bench.simulate's 8-rank nodes.
 SIM_NODES = ("2s60c-smt2-8r-numa", "2s60c-smt2-8r-shared", "2s60c-smt2-8r-exclusive")
 VARIANTS = ("launcher", "static_rule", "tuned")
 

@@ -16,10 +16,10 @@ Sections (``--only`` picks some):
     and the ratio of the row's median to row 1's and to row 5b's (the autotuned cache-hit run) of
     the same group. Row 7 (DeepSpeedCPUAdam) is a note unless DeepSpeed is installed.
 ``roofline``
-    ``bench.bandwidth`` (the read-4/write-3 probe and the offload kernel's effective GB/s per
+    ``bench.membus.bandwidth`` (the read-4/write-3 probe and the offload kernel's effective GB/s per
     thread count, interleaved) plus a PNG of both against threads.
 ``fused_mp``
-    ``bench.fused_mp_optimizer``: the whole offload step of the ``125m`` bf16 preset with
+    ``bench.membus.fused_mp_optimizer``: the whole offload step of the ``125m`` bf16 preset with
     ``kernel="fused-mp"`` against ``kernel="torch"`` and the read-4/write-3 probe, interleaved;
     the suite's table quotes its speed-up and bandwidth ratio at the best thread count.
 ``tuner_quality``, ``simulate``
@@ -49,7 +49,7 @@ from typing import Any, Sequence
 
 from bench import _scenarios as sc
 from bench._args import OUT_DIR_HELP, PATH_RULE, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_main, command_module
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench._suite_report import plot_roofline, plot_scenarios, render_roofline_md, render_suite_md
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    from bench.model import PRESETS
+    from bench.train.model import PRESETS
 
     q = args.quick
     args.model_size = args.model_size or ("tiny" if q else "small")
@@ -320,7 +320,7 @@ def _summarise(args, groups, units, results, errors, cfg, tune_defaults, cpu_cou
 def run_roofline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import json
 
-    from bench import bandwidth
+    from bench.membus import bandwidth
 
     cpu_count, affinity = _cpu_counts()
     threads = list(range(1, affinity + 1))
@@ -334,7 +334,7 @@ def run_roofline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     rc = bandwidth.main(argv)
     if rc != 0:
-        raise RuntimeError(f"python -m bench.bandwidth {shlex.join(argv)} returned {rc}")
+        raise RuntimeError(f"python -m bench.membus.bandwidth {shlex.join(argv)} returned {rc}")
     raw = json.loads((workdir / "bandwidth.json").read_text())
     series = []
     for r in raw["runs"]:
@@ -348,7 +348,7 @@ def run_roofline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "host_bytes_per_param": r.get("host_bytes_per_param"),
             "torch_adamw_host_bytes_per_param": r.get("torch_adamw_host_bytes_per_param"),
         })
-    return {"command": "python -m bench.bandwidth " + shlex.join(argv).replace(str(workdir), "<tmp>"),
+    return {"command": "python -m bench.membus.bandwidth " + shlex.join(argv).replace(str(workdir), "<tmp>"),
             "duration_s": round(time.perf_counter() - started, 1), "threads": threads,
             "uptime_after_roofline": _uptime(),
             "adam_bytes_per_param": raw.get("adam_bytes_per_param"), "probes": raw.get("probes"),
@@ -358,13 +358,13 @@ def run_roofline(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- other engineers' sections
 
 
-_EXTERNAL = {"fused_mp": ("bench.fused_mp_optimizer", "fused_mp_optimizer"),
+_EXTERNAL = {"fused_mp": ("bench.membus.fused_mp_optimizer", "fused_mp_optimizer"),
              "tuner_quality": ("bench.tuner_quality", "tuner_quality"),
              "simulate": ("bench.simulate", "simulated_nodes")}
 
 
 def run_external(section: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run ``bench.<module>.main`` in this process when the module exists; a missing one is a note."""
+    """Run ``python -m <module>``'s ``main`` in this process when the module exists; a missing one is a note."""
     module, stem = _EXTERNAL[section]
     name = f"{stem}-quick" if args.quick else stem
     if importlib.util.find_spec(module) is None:
@@ -380,8 +380,7 @@ def run_external(section: str, args: argparse.Namespace) -> dict[str, Any]:
         argv.insert(0, "--quick")
     started = time.perf_counter()
     try:
-        mod = importlib.import_module(module)
-        rc = mod.main(argv)
+        rc = command_module(module).main(argv)
     except SystemExit as exc:  # argparse errors and explicit exits
         rc = exc.code
     except Exception as exc:  # noqa: BLE001 - another engineer's section must not sink the suite

@@ -75,8 +75,8 @@ def free_port() -> int:
 def run_torchrun(cmd: Sequence[str], *, timeout_s: float, **popen_kwargs: Any) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, **popen_kwargs)``
     that, on a timeout or any exception (re-raised), SIGTERMs torchrun, waits 15 s, then SIGKILLs
-    every process it had started and torchrun. One implementation, the suite's: bench/_dist.py."""
-    from bench._dist import run_torchrun as run  # here, not at import: workers run this file too
+    every process it had started and torchrun. One implementation, the suite's: bench/train/_dist.py."""
+    from bench.train._dist import run_torchrun as run  # here, not at import: workers run this file too
 
     return run(cmd, timeout_s=timeout_s, **popen_kwargs)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench._fsdp import shard_model
+from bench.train._fsdp import shard_model
 from offload.state._dtensor import local
 
 D = 50

@@ -144,7 +144,7 @@ def single_threaded_main():
 
 @pytest.fixture
 def isolated_trainer(monkeypatch: pytest.MonkeyPatch):
-    """``bench.train.main`` in this process: no inherited thread or local-world overrides, and the
+    """``bench.train._main.main`` in this process: no inherited thread or local-world overrides, and the
     process-wide intra-op thread count the trainer sets is restored afterwards."""
     monkeypatch.delenv("OFFLOAD_AUTOTUNE_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -155,7 +155,7 @@ def isolated_trainer(monkeypatch: pytest.MonkeyPatch):
 
 def train_summary(out: Path, *args: str) -> dict:
     """Run ``bench.train`` in this process with ``args`` and return its ``--summary-json``."""
-    from bench import train
+    from bench.train import _main as train
 
     assert train.main([*args, "--summary-json", str(out)]) == 0
     return json.loads(out.read_text())

@@ -5,7 +5,7 @@ knob, probed only with overlap and more than one thread.
 
 Exact whatever the count (the kernels are bitwise independent of it): checked against the same
 run at another count. The tuner's decisions are tested with injected times (fixed costs, or the
-step-time model of ``bench._stepmodel``), never with the clock.
+step-time model of ``bench.simulate._stepmodel``), never with the clock.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from conftest import assert_bitwise, batch, lock_in, make_model, param_groups
 
 from autotune import AutotuneConfig
 from autotune.knobs import MAX_THREADS
-from bench._simulate_nodes import NODES
-from bench._stepmodel import Node, Workload
+from bench.simulate._nodes import NODES
+from bench.simulate._stepmodel import Node, Workload
 from offload import CPUOffloadAdamW, OffloadSettings, StepStats, ThreadPlan
 from offload.kernels._adamw import KernelSet, mixed_precision_adamw_
 from offload.tuning._glue import OffloadTuning, backward_ladder, backward_thread_count, offload_search_space
@@ -324,7 +324,7 @@ def _node(*, params: int, launch_share: float, clock_drop: float = 0.6) -> Node:
 
 
 def test_the_model_of_backward_threads() -> None:
-    """``bench._stepmodel``: with a GPU-bound backward fewer early threads never help; with a
+    """``bench.simulate._stepmodel``: with a GPU-bound backward fewer early threads never help; with a
     launch-bound one they do where the step hides behind backward, and do not where it cannot
     (the backlog left for ``step()``)."""
     chunk, t = 1 << 22, [15] * 8

@@ -1,4 +1,4 @@
-"""``python -m bench.bandwidth --quick`` runs end to end, and its probes move the bytes they claim."""
+"""``python -m bench.membus.bandwidth --quick`` runs end to end, and its probes move the bytes they claim."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bandwidth
-from bench._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
+from bench.membus import bandwidth
+from bench.membus._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 
 
 def _reference_update(b: ProbeBuffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

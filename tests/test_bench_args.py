@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
 
-BENCHES = ["bench.bandwidth", "bench.fused_mp", "bench.fused_mp_optimizer", "bench.many_tensors"]
+from bench._cli import command_module
+
+BENCHES = ["bench.membus.bandwidth", "bench.membus.fused_mp", "bench.membus.fused_mp_optimizer",
+           "bench.membus.many_tensors"]
 
 
 @pytest.mark.parametrize("module", BENCHES)
 @pytest.mark.parametrize("value", ["100000", "0", "1,-2", "\u0663", "two", ""])
 def test_bad_thread_counts_are_a_usage_error(module: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = importlib.import_module(module).build_parser()
+    parser = command_module(module).build_parser()
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["--threads", value])
     assert exc.value.code == 2
@@ -22,7 +24,7 @@ def test_bad_thread_counts_are_a_usage_error(module: str, value: str, capsys: py
 
 @pytest.mark.parametrize("module", BENCHES)
 def test_good_thread_counts_parse(module: str) -> None:
-    parser = importlib.import_module(module).build_parser()
+    parser = command_module(module).build_parser()
     assert parser.parse_args(["--threads", "1,2,1024"]).threads == [1, 2, 1024]
 
 
@@ -32,7 +34,7 @@ def test_trainer_threads_or_chunk_keep_the_default_kernel(flags: list[str]) -> N
     without them (they once switched it to torch's silently)."""
     import torch
 
-    from bench import train
+    from bench.train import _main as train
 
     parser = train.build_parser()
     model = torch.nn.Linear(8, 8)
@@ -49,7 +51,7 @@ def test_trainer_threads_or_chunk_keep_the_default_kernel(flags: list[str]) -> N
                                              ("--compute-threads", "5000"), ("--weight-decay", "-5"),
                                              ("--weight-decay", "nan")])
 def test_trainer_bad_values_are_one_line_usage_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from bench import train
+    from bench.train import _main as train
 
     with pytest.raises(SystemExit) as exc:
         train.build_parser().parse_args(["--optim-cpu-offload", flag, value])
@@ -59,7 +61,7 @@ def test_trainer_bad_values_are_one_line_usage_errors(flag: str, value: str, cap
 
 
 def test_trainer_ctrl_c_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from bench import train
+    from bench.train import _main as train
 
     def interrupted(args: object) -> None:
         raise KeyboardInterrupt
@@ -74,7 +76,8 @@ def test_trainer_ctrl_c_under_a_launcher_names_the_rank(monkeypatch: pytest.Monk
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """The rank is read before run() tears the process group down (it was lost there)."""
     import offload
-    from bench import _dist, train
+    from bench.train import _dist
+    from bench.train import _main as train
 
     torn_down = []
 
@@ -90,7 +93,8 @@ def test_trainer_ctrl_c_under_a_launcher_names_the_rank(monkeypatch: pytest.Monk
     assert capsys.readouterr().err.strip().splitlines() == ["python -m bench.train: interrupted (rank 0)"]
 
 
-ALL_PARSERS = ["bandwidth", "clip", "deepspeed_step", "fsdp_memory", "fused_mp", "fused_mp_optimizer", "grad_stats", "many_tensors",
+ALL_PARSERS = ["membus.bandwidth", "clip", "deepspeed_step", "fsdp_memory", "membus.fused_mp", "membus.fused_mp_optimizer",
+               "membus.grad_stats", "membus.many_tensors",
                "simulate", "stock_threads", "suite", "train", "tuner_quality"]
 
 
@@ -113,7 +117,7 @@ def test_help_shows_each_default_once(module: str) -> None:
     and every flag whose default means something shows it."""
     import argparse
 
-    parser = importlib.import_module(f"bench.{module}").build_parser()
+    parser = command_module(f"bench.{module}").build_parser()
     helps = _option_helps(parser)
     for action in parser._actions:
         if action.help is argparse.SUPPRESS or action.dest == "help":
@@ -125,13 +129,13 @@ def test_help_shows_each_default_once(module: str) -> None:
 
 
 def test_list_defaults_are_shown_as_typed() -> None:
-    from bench import bandwidth
+    from bench.membus import bandwidth
 
     assert "(default: fp32,bf16)" in _option_helps(bandwidth.build_parser())["--dtypes"]
 
 
 def test_trainer_seq_len_above_the_model_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from bench import train
+    from bench.train import _main as train
 
     with pytest.raises(SystemExit) as exc:
         train.main(["--model-size", "tiny", "--seq-len", "100000", "--steps", "1"])
@@ -144,7 +148,8 @@ def test_trainer_seq_len_above_the_model_is_a_usage_error(capsys: pytest.Capture
 
 def test_trainer_overlap_under_a_launcher_without_fsdp_is_a_usage_error(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from bench import _dist, train
+    from bench.train import _dist
+    from bench.train import _main as train
 
     monkeypatch.setattr(_dist, "setup", lambda *a, **k: _dist.DistInfo(
         rank=0, world_size=2, local_rank=0, local_world_size=2, backend="gloo"))
@@ -167,7 +172,7 @@ def test_output_paths_never_make_a_folder_tree_outside_the_working_directory(
     """A typo such as /nonexistent/a/b is refused as it is parsed (one usage line naming the
     path, exit status 2, nothing made); below the working directory missing folders are made,
     elsewhere only the last one."""
-    parser = importlib.import_module(f"bench.{module}").build_parser()
+    parser = command_module(f"bench.{module}").build_parser()
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)

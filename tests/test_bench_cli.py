@@ -4,24 +4,24 @@ result folder exists, and the report is written and named the same way by all of
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench._cli import bench_main
+from bench._cli import bench_main, command_module
 
 #: The benchmarks whose main() is bench_main (bench.simulate writes no files for --quick and
 #: bench.train is the trainer: their mains differ on purpose).
-BENCHES = ["bandwidth", "clip", "deepspeed_step", "follow_edits", "fsdp_memory", "fused_mp", "state_dtype", "state_dtype_loss", "fused_mp_optimizer", "grad_stats", "many_tensors", "overlap",
-           "stock_threads", "suite", "tuner_quality"]
+BENCHES = ["membus.bandwidth", "clip", "deepspeed_step", "membus.follow_edits", "fsdp_memory", "membus.fused_mp",
+           "membus.state_dtype", "state_dtype_loss", "membus.fused_mp_optimizer", "membus.grad_stats",
+           "membus.many_tensors", "overlap", "stock_threads", "suite", "tuner_quality"]
 
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_every_benchmark_main_is_bench_main(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    module = importlib.import_module(f"bench.{name}")
+    module = command_module(f"bench.{name}")
     calls: list[dict[str, Any]] = []
 
     def fake(argv: Any, **kwargs: Any) -> dict[str, Any]:

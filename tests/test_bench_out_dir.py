@@ -4,15 +4,15 @@ overwrites the committed results in bench/results."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench import many_tensors
 from bench._args import new_result_dir, resolve_out_dir
+from bench._cli import command_module
+from bench.membus import many_tensors
 
 REPO = Path(__file__).absolute().parents[1]
 
@@ -32,11 +32,11 @@ def test_an_explicit_out_dir_is_kept(tmp_path: Path, monkeypatch) -> None:
     assert resolve_out_dir(args, "n") == Path("runs/bench/n-1") and args.out_dir == Path("runs/bench/n-1")
 
 
-@pytest.mark.parametrize("module", ["bandwidth", "clip", "deepspeed_step", "fsdp_memory", "fused_mp", "fused_mp_optimizer",
-                                    "grad_stats", "many_tensors", "stock_threads", "suite", "tuner_quality",
+@pytest.mark.parametrize("module", ["membus.bandwidth", "clip", "deepspeed_step", "fsdp_memory", "membus.fused_mp", "membus.fused_mp_optimizer",
+                                    "membus.grad_stats", "membus.many_tensors", "stock_threads", "suite", "tuner_quality",
                                     "simulate"])
 def test_no_benchmark_defaults_to_bench_results(module: str) -> None:
-    parser = importlib.import_module(f"bench.{module}").build_parser()
+    parser = command_module(f"bench.{module}").build_parser()
     assert parser.get_default("out_dir") is None
 
 

@@ -7,7 +7,9 @@
 * ``offload``'s top-level import graph (a subpackage is one node) has at most :data:`MAX_NODES`
   nodes, :data:`MAX_LAYERS` layers and :data:`MAX_EDGES` edges, and each part imports only the
   parts under it (:data:`PARTS`); ``autotune``'s has at most :data:`AUTOTUNE_MAX_NODES` nodes and
-  each of its nodes imports only the nodes under it (:data:`AUTOTUNE_PARTS`);
+  each of its nodes imports only the nodes under it (:data:`AUTOTUNE_PARTS`); ``bench``'s has at
+  most :data:`BENCH_MAX_NODES` nodes and :data:`BENCH_MAX_EDGES` edges, and its shared modules
+  (:data:`BENCH_SHARED`) import no benchmark;
 * no test or bench module patches a private name of ``offload`` or ``autotune``. A patch is a
   ``setattr``/``delattr`` (builtin, ``monkeypatch.``, ``object.__setattr__``), ``mock.patch``
   (a dotted string, also as ``target=``), ``patch.object``, ``patch.multiple``, ``patch.dict``,
@@ -212,6 +214,22 @@ def test_offload_top_level_graph_is_small_and_layered() -> None:
     assert len(graph) <= MAX_NODES, f"{len(graph)} top-level nodes in offload (at most {MAX_NODES}): {sorted(graph)}"
     assert _layers(graph) <= MAX_LAYERS, f"{_layers(graph)} layers (at most {MAX_LAYERS})"
     assert edges <= MAX_EDGES, f"{edges} import edges between offload's top-level nodes (at most {MAX_EDGES})"
+
+
+#: Limits on ``bench``'s top-level import graph (issue 39: grouped by what it measures, a
+#: subpackage per concern; it was 54 nodes and 130 edges as flat modules).
+BENCH_MAX_NODES, BENCH_MAX_EDGES = 25, 60
+#: ``bench``'s shared modules: they import nothing else of ``bench``.
+BENCH_SHARED = ("_args", "_stats", "_cli")
+
+
+def test_bench_top_level_graph_is_small() -> None:
+    graph = _top_graph("bench")
+    edges = sum(len(t) for t in graph.values())
+    assert len(graph) <= BENCH_MAX_NODES, f"{len(graph)} top-level nodes in bench (at most {BENCH_MAX_NODES}): {sorted(graph)}"
+    assert edges <= BENCH_MAX_EDGES, f"{edges} import edges between bench's top-level nodes (at most {BENCH_MAX_EDGES})"
+    bad = {m: sorted(graph[m] - set(BENCH_SHARED)) for m in BENCH_SHARED if graph[m] - set(BENCH_SHARED)}
+    assert not bad, f"bench's shared modules import benchmarks: {bad}"
 
 
 def test_offload_parts_import_only_what_they_stand_on() -> None:

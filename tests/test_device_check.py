@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bandwidth, device_checks, train
+from bench.device_checks import _main as device_checks
+from bench.membus import bandwidth
+from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
 SCRIPT = REPO / "bench" / "device_check.sh"
@@ -101,7 +103,7 @@ def test_the_plan_fits_8_minutes_and_every_command_parses(tmp_path: Path) -> Non
             assert rest[:2] == ["--device", "cuda"], command
             assert set(rest[2:]) <= set(device_checks.CHECKS), command
             checked += rest[2:]
-        elif module == "bench.bandwidth":
+        elif module == "bench.membus.bandwidth":
             args = bandwidth.build_parser().parse_args(rest)
             assert args.device == "cuda" and str(args.out_dir) == out
         else:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import device_checks
-from bench._fake_device import FakeDevice
+from bench.device_checks import _main as device_checks
+from bench.device_checks._fake_device import FakeDevice
 
 REPO = Path(__file__).absolute().parents[1]
 
@@ -99,7 +99,7 @@ def test_the_layouts_check_fails_when_the_transport_drops_the_ready_wait() -> No
 ])
 def test_the_dry_run_fails_when_the_transport_drops_a_wait(drop: str, says: str) -> None:
     """Issue 40, done when: the producer check's dry run runs the CUDA transport over a fake device
-    that keeps a GPU's order (``bench._fake_device``) and fails when the d2h stream's wait on a
+    that keeps a GPU's order (``bench.device_checks._fake_device``) and fails when the d2h stream's wait on a
     job's ready event, or the h2d stream's wait on its write event, is dropped. (It ran only the
     host transport before, where neither wait exists, and the transport made its ready event
     with ``torch.cuda`` directly, so a fake device never saw it.)"""

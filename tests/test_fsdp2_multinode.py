@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _dist_util import free_port
-from bench._dist import stop_torchrun
+from bench.train._dist import stop_torchrun
 
 REPO = Path(__file__).absolute().parents[1]
 STEPS = 44  # the default probe budget (40) and a few locked steps: a decision may take all of it

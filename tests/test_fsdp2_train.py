@@ -13,7 +13,7 @@ import torch
 from conftest import train_summary
 
 from _dist_util import run_torchrun
-from bench import train
+from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32"]
@@ -95,8 +95,8 @@ def test_shard_model_cpu_offload_policy_with_overlap_equals_torch() -> None:
     under CPUOffloadAdamW with overlap: bitwise torch's fused AdamW on the same sharded model."""
     import torch.distributed as dist
 
-    from bench._fsdp import shard_model
-    from bench.model import GPT, preset
+    from bench.train._fsdp import shard_model
+    from bench.train.model import GPT, preset
     from offload import CPUOffloadAdamW
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -328,7 +328,7 @@ def test_bad_inputs_raise_before_touching_memory(kernel, case) -> None:
 
 def test_loss_curves_match_over_200_steps(kernel) -> None:
     """A bf16 GPT trained 200 steps with each backend from one init: the same loss curve."""
-    from bench.model import GPTConfig
+    from bench.train.model import GPTConfig
 
     # The reference trainer's model class, narrowed so 2 x 200 steps take about a second.
     cfg = GPTConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
@@ -350,7 +350,7 @@ def test_loss_curves_match_over_200_steps(kernel) -> None:
 
 def _train(cfg, update) -> torch.Tensor:
     """200 steps of a bf16 GPT whose fp32 master weights and moments ``update`` steps."""
-    from bench.model import GPT, SyntheticTokens
+    from bench.train.model import GPT, SyntheticTokens
 
     torch.manual_seed(0)
     model = GPT(cfg)

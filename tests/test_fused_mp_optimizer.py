@@ -364,7 +364,7 @@ def test_bad_kernel_name_is_rejected() -> None:
 def test_loss_curves_match_over_200_steps_of_the_reference_trainer_model(kernel) -> None:
     """The reference trainer's GPT (narrowed so it runs in seconds), bf16, 200 steps with each
     kernel from one init: the same loss curve."""
-    from bench.model import GPT, GPTConfig, SyntheticTokens
+    from bench.train.model import GPT, GPTConfig, SyntheticTokens
 
     cfg = GPTConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
 
@@ -541,7 +541,7 @@ def test_agreed_kernels_over_gloo_ranks() -> None:
 def test_trainer_kernel_flag_gives_the_same_parameters(kernel, tmp_path, monkeypatch) -> None:
     import json
 
-    from bench import train
+    from bench.train import _main as train
 
     monkeypatch.delenv("OFFLOAD_AUTOTUNE_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -564,7 +564,7 @@ def test_trainer_kernel_flag_gives_the_same_parameters(kernel, tmp_path, monkeyp
 
 
 def test_bandwidth_byte_accounting_per_kernel() -> None:
-    from bench import bandwidth
+    from bench.membus import bandwidth
 
     assert bandwidth.step_bytes_per_param("bf16", "fused-mp") == {
         "d2h": 0, "adam_kernel": 28, "materialize": 0, "total": 28}

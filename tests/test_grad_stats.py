@@ -279,9 +279,9 @@ def test_the_device_inf_norm_is_the_largest_block_s() -> None:
 
 
 def test_bench_read_bound_floor_from_the_read_speeds():
-    """bench.grad_stats states the clipped/unclipped floor of a read-bound step: a norm pass and a
+    """bench.membus.grad_stats states the clipped/unclipped floor of a read-bound step: a norm pass and a
     step reading at the same speed give 1 + 4/16; a slower norm pass raises it."""
-    from bench.grad_stats import read_bound_floor, render_markdown
+    from bench.membus.grad_stats import read_bound_floor, render_markdown
 
     rows = {"grad_stats": {"read_gb_s": 20.0}, "step": {"read_gb_s": 20.0}}
     assert read_bound_floor(rows) == 1.25

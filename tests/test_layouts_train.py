@@ -1,4 +1,4 @@
-"""``bench.train --fsdp --tp N`` / ``--hsdp R`` (bench/_parallel.py): the 4-rank torchrun against torch
+"""``bench.train --fsdp --tp N`` / ``--hsdp R`` (bench/train/_parallel.py): the 4-rank torchrun against torch
 AdamW on the same layout, the qkv reordering that lets a column shard compute its own heads, and
 the argument errors."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from _dist_util import run_torchrun
-from bench import train
-from bench._parallel import _interleave_qkv, layout_mesh
+from bench.train import _main as train
+from bench.train._parallel import _interleave_qkv, layout_mesh
 
 REPO = Path(__file__).absolute().parents[1]
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "2", "--seq-len", "16"]

@@ -1,4 +1,4 @@
-"""bench.many_tensors: the MoE-shaped preset's shape and a smoke run that writes its tables."""
+"""bench.membus.many_tensors: the MoE-shaped preset's shape and a smoke run that writes its tables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from bench import many_tensors
+from bench.membus import many_tensors
 
 
 def test_moe_preset_has_about_twenty_thousand_tensors() -> None:

@@ -126,7 +126,7 @@ def test_trainer_numa_flag_binds_and_keeps_the_math(tmp_path: Path, monkeypatch)
     """``bench.train --numa-bind``: the optimizer gets ``bind_numa=True``; same parameters."""
     import json
 
-    from bench import train
+    from bench.train import _main as train
 
     import offload
 

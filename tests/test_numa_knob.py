@@ -373,12 +373,12 @@ def test_the_locked_binding_reaches_apply_settings_and_round_trips_through_the_c
 
 # ---------------------------------------------------------------- the step model
 def test_the_step_model_binds_where_masks_span_sockets_and_simulate_probes_it_there() -> None:
-    """``bench._stepmodel``: bound, a shared-mask rank reads its state locally (as fast as the
+    """``bench.simulate._stepmodel``: bound, a shared-mask rank reads its state locally (as fast as the
     NUMA-bound node), a cyclic rank too, but on half its cores (its static plan's threads then
     oversubscribe them); a node whose masks lie inside one socket is unchanged. ``bench.simulate``
     builds the knob from the real search space on exactly the nodes whose masks span sockets."""
-    from bench._simulate_nodes import NODES, build_node
-    from bench._simulate_session import plan_node, tuning_inputs
+    from bench.simulate._nodes import NODES, build_node
+    from bench.simulate._session import plan_node, tuning_inputs
 
     shared, numa, cyclic = (build_node(f"2s60c-smt2-8r-{m}") for m in ("shared", "numa", "cyclic"))
     chunk = 1 << 25

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import overlap
-from bench._overlap_emulation import redo_kernel_s
-from bench._overlap_ranks import slowest
-from bench._overlap_report import compare, hidden_fraction, mode_summary
+from bench.overlap import _main as overlap
+from bench.overlap._emulation import redo_kernel_s
+from bench.overlap._ranks import slowest
+from bench.overlap._report import compare, hidden_fraction, mode_summary
 from offload import StageSpan
 
 #: A model of two Linear(64, 64), chunks of 2048 elements (several per layer), two rounds.

@@ -195,7 +195,7 @@ def test_a_bad_rebound_parameter_raises() -> None:
 def _accelerate_swap(model: nn.Module, opt: torch.optim.Optimizer) -> nn.Module:
     """accelerate's FSDP2 preparation: the optimizer was built on the plain parameters; shard
     the model, then point ``param_groups`` at the sharded parameters (by name)."""
-    from bench._fsdp import shard_model
+    from bench.train._fsdp import shard_model
 
     old = dict(model.named_parameters())
     shard_model(model)

@@ -5,7 +5,6 @@ the benchmark tests), and their relative links point at files and headings that 
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import shlex
@@ -104,8 +103,8 @@ def _parse(argv: list[str]) -> bool:
         _parser().parse_args(rest)
         return True
     if module == "bench.train":
-        from bench import train  # noqa: PLC0415
-        from bench._train_args import check_args  # noqa: PLC0415
+        from bench.train import _main as train  # noqa: PLC0415
+        from bench.train._args import check_args  # noqa: PLC0415
 
         parser = train.build_parser()
         args = parser.parse_args(rest)
@@ -113,7 +112,9 @@ def _parse(argv: list[str]) -> bool:
             check_args(parser, args)
         return True
     if module == "bench" or module.startswith("bench."):
-        mod = importlib.import_module("bench.suite" if module == "bench" else module)
+        from bench._cli import command_module  # noqa: PLC0415
+
+        mod = command_module("bench.suite" if module == "bench" else module)
         build = getattr(mod, "build_parser", None)
         if build is None:  # parses inside main() only
             return False

@@ -12,7 +12,7 @@ import pytest
 
 from autotune.report import _cli
 from autotune.report._runs import new_run_dir, resolve_run_dir, runs_in
-from bench import train
+from bench.train import _main as train
 
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "2", "--seq-len", "16"]
 

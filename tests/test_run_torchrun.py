@@ -1,4 +1,4 @@
-"""``run_torchrun`` (tests/_dist_util.py, bench/_dist.py): a torchrun that times out or is
+"""``run_torchrun`` (tests/_dist_util.py, bench/train/_dist.py): a torchrun that times out or is
 interrupted leaves no worker behind. torch's launcher starts every worker in its own session, so
 ``subprocess.run(timeout=)``'s SIGKILL of torchrun alone would leave them running for good."""
 
@@ -99,7 +99,7 @@ time.sleep(600)
 
 
 def test_a_launcher_that_ignores_sigterm_is_killed_with_its_workers(tmp_path: Path) -> None:
-    from bench._dist import stop_torchrun
+    from bench.train._dist import stop_torchrun
 
     script = tmp_path / "stubborn.py"
     script.write_text(STUBBORN)

@@ -12,8 +12,8 @@ import pytest
 
 from autotune import AgreementMismatch, AgreementTimeout, AutotuneConfig, Knob, OnlineTuner, SearchSpace
 from autotune.testing import InProcessAgreement
-from bench import simulate
-from bench._stepmodel import Hardware, Node, NoiseModel, Workload
+from bench.simulate import _main as simulate
+from bench.simulate._stepmodel import Hardware, Node, NoiseModel, Workload
 
 NUMA = "2s60c-smt2-8r-numa"
 SHARED = "2s60c-smt2-8r-shared"
@@ -330,7 +330,7 @@ def test_in_process_agreement_decides_exactly_as_real_gloo() -> None:
 def test_the_oracle_bound_is_a_floor_that_more_samples_or_less_noise_lower() -> None:
     """The oracle (told the 3 fastest candidates, every probe step spent on them): without noise it
     always picks the best; with the model's noise more steps never raise its regret."""
-    from bench._simulate_oracle import oracle_bound
+    from bench.simulate._oracle import oracle_bound
 
     node = simulate.build_node("2s60c-smt2-8r-exclusive")
     plans = simulate.plan_node(node)
@@ -353,7 +353,7 @@ def test_the_oracle_says_how_many_steps_a_median_pick_needs() -> None:
     """``steps_needed``: without noise the fewest steps it tries; under the model's noise on the
     exclusive node (three candidates within 2.7 %) a median pick needs more steps than a mean
     pick, and at that budget the best split meets the 2 % p95 while one step fewer does not."""
-    from bench._simulate_oracle import oracle_bound, steps_needed
+    from bench.simulate._oracle import oracle_bound, steps_needed
 
     node = simulate.build_node("2s60c-smt2-8r-exclusive")
     space, _, caps = simulate.tuning_inputs(node, simulate.plan_node(node))
@@ -394,7 +394,7 @@ def test_load_trace_is_seeded_episodic_and_prefix_stable() -> None:
     """The load is a function of (node, seed): the same trace every time, another for another seed;
     its episodes last tens to hundreds of steps; a shorter trace is the longer one's start (so a
     session that stops at lock-in sees the load of the same steps of a whole run)."""
-    from bench._contention import Contention, load_trace
+    from bench.simulate._contention import Contention, load_trace
 
     c = Contention(episodes=((4.0,), (8.0,)))
     a = load_trace(c, CONTENDED, 3, 20_000)
@@ -420,7 +420,7 @@ def test_an_episode_slows_a_team_by_how_far_it_exceeds_the_free_cores() -> None:
     """The VM's case (2 cores, 4 busy threads): 1 thread is only time-shared (2.5x), a 2-thread team
     also stalls in its barriers (6x). On the 16-core node under 8 busy threads, 2 ranks x 8 threads
     (16 > 8 free cores) slow down, 2 x 4 (fit) not at all, and no setting slows outside an episode."""
-    from bench._contention import busy_core_ratio, team_slowdown
+    from bench.simulate._contention import busy_core_ratio, team_slowdown
 
     vm = Node(name="vm", hardware=Hardware(sockets=1, cores_per_socket=2, smt=1, background_threads=0.0),
               masks=(frozenset(range(2)),), workload=Workload(params=1 << 24))
@@ -450,8 +450,8 @@ def test_contended_truth_is_each_settings_mean_over_the_runs_load() -> None:
     """A candidate's truth in a contended run is the mean of its step times over the run's load
     trace (here against a step-by-step sum); the long-run table weights the levels by their share.
     The quiet best (8 threads a rank) is not the best under this load."""
-    from bench._contention import load_trace
-    from bench._simulate_truth import NodeTruth
+    from bench.simulate._contention import load_trace
+    from bench.simulate._truth import NodeTruth
 
     node, space, _, caps = _contended_inputs()
     truth = NodeTruth(node, space.candidates(), space.describe, lambda c: simulate.capped(c, caps))
@@ -470,8 +470,8 @@ def test_contended_truth_is_each_settings_mean_over_the_runs_load() -> None:
 
 def test_whole_run_regret_is_zero_with_one_candidate() -> None:
     from autotune import Knob as _Knob
-    from bench._simulate_session import Caps
-    from bench._simulate_truth import NodeTruth, whole_run_row
+    from bench.simulate._session import Caps
+    from bench.simulate._truth import NodeTruth, whole_run_row
 
     node, _, _, _ = _contended_inputs()
     space = SearchSpace((_Knob("threads", (4,)), _Knob("chunk_numel", (1 << 24,))))
@@ -523,8 +523,8 @@ def test_whole_run_pays_for_every_step_the_tuner_runs_after_lock_in() -> None:
     """A run is priced step by step as it ran: a setting applied after lock-in (here by a scripted
     tuner) is paid from the next step on, its first step with the warm-up penalty; the regret is
     against the best fixed setting over the same load, and 'had it stayed' keeps the first winner."""
-    from bench._contention import load_trace
-    from bench._simulate_truth import NodeTruth, whole_run_row
+    from bench.simulate._contention import load_trace
+    from bench.simulate._truth import NodeTruth, whole_run_row
 
     node, space, baseline, caps = _contended_inputs()
     horizon, seed = 400, 2
@@ -570,7 +570,7 @@ def test_contended_simulation_reports_whole_run_regret(tmp_path) -> None:
     assert contended["contention"] is not None and contended["oracle"] is None and contended["quiet_s"]
     assert small["contention"] is None and small["quiet_s"] is None and small["oracle"] is not None
     node, space, _, caps = _contended_inputs()
-    from bench._simulate_truth import NodeTruth
+    from bench.simulate._truth import NodeTruth
 
     truth = NodeTruth(node, space.candidates(), space.describe, lambda c: simulate.capped(c, caps))
     for r in contended["runs"]:  # against the means over the run's own load, not the quiet times
@@ -603,7 +603,7 @@ def _follow_record(settings: list[str], measuring: list[bool], costs: list[float
 
 
 def test_follow_row_counts_the_steps_to_the_new_best_and_the_watchs_cost() -> None:
-    from bench._simulate_truth import follow_row
+    from bench.simulate._truth import follow_row
 
     # Two settings; at level 0 "a" runs 1.0 and "b" 2.0, at level 1 "a" 4.0 and "b" 1.0. The run
     # changes to level 1 at step 3, a watch round measures "b" at steps 4-5, the run follows "b"

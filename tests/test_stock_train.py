@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import train_summary
 
-from bench import train
+from bench.train import _main as train
 
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32", "--fsdp",
         "--fsdp-cpu-offload"]

@@ -192,7 +192,7 @@ def test_quick_two_ranks_under_torchrun(tmp_path: Path, _restore_threads) -> Non
 
 
 def test_fused_mp_section_runs_the_whole_step_benchmark(tmp_path: Path) -> None:
-    """The suite's fused-mp section: bench.fused_mp_optimizer --quick, figures read back."""
+    """The suite's fused-mp section: bench.membus.fused_mp_optimizer --quick, figures read back."""
     p = suite.build_parser()
     args = suite._resolve(p, p.parse_args(["--out-dir", str(tmp_path), "--quick"]))
     out = suite.run_external("fused_mp", args)

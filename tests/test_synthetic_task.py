@@ -1,4 +1,4 @@
-"""The trainer's synthetic task (``bench.model.SyntheticTokens``): one learnable task shared by
+"""The trainer's synthetic task (``bench.train.model.SyntheticTokens``): one learnable task shared by
 every rank with different data per rank, and a loss that falls within a few steps on the
 README's model and batch shape."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import train
-from bench.model import SyntheticTokens
+from bench.train import _main as train
+from bench.train.model import SyntheticTokens
 
 
 def test_synthetic_task_is_learnable_in_few_steps_and_the_same_on_every_rank() -> None:

@@ -15,7 +15,7 @@ import torch
 from conftest import train_summary
 
 from _dist_util import run_torchrun
-from bench import train
+from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32", "--compute-threads", "1"]

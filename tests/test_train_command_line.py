@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import train
+from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "2", "--seq-len", "16"]

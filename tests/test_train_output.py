@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import train
-from bench._train_summary import format_step, locked_setting, step_legend
+from bench.train import _main as train
+from bench.train._summary import format_step, locked_setting, step_legend
 
 TINY = ["--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32"]
 STATS = {"step_s": 0.0294, "d2h_s": 0.001, "adam_kernel_s": 0.02, "materialize_s": 0.002, "drain_s": 0.025}

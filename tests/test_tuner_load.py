@@ -16,8 +16,8 @@ import psutil
 import pytest
 import torch
 
-from bench import tuner_load as tl
-from bench._load import BackgroundLoad, LoadSpec
+from bench.tuner_load import _main as tl
+from bench.tuner_load._load import BackgroundLoad, LoadSpec
 
 REPO = Path(__file__).absolute().parents[1]
 
@@ -217,7 +217,7 @@ def test_load_workers_stop_when_the_block_fails(error: type[BaseException]) -> N
 
 def test_a_worker_whose_parent_is_gone_exits() -> None:
     # --parent names a pid that is not the worker's parent: it must report ready, then leave.
-    proc = subprocess.run([sys.executable, "-m", "bench._load", "--kind", "busy", "--parent", str(2**22 + 1)],
+    proc = subprocess.run([sys.executable, "-m", "bench.tuner_load._load", "--kind", "busy", "--parent", str(2**22 + 1)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.split() == ["ready"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import tuner_quality as tq
+from bench.tuner_quality import _main as tq
 
 
 def _strict_json(text: str) -> Any:

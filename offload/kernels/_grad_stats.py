@@ -21,7 +21,7 @@ both in that one read (``grad_stats_`` in this package's ``csrc/fused_mp_adamw.c
   missed only if it cancels within every lane and between the weighted lanes (elements 32 apart
   swapped, say).
 
-Speed: :data:`MEASURED` (``python -m bench.grad_stats``: 50M fp32 = 200 MB, 2 threads, the
+Speed: :data:`MEASURED` (``python -m bench.membus.grad_stats``: 50M fp32 = 200 MB, 2 threads, the
 pass, ``torch.linalg.vector_norm`` and a copy interleaved round by round). The pass is one read
 with a few vector instructions per 16 elements (the fp32 words are summed as 16-bit halves in
 32-bit lanes, so no cross-lane widening competes with the float-to-double conversions for the
@@ -59,7 +59,7 @@ __all__ = ["LANE_WEIGHTS", "MEASURED", "STATS_BLOCK", "checksums_", "checksums_r
 #: Elements per block of the fixed summation order (the native kernel's kStatsBlock).
 STATS_BLOCK = 1 << 14
 #: GB/s (bytes read; read + written for copy, clone and the step) on the 2-core VM, 50M fp32,
-#: 2 threads, ``python -m bench.grad_stats --rounds 21 --out-dir bench/results`` (21 interleaved
+#: 2 threads, ``python -m bench.membus.grad_stats --rounds 21 --out-dir bench/results`` (21 interleaved
 #: rounds, best round; the medians were within 4% of these, load average 1.1;
 #: ``bench/results/grad_stats.md``). Per-round medians of the ratios: vector_norm / grad_stats
 #: 2.41, step_coef / step 1.00 (the coefficient inside the kernel costs nothing measurable),

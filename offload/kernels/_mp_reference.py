@@ -1,5 +1,5 @@
 """The torch path with ``offload.kernels._fused_mp.fused_mp_adamw_``'s signature: the reference the
-fused-mp tests and ``bench.fused_mp`` compare the native kernel with."""
+fused-mp tests and ``bench.membus.fused_mp`` compare the native kernel with."""
 
 from __future__ import annotations
 

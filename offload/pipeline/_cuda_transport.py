@@ -25,7 +25,7 @@ never during a step (:mod:`offload.pipeline._pinned`); each step reports the byt
 registrations made since the last report (``StepStats.pinned_bytes``, ``pinned_registrations``).
 The d2h copies wait on the device for a ``ready_event`` and the weight copies for a ``write_event``,
 both made through the device ops (:meth:`CudaTransport.ready_event`), so a fake device sees them
-(``bench._fake_device`` checks a GPU's order in the CPU dry run of ``bench.device_checks``).
+(``bench.device_checks._fake_device`` checks a GPU's order in the CPU dry run of ``bench.device_checks``).
 The two copy streams come from torch's shared stream pool (torch 2.13 makes no other kind): their
 handles are logged at INFO when a transport is made.
 
@@ -298,7 +298,7 @@ class CudaTransport:
     def ready_event(self) -> Any:
         """An event on the calling thread's current stream (a hook's: FSDP2's post-reduce stream),
         made and recorded through the device ops, so a fake device sees which copies wait for it
-        (``bench._fake_device``). No host wait."""
+        (``bench.device_checks._fake_device``). No host wait."""
         ops = self._ops
         with ops.context():
             event = ops.event(("ready", -1, "caller"))

@@ -6,7 +6,7 @@ each offset a multiple of :data:`_ALIGN` (cache-line and SIMD aligned). A parame
 own master (an fp32 parameter of a model on the CPU: the kernel updates it in place) has no place
 in the master slab: host state is 8 bytes per parameter then, 12 otherwise. There is no gradient
 slab: kernels read gradients where they are (CPU) or from chunk-sized staging (upcasts, CUDA),
-which saved 4 bytes per parameter. Measured (``python -m bench.bandwidth``, 50M GPT, 2-core VM): RSS
+which saved 4 bytes per parameter. Measured (``python -m bench.membus.bandwidth``, 50M GPT, 2-core VM): RSS
 growth of construction + first step 8.01 bytes/param for fp32 (torch's AdamW: 8.00), 12.00 for
 bf16 (it was 17.6 for fp32 with the master and gradient slabs).
 

@@ -63,7 +63,7 @@ masks span several NUMA nodes (:func:`masks_span_numa_nodes` of the thread plan'
 nothing to bind to. Across nodes an unbound rank's threads read part of its state from the other
 node's memory, through the socket link; bound, it reads it locally but computes on one node's
 cores of its mask: which wins is the machine's (the step model finds binding pays where the node's
-memory saturates with the cores left, ``bench._stepmodel``). On, applied between steps, it binds
+memory saturates with the cores left, ``bench.simulate._stepmodel``). On, applied between steps, it binds
 the process to its GPU's node and moves the host state's pages there in place; off restores the
 affinity and leaves the pages where they are, so an "off" measured after an "on" reads the state
 from one node (``offload.state._placement``). The baseline is off (the default's behaviour) and a
