@@ -214,7 +214,8 @@ def _aggregate(per_round: list[dict[str, Any]]) -> dict[str, Any]:
 def _tuner_view(run: sc.TrainerRun) -> dict[str, Any]:
     t = run.summary.get("tuner") or {}
     return {k: t.get(k) for k in ("state", "cache_status", "cache_hit", "probe_steps", "check_steps",
-                                  "n_candidates", "baseline", "winner", "speedup", "kept_baseline", "reason")}
+                                  "n_candidates", "baseline", "winner", "speedup", "kept_baseline", "reason",
+                                  "watch_steps", "switches")}
 
 
 def run_scenarios(args: argparse.Namespace, workdir: Path, on_round=None) -> dict[str, Any]:

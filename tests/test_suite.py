@@ -164,7 +164,11 @@ def test_quick_suite_writes_results(tmp_path: Path, _restore_threads, capsys: py
         assert r["step_s_median"] > 0 and r["n"] >= 1 and r["stages_s"]["adam_kernel_s"] > 0
     first = rows["5a-incl"]["tuner"][0]
     assert rows["5a-excl"]["n"] == rows["5a-incl"]["n"] - first["probe_steps"]
-    assert len(rows["5a-excl"]["threads_chunk_used"]) == 1  # locked: one setting
+    # Locked: the winner's setting, and other settings only in the watch's rounds (a pulse of a
+    # tiny, noisy step may bring one forward right after lock-in).
+    used, tuners = rows["5a-excl"]["threads_chunk_used"], rows["5a-incl"]["tuner"]
+    assert [first["winner"]["threads"], first["winner"]["chunk_numel"]] in used or first["switches"]
+    assert len(used) == 1 or any(t["watch_steps"] for t in tuners), (used, tuners)
     if first["n_candidates"] > 1:  # one CPU: a single candidate, nothing to tune or cache
         assert first["cache_status"] == "miss" and first["probe_steps"] > 0
         assert rows["5b"]["tuner"][0]["cache_hit"] is True
