@@ -151,8 +151,7 @@ class Watch:
         self._current: Key | None = None  # the challenger of the round under way
         self._pressed: Key | None = None  # a challenger faster than the winner in its last round: next again
         self._queue: deque[Slot] = deque()
-        self._round_times: list[float] = []
-        self._round_slots: list[Slot] = []
+        self._round: list[tuple[Slot, float]] = []  # the round's (or pulse's) steps so far and their times
         self.slot: Slot | None = None
 
     @property
@@ -205,8 +204,7 @@ class Watch:
         at = self.locked_at + math.ceil(needed / self.config.watch_cost) if needed > 0 else after_step + 1
         at = max(at, after_step + 1)
         self._queue.clear()
-        self._round_times = []
-        self._round_slots = []
+        self._round = []
         if at > after_step + PULSE_EVERY:  # no round due soon: a pulse of the winner alone
             self.slot = Slot(self.winner, "watch_pulse", 0)
             return WatchStart(after_step + PULSE_EVERY, self.slot)
@@ -229,8 +227,7 @@ class Watch:
         slot = self.slot
         if slot is None:
             raise RuntimeError("no watch round is running")
-        self._round_times.append(node_time)
-        self._round_slots.append(slot)
+        self._round.append((slot, node_time))
         if slot.phase == "watch_pulse":
             self._winner_samples.append(node_time)
         elif slot.phase == "watch":
@@ -253,7 +250,7 @@ class Watch:
         steps run the winner, which the run would have run anyway: each is charged the penalty
         only (a winner slow now and then would book its own slowness as the watch's cost)."""
         measured = self.rounds[challenger][-1]
-        times = list(zip(self._round_slots, self._round_times))
+        times = self._round
         penalties = []
         for arm in (challenger, self.winner):
             warm = [t for slot, t in times if slot.key == arm and slot.phase == "watch_warmup"]
@@ -274,7 +271,7 @@ class Watch:
         if self._winner_samples:
             self.reference_s = max(statistics.median(list(self._winner_samples)[-RECENT_SAMPLES:]), 1e-9)
         if self._current is None:  # a pulse: the winner alone, nothing spent
-            self._pulse_s = self._latest_s = self._round_times[-1]
+            self._pulse_s = self._latest_s = self._round[-1][1]
             return None
         challenger = self._challenger()
         self._pulse_s = None
