@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from _client_util import require
+from _dist_util import free_port
 
 REPO = Path(__file__).absolute().parents[1]
 DOC = (REPO / "docs" / "integrations.md").read_text(encoding="utf-8")
@@ -31,7 +32,10 @@ def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path)
     env = {"PYTHONPATH": str(REPO), "PATH": path,
            "XDG_CACHE_HOME": str(tmp_path / "xdg"),
            "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
-           "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)}
+           "TORCH_EXTENSIONS_DIR": str(kernel_build_dir),
+           # An example that sets up its own world of one takes this port (os.environ.setdefault):
+           # its shown default, a fixed port, can be taken on a shared machine.
+           "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
