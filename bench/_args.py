@@ -16,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-from autotune.knobs import MAX_THREADS
+from offload._settings import MAX_THREADS
 
 __all__ = ["OUT_DIR_HELP", "PATH_RULE", "RUNS_ROOT", "HelpFormatter", "int_list", "new_result_dir",
            "output_dir", "output_file", "resolve_out_dir", "thread_list"]
@@ -106,7 +106,7 @@ def int_list(text: str) -> list[int]:
 
 
 def thread_list(text: str) -> list[int]:
-    """Thread counts: :func:`int_list` values up to ``autotune.knobs.MAX_THREADS`` (larger ones
+    """Thread counts: :func:`int_list` values up to ``offload._settings.MAX_THREADS`` (larger ones
     would reach ``torch.set_num_threads``, which crashes the process on absurd values)."""
     values = int_list(text)
     if max(values) > MAX_THREADS:

@@ -16,7 +16,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
@@ -123,6 +123,9 @@ class CPUOffloadAdamW(HostSide):
             failed steps then applies. None (default): the tuner's ``timeout_s`` where
             ``autotune`` is on, else 300 s (``offload.pipeline._waits.DEVICE_TIMEOUT_S``).
     """
+
+    #: It tunes its own step's threads (``autotune=``): ``tune_step_threads`` refuses to wrap it.
+    tunes_own_threads: ClassVar[bool] = True
 
     def __init__(
         self,

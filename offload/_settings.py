@@ -1,14 +1,35 @@
-"""The offloaded step's speed knobs (:class:`OffloadSettings`, frozen, hashable) and the kernels it
-can run. What a step reports is ``offload._stats``'s."""
+"""The offloaded step's speed knobs (:class:`OffloadSettings`, frozen, hashable), the kernels it
+can run, and every environment variable ``offload`` reads (one accessor each, read when called,
+never at import). What a step reports is ``offload._stats``'s.
+
+The variables are parsed with ``autotune.knobs``' parsers, so a malformed value is a
+``KnobError`` worded as autotune's own; the launcher's (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``),
+which the tuner reads too, are ``autotune.knobs``' accessors, re-exported here so that
+``threads/`` and ``kernels/`` take their environment from this module alone. The list is
+documented in ``docs/environment.md``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from autotune.knobs import MAX_THREADS
+from autotune import knobs
+from autotune.knobs import KnobError, local_rank, local_world_size
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "KERNELS", "MAX_RING_SLOTS", "MIN_CHUNK_NUMEL", "Kernel", "OffloadSettings"]
+__all__ = [
+    "DEFAULT_CHUNK_NUMEL", "KERNELS", "MAX_RING_SLOTS", "MAX_THREADS", "MIN_CHUNK_NUMEL", "THREADS_VAR",
+    "TORCH_EXTENSIONS_VAR", "Kernel", "KnobError", "OffloadSettings", "extensions_dir", "local_rank",
+    "local_world_size", "omp_num_threads", "threads_override", "torch_extensions_dir",
+]
+
+#: Most intra-op threads one rank may ask for, from any source (argument, settings, environment).
+#: Far above the cores of any single machine's rank; a count beyond it is a typo, and reached
+#: ``torch.set_num_threads`` unchecked it crashed the process (100000: libgomp cannot create the
+#: threads and the process dies with SIGSEGV). Counts between the rank's CPUs and this are
+#: clamped with a warning by ``offload.plan_cpu_threads``.
+MAX_THREADS = 1024
 
 #: Default pipeline chunk: 4 Mi elements (16 MiB of fp32 per slab) keeps several chunks in flight
 #: for a 100M-parameter model while each kernel call is long enough to reach memory bandwidth.
@@ -117,3 +138,40 @@ class OffloadSettings:
             raise ValueError(
                 f"OffloadSettings.kernel={self.kernel!r}: expected one of {KERNELS} or 'auto'"
             )
+
+
+# ------------------------------------------------------------------------------ the environment
+
+#: Forces the intra-op thread count of every rank; wins over the ThreadPlan and the tuner's
+#: thread knob.
+THREADS_VAR = "OFFLOAD_AUTOTUNE_THREADS"
+#: torch's own variable for where C++ extensions are built; the fused-mp kernel follows it.
+TORCH_EXTENSIONS_VAR = "TORCH_EXTENSIONS_DIR"
+
+
+def threads_override() -> int | None:
+    """``OFFLOAD_AUTOTUNE_THREADS``: explicit intra-op thread count for this rank, or None.
+
+    An integer from 1 to :data:`MAX_THREADS`; ``plan_cpu_threads`` clamps it to the rank's CPUs.
+    """
+    return knobs.read_int(THREADS_VAR, minimum=1, maximum=MAX_THREADS)
+
+
+def omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` (torchrun sets 1); only reported, never obeyed over an explicit plan."""
+    return knobs.read_int("OMP_NUM_THREADS", minimum=1)
+
+
+def torch_extensions_dir() -> Path | None:
+    """``TORCH_EXTENSIONS_DIR`` (torch's convention for C++ extension builds), or None if unset."""
+    return knobs.read_path(TORCH_EXTENSIONS_VAR)
+
+
+def extensions_dir() -> Path:
+    """Where native kernels are built: ``TORCH_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME`` (or
+    ``~/.cache``)/offload-autotune/ext (``autotune.knobs.cache_home``).
+
+    Independent of ``OFFLOAD_AUTOTUNE_CACHE`` on purpose: a cache path of ``/dev/null`` or
+    ``c.json`` once put the build in ``/dev/ext/`` or a silent rebuild in ``./ext/``.
+    """
+    return torch_extensions_dir() or knobs.cache_home() / "ext"

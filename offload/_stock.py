@@ -407,9 +407,7 @@ def tune_step_threads(
         )
     if isinstance(optimizer, ThreadTunedOptimizer):
         raise StepThreadsError("tune_step_threads: this optimizer is already wrapped by tune_step_threads")
-    from offload._optimizer import CPUOffloadAdamW
-
-    if isinstance(optimizer, CPUOffloadAdamW):
+    if getattr(type(optimizer), "tunes_own_threads", False):  # CPUOffloadAdamW (not imported: a layer below it)
         raise StepThreadsError(
             "tune_step_threads: CPUOffloadAdamW tunes its own threads (and chunk size): pass "
             "autotune=AutotuneConfig(...) to it instead of wrapping it"

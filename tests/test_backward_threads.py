@@ -22,7 +22,7 @@ import torch
 from conftest import assert_bitwise, batch, lock_in, make_model, param_groups
 
 from autotune import AutotuneConfig
-from autotune.knobs import MAX_THREADS
+from offload._settings import MAX_THREADS
 from bench.simulate._nodes import NODES
 from bench.simulate._stepmodel import Node, Workload
 from offload import CPUOffloadAdamW, OffloadSettings, StepStats, ThreadPlan

@@ -233,8 +233,9 @@ def test_bench_top_level_graph_is_small() -> None:
 
 
 def test_offload_parts_import_only_what_they_stand_on() -> None:
-    """kernels and threads import nothing else of offload; state stands on them; the pipeline on
-    state (never on overlap); no part imports the root's modules but the leaf records."""
+    """kernels and threads import nothing else of offload but the leaf records (``_settings``: the
+    environment); state stands on them; the pipeline on state (never on overlap); no part imports
+    the root's modules but the leaf records."""
     graph = _top_graph()
     assert set(PARTS) <= set(graph), f"missing parts: {set(PARTS) - set(graph)}"
     bad = {part: sorted(graph[part] - allowed - set(LEAVES)) for part, allowed in PARTS.items()

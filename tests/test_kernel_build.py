@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from autotune import knobs
+from offload._settings import extensions_dir
 from offload.testing import KernelLoader
 from offload.kernels._build import build_spec, needs_build
 
@@ -18,14 +19,14 @@ def test_the_build_directory_ignores_the_cache_path(tmp_path: Path, monkeypatch,
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("OFFLOAD_AUTOTUNE_CACHE", cache)
-    assert knobs.extensions_dir() == tmp_path / "xdg" / "offload-autotune" / "ext"
+    assert extensions_dir() == tmp_path / "xdg" / "offload-autotune" / "ext"
     assert build_spec().build_dir.parent == tmp_path / "xdg" / "offload-autotune" / "ext"
 
 
 def test_torch_extensions_dir_wins(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setenv("OFFLOAD_AUTOTUNE_CACHE", "/dev/null")
-    assert knobs.extensions_dir() == tmp_path / "ext"
+    assert extensions_dir() == tmp_path / "ext"
     assert build_spec().build_dir.parent == tmp_path / "ext"
 
 
@@ -33,7 +34,7 @@ def test_a_bad_xdg_cache_home_names_the_variable(monkeypatch) -> None:
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "~no-such-user-xyz/cache")
     with pytest.raises(knobs.KnobError, match="XDG_CACHE_HOME='~no-such-user-xyz/cache'"):
-        knobs.extensions_dir()
+        extensions_dir()
 
 
 def test_needs_build_until_the_library_is_there(tmp_path: Path) -> None:

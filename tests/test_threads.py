@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from autotune import knobs
+from offload._settings import THREADS_VAR
 from autotune.testing import InProcessAgreement
 from offload import ThreadPlan, plan_cpu_threads, thread_limit
 from offload.testing import CgroupCpuLimit, CpuTopology, RankCpus
@@ -38,7 +39,7 @@ SMT4 = CpuTopology.from_cores([[c, c + 4] for c in range(4)], numa_nodes={0: ran
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (knobs.THREADS_VAR, "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+    for name in (THREADS_VAR, "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -278,10 +279,10 @@ def test_plan_respects_cgroup_quota() -> None:
 def test_argument_then_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = plan_cpu_threads(threads=3, topology=FLAT8, cpus=range(6))
     assert (plan.threads, plan.source, plan.planned_threads) == (3, "argument", 6)
-    monkeypatch.setenv(knobs.THREADS_VAR, "5")
+    monkeypatch.setenv(THREADS_VAR, "5")
     plan = plan_cpu_threads(topology=FLAT8, cpus=range(6))
     assert (plan.threads, plan.source) == (5, "environment")
-    assert f"{knobs.THREADS_VAR}=5 overrides" in plan.reason
+    assert f"{THREADS_VAR}=5 overrides" in plan.reason
     assert plan_cpu_threads(threads=3, topology=FLAT8, cpus=range(6)).source == "argument"
 
 
@@ -291,13 +292,13 @@ def test_override_beyond_the_mask_is_clamped_with_a_warning(
 ) -> None:
     # 1000 threads on 2 CPUs ran 80x slower without a word; now: the mask's 2, and a warning.
     if source == "environment":
-        monkeypatch.setenv(knobs.THREADS_VAR, "1000")
+        monkeypatch.setenv(THREADS_VAR, "1000")
     with caplog.at_level(logging.WARNING, logger="offload.threads._plan"):
         plan = plan_cpu_threads(threads=1000 if source == "argument" else None, topology=FLAT8, cpus={2, 3})
     assert (plan.threads, plan.source) == (2, source)
     assert "1000" in plan.reason and "clamped to 2" in plan.reason
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    name = "threads" if source == "argument" else knobs.THREADS_VAR
+    name = "threads" if source == "argument" else THREADS_VAR
     assert any(f"{name}=1000 asks for more threads than the 2 CPUs" in m and "using 2" in m for m in warned), warned
 
 
@@ -305,8 +306,8 @@ def test_override_beyond_the_mask_is_clamped_with_a_warning(
 def test_environment_override_above_the_hard_maximum_raises(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     # 100000 reached torch.set_num_threads and crashed the process; 99999999999999999999 failed
     # only at step() with "Overflow when unpacking long long".
-    monkeypatch.setenv(knobs.THREADS_VAR, raw)
-    with pytest.raises(knobs.KnobError, match=re.escape(f"{knobs.THREADS_VAR}={raw!r}: expected an integer from 1 to 1024")):
+    monkeypatch.setenv(THREADS_VAR, raw)
+    with pytest.raises(knobs.KnobError, match=re.escape(f"{THREADS_VAR}={raw!r}: expected an integer from 1 to 1024")):
         plan_cpu_threads(topology=FLAT8, cpus={0})
 
 
@@ -327,8 +328,8 @@ def test_thread_counts_above_the_hard_maximum_never_reach_torch(bad: int) -> Non
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", "\u0663", "1_0", "+4", "\uff14"])
 def test_malformed_environment_override_raises(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
-    monkeypatch.setenv(knobs.THREADS_VAR, raw)
-    with pytest.raises(knobs.KnobError, match=re.escape(f"{knobs.THREADS_VAR}={raw!r}")):
+    monkeypatch.setenv(THREADS_VAR, raw)
+    with pytest.raises(knobs.KnobError, match=re.escape(f"{THREADS_VAR}={raw!r}")):
         plan_cpu_threads(topology=FLAT8, cpus={0})
 
 
@@ -578,9 +579,14 @@ def test_device_numa_bind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_environment_doc_lists_every_variable_knobs_reads() -> None:
-    source = (REPO / "autotune" / "knobs.py").read_text()
-    names = {n for n in re.findall(r'"([A-Z][A-Z0-9_]{2,})"', source) if not hasattr(knobs, n)}
-    assert {"OFFLOAD_AUTOTUNE_THREADS", "LOCAL_WORLD_SIZE"} <= names
+    """Both modules that read the environment: autotune's (``autotune.knobs``) and offload's
+    (``offload._settings``)."""
+    import offload._settings as settings
+
+    names: set[str] = set()
+    for module, path in ((knobs, REPO / "autotune" / "knobs.py"), (settings, REPO / "offload" / "_settings.py")):
+        names |= {n for n in re.findall(r'"([A-Z][A-Z0-9_]{2,})"', path.read_text()) if not hasattr(module, n)}
+    assert {"OFFLOAD_AUTOTUNE_THREADS", "LOCAL_WORLD_SIZE", "TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS"} <= names
     doc = (REPO / "docs" / "environment.md").read_text()
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert not missing, f"docs/environment.md does not document {missing}"

@@ -31,7 +31,7 @@ def _positive_int(text: str) -> int:
 
 
 def _thread_count(text: str) -> int:
-    from autotune.knobs import MAX_THREADS
+    from offload._settings import MAX_THREADS
 
     value = _positive_int(text)
     if value > MAX_THREADS:

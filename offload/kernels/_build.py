@@ -3,7 +3,7 @@
 The C++ source is compiled on first use with torch's extension tooling
 (``torch.utils.cpp_extension.load``, which needs a C++ compiler and ``ninja``) into
 ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set (torch's own convention for extension builds),
-else ``$XDG_CACHE_HOME/offload-autotune/ext/<name>`` (``autotune.knobs.extensions_dir``; never
+else ``$XDG_CACHE_HOME/offload-autotune/ext/<name>`` (``offload._settings.extensions_dir``; never
 beside the tuning cache, whose path may be ``/dev/null`` or a bare ``c.json``), and ``<name>``
 hashes the source and its path, the torch and Python versions, the compiler's ``--version`` and the flags, so
 a cached build is reused only where it was made for exactly this combination. The flags are those torch compiles its own kernels with
@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from autotune import knobs
+from offload._settings import extensions_dir
 
 __all__ = [
     "SOURCE",
@@ -145,7 +145,7 @@ def build_spec(source: Path = SOURCE, cache_root: Path | None = None) -> BuildSp
     if cache_root is not None:
         build_dir = cache_root / "ext" / name
     else:
-        build_dir = knobs.extensions_dir() / name
+        build_dir = extensions_dir() / name
     return BuildSpec(
         name=name,
         source=source,

@@ -15,7 +15,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Iterable, Literal, Sequence
 
-from autotune import knobs
+from offload._settings import local_rank, local_world_size
 from offload.threads._rule import RankCpus, ThreadPlanError
 from offload.threads._topology import CgroupCpuLimit, format_cpulist, parse_cpulist
 
@@ -61,7 +61,7 @@ def _node_ranks(group: Any) -> tuple[list[int], bool, str]:
     world, rank = dist.get_world_size(), dist.get_rank()
     if group is not None:
         return list(dist.get_process_group_ranks(group)), False, "the given process group"
-    size, local = knobs.local_world_size(), knobs.local_rank()
+    size, local = local_world_size(), local_rank()
     if size is not None and local is not None:
         first = rank - local
         if local >= size or first < 0 or first + size > world:
@@ -202,8 +202,8 @@ def local_masks(me: RankCpus, *, group: Any, agreement: Any,
     if exchanged is not None:
         masks, index, _ = exchanged
         return masks, index, "collective"
-    size = knobs.local_world_size()
-    local = knobs.local_rank() if size is not None else None  # LOCAL_RANK alone: one rank
+    size = local_world_size()
+    local = local_rank() if size is not None else None  # LOCAL_RANK alone: one rank
     size, local = size or 1, local or 0
     if local >= size:
         raise ThreadPlanError(

@@ -6,7 +6,7 @@ cgroup quotas) on the CPU topology (:mod:`offload.threads._topology`); the resul
 carries a reason naming every number used (:mod:`offload.threads._reason`). An explicit override wins:
 the ``threads=`` argument, then ``OFFLOAD_AUTOTUNE_THREADS``. It is clamped, with a warning naming
 the value used, to the CPUs of this rank's affinity mask (more threads than CPUs only time-slice
-them: issue 12 measured 1000 threads on 2 CPUs 80x slower), and above ``autotune.knobs.MAX_THREADS``
+them: issue 12 measured 1000 threads on 2 CPUs 80x slower), and above ``offload._settings.MAX_THREADS``
 it is an error (torch.set_num_threads(100000) crashes).
 
 :func:`thread_limit` and :func:`apply_thread_plan` change torch's intra-op thread count (the
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Sequence
 
 import torch
 
-from autotune import knobs
+from offload._settings import MAX_THREADS, THREADS_VAR, threads_override
 from offload.threads._masks import DEFAULT_EXCHANGE_TIMEOUT_S, MasksFrom, given_masks, local_masks
 from offload.threads._reason import plan_reason
 from offload.threads._rule import Allocation, RankCpus, ThreadPlanError, allocate_threads, static_rule_threads
@@ -124,8 +124,8 @@ def starvation(*, alloc: Allocation, local_world_size: int, cpu_count: int, phys
 
 def _check_threads(value: object, what: str) -> int:
     """``value`` if it is an int from 1 to ``MAX_THREADS``: nothing else reaches set_num_threads."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= knobs.MAX_THREADS:
-        raise ThreadPlanError(f"Unable to use {what}={value!r}: expected an int from 1 to {knobs.MAX_THREADS}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise ThreadPlanError(f"Unable to use {what}={value!r}: expected an int from 1 to {MAX_THREADS}")
     return value
 
 
@@ -226,7 +226,7 @@ def plan_cpu_threads(
         raise ThreadPlanError(f"plan_cpu_threads: {' and '.join(given)} given: pass at most one of them")
     if local_rank is not None and masks is None:
         raise ThreadPlanError(f"plan_cpu_threads: local_rank={local_rank!r} without masks=: expected both")
-    env_threads = knobs.threads_override()  # validated before any collective
+    env_threads = threads_override()  # validated before any collective
     topo = topology if topology is not None else read_cpu_topology()
     if masks is not None:
         local, index = given_masks(masks, local_rank, cpus)
@@ -253,7 +253,7 @@ def plan_cpu_threads(
         chosen = _clamp_to_mask(threads, "threads", mine)
     elif env_threads is not None:
         requested, source = env_threads, "environment"
-        chosen = _clamp_to_mask(env_threads, knobs.THREADS_VAR, mine)
+        chosen = _clamp_to_mask(env_threads, THREADS_VAR, mine)
     else:
         requested = chosen = planned
         source = "plan"
@@ -320,7 +320,7 @@ def masks_per_numa_node(masks: Sequence[frozenset[int]], topology: CpuTopology) 
 def thread_limit(threads: int) -> Iterator[None]:
     """Set torch's intra-op thread count for the block; restore the previous count after.
 
-    ``threads`` above ``autotune.knobs.MAX_THREADS`` raises :class:`ThreadPlanError`; above this
+    ``threads`` above ``offload._settings.MAX_THREADS`` raises :class:`ThreadPlanError`; above this
     process's CPUs it is used as given, with a warning once (the plan clamps; this is the mechanism).
     """
     _check_threads(threads, "threads")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Sequence
 
-from autotune import knobs
+from offload._settings import THREADS_VAR, KnobError, omp_num_threads
 from offload.threads._rule import Allocation, RankCpus
 from offload.threads._topology import CpuTopology, format_cpulist
 
@@ -71,10 +71,10 @@ def plan_reason(*, alloc: Allocation, index: int, masks: Sequence[RankCpus], mas
     if source == "argument":
         parts.append(f"threads={requested} argument{clamped} overrides the plan's {planned}")
     elif source == "environment":
-        parts.append(f"{knobs.THREADS_VAR}={requested}{clamped} overrides the plan's {planned}")
+        parts.append(f"{THREADS_VAR}={requested}{clamped} overrides the plan's {planned}")
     try:
-        omp = knobs.omp_num_threads()
-    except knobs.KnobError:  # e.g. OpenMP's nested "4,2": not ours to judge, only reported
+        omp = omp_num_threads()
+    except KnobError:  # e.g. OpenMP's nested "4,2": not ours to judge, only reported
         omp = None
     if omp is not None and omp != chosen:
         parts.append(f"OMP_NUM_THREADS={omp} (a launcher default) is not obeyed")
