@@ -231,10 +231,14 @@ def tune_run(work: Workload, *, seed: int, cache_path: Path, locked_steps: int,
     """Phase 1 (or the cache-hit run): train until the tuner locks, then ``locked_steps`` more.
 
     ``recheck_rounds``: ``AutotuneConfig.recheck_rounds`` (None: its default). Returns the
-    record and the optimizer (None unless ``keep``; else it is closed).
+    record and the optimizer (None unless ``keep``; else it is closed). A kept optimizer serves
+    the sweep, which sets every candidate itself: its tuner runs without the watch, whose rounds
+    would switch settings under the sweep (the watch is not part of the cache key: the run still
+    hits the cache of the first).
     """
     config = _autotune_config(seed, recheck_rounds, cache_path=str(cache_path),
-                              trace_dir=str(trace_dir) if trace_dir is not None else None)
+                              trace_dir=str(trace_dir) if trace_dir is not None else None,
+                              **({"watch": False} if keep else {}))
     load_before = _load()
     cpu = _cpu_snapshot()
     opt, construct_s = work.optimizer(config)
@@ -452,12 +456,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return result
 
 
-def _autotune_config(seed: int, recheck_rounds: int | None, **paths: Any) -> Any:
-    """The tuner's config of every run: defaults but the seed (and ``--recheck-rounds``)."""
+def _autotune_config(seed: int, recheck_rounds: int | None, **fields: Any) -> Any:
+    """The tuner's config of every run: defaults but the seed (and ``--recheck-rounds``; the
+    paths; no watch for the optimizer the sweep keeps)."""
     from autotune import AutotuneConfig
 
     extra = {} if recheck_rounds is None else {"recheck_rounds": recheck_rounds}
-    return AutotuneConfig(seed=seed, **extra, **paths)
+    return AutotuneConfig(seed=seed, **extra, **fields)
 
 
 def _config_dict(rep: dict[str, Any], recheck_rounds: int | None) -> dict[str, Any]:
