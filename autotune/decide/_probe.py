@@ -43,7 +43,7 @@ from typing import Any, Iterator, Literal
 from autotune._config import AutotuneConfig
 from autotune.decide._decide import LEAN_ROUNDS, choose, decide_paired, paired_comparisons
 from autotune.measure._measurement import OUTLIER_FACTOR, Measurement
-from autotune.measure._paired import MIN_DECIDING_ROUNDS, PairedComparison, round_order
+from autotune.measure._paired import MIN_DECIDING_ROUNDS, PairedComparison, gain_margin, round_order
 from autotune.measure._space import Scalar, SearchSpace
 
 logger = logging.getLogger("autotune.tuner._tuner")
@@ -473,6 +473,14 @@ class ProbeSession:
             # round has pulled its mean level with the plan's (a stall is not filtered: it is
             # outweighed).
             if comparison.could_still_win(min_gain=self.config.min_gain, noise_factor=self.config.noise_factor):
+                return True
+            # Faster on the mean by more than min_gain, in fewer than half of the rounds: a plan
+            # slightly faster most of the time and many times slower in a burst of load. The mean
+            # is what decides (and what a lean needs, LEAN_ROUNDS): more rounds tell. (On the VM
+            # beside two 2-thread torch loops in bursts, 2 of 20 sessions of stock AdamW kept 2
+            # threads after three rounds in which 1 thread was 0.29x and 0.60x on the mean but
+            # faster in only one: 1.6x and 2.8x the best, bench.tuner_load --load bursts.)
+            if -comparison.effect > gain_margin(self.config.min_gain):
                 return True
             # Nor do a few rounds settle it for a plan that looks faster (see UNSETTLED_ROUNDS):
             # until the plan is clearly faster than the challenger, or a lean has its rounds, more
