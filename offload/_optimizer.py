@@ -1,17 +1,18 @@
 """``CPUOffloadAdamW``: the thin class: arguments, param groups, settings, ``step()``.
 
-It checks its arguments (``offload._arguments``, ``offload.state._groups``), owns the host state
-(one ``offload.state.HostLayout``: records, slabs, chunks, items), the pipeline that runs the
-step (``offload.pipeline``) and, with ``overlap_backward=True``, the launcher that starts chunks
-during backward (``offload.overlap``); it decides *which* chunk runs *when*. One ``step()``, the masters
-following edited weights and the relayouts are its base class's (``offload._host_side.HostSide``). The
-math is ``offload.kernels``'s, the thread budget ``offload.threads``'s, the tuner glue ``offload.tuning``'s.
+A ``torch.optim.Optimizer`` that checks its arguments (``offload._arguments``,
+``offload.state._groups``), keeps what torch's ``Optimizer`` owns (``param_groups``, ``state``,
+the hooks), follows re-bound ``param_groups``, and holds one engine (``offload._engine.HostEngine``)
+that owns the rest: the host state (one ``offload.state.HostLayout``: records, slabs, chunks,
+items), the pipeline that runs the step (``offload.pipeline``) and, with ``overlap_backward=True``,
+the launcher that starts chunks during backward (``offload.overlap``); one ``step()``, the masters
+following edited weights and the relayouts are the engine's. The math is ``offload.kernels``'s, the
+thread budget ``offload.threads``'s, the tuner glue ``offload.tuning``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -20,27 +21,24 @@ from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from autotune import OnlineTuner
-from offload._host_side import HostSide, ring_depth
 from offload._arguments import adamw_defaults, check_arguments, check_limit, check_state_dtype
+from offload._engine import HostEngine
 from offload._settings import OffloadSettings
 from offload._stats import StepStats
 from offload.kernels._adamw import DEFAULT_KERNELS, KernelSet
-from offload.overlap._launcher import Launcher, ddp_comm_hook
-from offload.overlap._speculation import checksums_of
 from offload.pipeline._cuda_transport import DeviceOps
-from offload.pipeline._signals import DeferredSignals, StepInterrupted
+from offload.pipeline._pipeline import Pipeline
 from offload.pipeline._waits import DEVICE_TIMEOUT_S, check_timeout
-from offload.state._clip import NonFiniteNorm, clip_request
 from offload.state._groups import check_options, check_param_group
 from offload.state._layout import HostLayout
-from offload.state._masters import give_masters, loaded_seeds
 from offload.state._params import ParamRegistry, check_params, param_names
 from offload.state._placement import NumaBinder, NumaPlacement, NumaSwitch, PageMover
 from offload.state._rebind import check_rebound
 from offload.state._slabs import HostSlabs
-from offload.state._state_io import as_dtensor_state, check_loaded, load_state, merged_groups, torch_shaped
+from offload.state._state_io import as_dtensor_state, check_loaded, merged_groups, torch_shaped
 from offload.threads._numa import rank_numa_node
 from offload.threads._plan import ThreadPlan
 from offload.tuning._node_agreement import thread_plan
@@ -58,7 +56,7 @@ NOT_COPYABLE = (
 )
 
 
-class CPUOffloadAdamW(HostSide):
+class CPUOffloadAdamW(Optimizer):
     """AdamW whose fp32 master weights and moments live in host memory; the step runs on the CPU.
 
     Bitwise equal to ``torch.optim.AdamW(fused=True)`` on fp32 parameters, and to a mixed-precision
@@ -161,7 +159,7 @@ class CPUOffloadAdamW(HostSide):
         defaults = adamw_defaults(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         if device_timeout_s is None:
             device_timeout_s = config.timeout_s if config is not None else DEVICE_TIMEOUT_S
-        self._device_timeout_s = check_timeout(device_timeout_s)
+        device_timeout_s = check_timeout(device_timeout_s)
         self._constructed = False
         super().__init__(params, defaults)
         self._constructed = True
@@ -171,9 +169,9 @@ class CPUOffloadAdamW(HostSide):
         registry = ParamRegistry(self.param_groups)
         limit = check_limit(speculation_limit, overlap_backward)
         rounding_seed = check_state_dtype(state_dtype, state_rounding, state_rounding_seed)
-        self._numa = NumaSwitch(registry.device, numa_binder, page_mover)
-        placement = self._numa.bind() if settings.bind_numa else None  # bind first, then allocate untouched
-        self._layout = HostLayout.build(
+        numa = NumaSwitch(registry.device, numa_binder, page_mover)
+        placement = numa.bind() if settings.bind_numa else None  # bind first, then allocate untouched
+        layout = HostLayout.build(
             self.param_groups, self.state, registry=registry, chunk_numel=settings.chunk_numel,
             overlap_backward=overlap_backward, allocate=HostSlabs if placement is None else placement.allocate,
             speculable=limit, state_dtype=state_dtype, rounding_seed=rounding_seed).layout
@@ -186,40 +184,27 @@ class CPUOffloadAdamW(HostSide):
         plan, agreement = thread_plan(config, threads=settings.threads, plan=plan, owner="CPUOffloadAdamW",
                                       bind_node=bind_node)
         self._planned_threads = plan.threads
-        self._kernels = kernels if kernels is not None else DEFAULT_KERNELS
-        self._device_ops = device_ops
-        self._settings = replace(settings, threads=self._planned_threads, kernel=self._kernels.resolve(settings.kernel))
-
-        self._pipeline = self._new_pipeline()
-        if placement is not None:  # the pages land on the node of the CPUs that run the kernels
-            self._pipeline.on_worker(functools.partial(placement.first_touch, self._layout.slabs),
-                                     threads=self._planned_threads)
-        self._in_step = False
-        self._broken: str | None = None
-        self._stats = None  # (the types of these: HostSide's annotations)
-        self._clip = None  # set by clip_grad_norm_, taken by the next step()
-        self._overlap: Launcher | None = None
-        #: How a step that updated out of place commits (overlap_backward): the native storage
-        #: swap, or None (no extension: a copy).
-        self._swap = self._kernels.storage_swap() if overlap_backward else None
-        if overlap_backward:
-            self._overlap = Launcher(self, checksums=checksums_of(self._kernels), settings=self._settings)
-            self._overlap.bind(self._layout, self._pipeline)
+        kernels = kernels if kernels is not None else DEFAULT_KERNELS
+        settings = replace(settings, threads=self._planned_threads, kernel=kernels.resolve(settings.kernel))
+        #: Everything but what torch's Optimizer owns: the host state, the pipeline, the launcher.
+        self._engine = HostEngine(layout, settings=settings, kernels=kernels, device_ops=device_ops,
+                                  device_timeout_s=device_timeout_s, numa=numa, placement=placement,
+                                  owner=self, name=f"offload-adamw-{id(self):x}")
 
         #: The online tuner (``autotune.OnlineTuner``), or None.
         self.tuner: OnlineTuner | None = None
         self._tuning: OffloadTuning | None = None
         if config is not None:
             self._tuning = OffloadTuning.for_optimizer(
-                self, config, plan=plan, records=self._layout.records, slots=self._layout.slabs.slots,
+                self, config, plan=plan, records=layout.records, slots=layout.slabs.slots,
                 groups=len(self.param_groups), device_type=registry.device.type,
                 overlap_backward=overlap_backward, state_dtype=state_dtype, agreement=agreement,
-                kernels_available=self._kernels.available,
+                kernels_available=kernels.available,
                 cuda_transport=registry.device.type == "cuda" or device_ops is not None)
             self.tuner = self._tuning.tuner
         logger.debug("CPUOffloadAdamW: %d params, %d chunks, %.1f MiB host slabs, device %s, %s",
-                     len(registry), len(self._layout.chunks), self._layout.slabs.nbytes / 2**20,
-                     registry.device, self._settings)
+                     len(registry), len(layout.chunks), layout.slabs.nbytes / 2**20,
+                     registry.device, settings)
 
     # ---------------------------------------------------------------- param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -238,14 +223,14 @@ class CPUOffloadAdamW(HostSide):
         where = f" in param group {len(self.param_groups)}"
         param_group, plist, tensors = check_param_group(where, param_group, self.defaults)
         if constructed:
-            registry = self._layout.registry
+            registry = self._engine.layout.registry
             n = len(registry)
             names = param_names(self.param_groups) + [f"parameter {n + i}{where}" for i in range(len(tensors))]
             check_params(registry.params() + tensors, names)
         super().add_param_group({**param_group, "params": plist})
         if not constructed:
             return
-        self._relayout()
+        layout = self._engine.relayout(self.param_groups, self.state).layout
         if self._tuning is not None and self.tuner is not None and self.tuner.state != "locked":
             logger.warning(
                 "CPUOffloadAdamW.add_param_group while the tuner is %s: steps measured before "
@@ -255,8 +240,7 @@ class CPUOffloadAdamW(HostSide):
             )
         logger.info(
             "CPUOffloadAdamW: param group %d added: %d params, %d chunks, %.1f MiB host slabs",
-            len(self.param_groups) - 1, len(self._layout.registry), len(self._layout.chunks),
-            self._layout.slabs.nbytes / 2**20,
+            len(self.param_groups) - 1, len(layout.registry), len(layout.chunks), layout.slabs.nbytes / 2**20,
         )
 
     def _follow_groups(self) -> None:
@@ -264,13 +248,39 @@ class CPUOffloadAdamW(HostSide):
         swap, a framework re-wrapping): lay the slabs out for them, their state carried over
         where ``offload.state._rebind`` maps them to a parameter that had state."""
         groups = self.param_groups
-        if not self._layout.bound.changed(groups):
+        engine = self._engine
+        if not engine.layout.bound.changed(groups):
             return
-        self._abandon_early("a param_groups re-bind")  # early chunks of the old layout
-        check_rebound(self._layout.bound, groups, self.defaults, launched=False)
-        relaid = self._relayout()
+        engine.abandon_early("a param_groups re-bind")  # early chunks of the old layout
+        check_rebound(engine.layout.bound, groups, self.defaults, launched=False)
+        relaid = engine.relayout(groups, self.state)
         logger.info("CPUOffloadAdamW: param_groups re-bound: %d params, %d with state (%d migrated)",
                     len(relaid.layout.records), len(relaid.entries), len(relaid.migrated))
+
+    def _check_idle(self, what: str, *, adopt: bool = True) -> None:
+        """Between steps only; undo early chunks, take replaced state tensors in (``adopt``: not
+        for ``load_state_dict``, which replaces the whole state: DCP hands it entries that alias
+        the live ones), follow re-bound param groups."""
+        if self._engine.in_step:
+            raise RuntimeError(f"CPUOffloadAdamW.{what} called while step() is running")
+        self._engine.abandon_early(what)
+        if adopt:
+            self._engine.adopt_replaced_state(self.state)
+        self._follow_groups()
+
+    # Read-only views of the engine's parts, for tests and benchmarks (``opt._layout.slabs``).
+    @property
+    def _layout(self) -> HostLayout:
+        return self._engine.layout
+
+    @property
+    def _pipeline(self) -> Pipeline:
+        return self._engine.pipeline
+
+    @property
+    def _overlap(self) -> Any:
+        """The engine's ``Launcher`` (``overlap_backward``), or None."""
+        return self._engine.overlap
 
     # ---------------------------------------------------------------- public surface
     @property
@@ -278,7 +288,7 @@ class CPUOffloadAdamW(HostSide):
         """The settings in force (``threads`` resolved to an int; ``kernel`` is "fused-mp" or
         "torch", never "auto": "torch" where "fused-mp" cannot run here, or for "auto" where it is
         not verified bitwise equal to torch's kernel)."""
-        return self._settings
+        return self._engine.settings
 
     def apply_settings(self, settings: OffloadSettings) -> None:
         """Change threads / chunk size / kernel / CUDA ring depth / NUMA binding between steps.
@@ -292,37 +302,17 @@ class CPUOffloadAdamW(HostSide):
         """
         if not isinstance(settings, OffloadSettings):
             raise TypeError(f"settings={settings!r}: expected an OffloadSettings")
-        self._refuse_broken("apply_settings()")
+        self._engine.refuse_broken("apply_settings()")
         self._check_idle("apply_settings()")
         if settings.threads is None:
             settings = replace(settings, threads=self._planned_threads)
-        settings = replace(settings, kernel=self._kernels.resolve(settings.kernel))
-        if settings.chunk_numel != self._settings.chunk_numel:
-            self._layout.rechunk(settings.chunk_numel)
-            if self._overlap is not None:
-                self._overlap.rechunked()
-            self._pipeline.forget_layout()
-        if ring_depth(settings) != ring_depth(self._settings):  # (the host transport ignores it)
-            self._pipeline.resize_rings(ring_depth(settings))
-        staging = (settings.chunk_numel, ring_depth(settings), settings.kernel, settings.speculate)
-        restage = staging != (self._settings.chunk_numel, ring_depth(self._settings), self._settings.kernel,
-                              self._settings.speculate)
-        if bool(settings.bind_numa) != bool(self._settings.bind_numa):
-            if settings.bind_numa:
-                self._numa.turn_on(self._layout.host_regions)
-            else:
-                self._numa.turn_off()
-        self._settings = settings
-        if self._overlap is not None:
-            self._overlap.settings = settings
-            self._overlap.prepare()  # (speculate switched on: the second generation now)
-        if restage:  # the pinned blocks for them now, not in the next (overlapped) step
-            self._reserve_staging(self._pipeline)
+        self._engine.apply_settings(replace(settings, kernel=self._engine.kernels.resolve(settings.kernel)))
 
     @property
     def last_stats(self) -> StepStats | None:
         """Stage times of the last ``step()`` (None before the first)."""
-        return None if self._stats is None else self._stats.build()
+        stats = self._engine.stats
+        return None if stats is None else stats.build()
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -331,10 +321,7 @@ class CPUOffloadAdamW(HostSide):
         Run every micro-batch's backward but the last inside this context: its hooks start
         nothing. The last backward, outside it, starts the chunks. Without overlap it does nothing.
         """
-        if self._overlap is None:
-            yield
-            return
-        with self._overlap.accumulating():
+        with self._engine.accumulating():
             yield
 
     @property
@@ -342,18 +329,15 @@ class CPUOffloadAdamW(HostSide):
         """What ``OffloadSettings.bind_numa`` did (None while it is off): the binding, and the order
         of bind, allocation and first touch, or of the bind and the page moves of a switch between
         steps (``offload.state._placement``)."""
-        return self._numa.placement
+        return self._engine.numa.placement
 
     def close(self) -> None:
         """Stop the worker thread and remove the backward hooks (also done on garbage collection);
         restore the CPU affinity that ``bind_numa`` narrowed."""
-        if self._overlap is not None:
-            self._overlap.remove_hooks()
         if self._tuning is not None:
             self._tuning.close()
             self._tuning = None
-        self._pipeline.close()
-        self._numa.turn_off()
+        self._engine.close()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.copy, copy.deepcopy, pickle and torch.save all come here; torch's Optimizer would
@@ -368,7 +352,7 @@ class CPUOffloadAdamW(HostSide):
         """As torch's; between backward and ``step()`` it also undoes the chunks started early
         and drops a pending :meth:`clip_grad_norm_` coefficient (the step is skipped)."""
         self._check_idle("zero_grad()")
-        self._clip = None
+        self._engine.clip = None
         super().zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -379,25 +363,14 @@ class CPUOffloadAdamW(HostSide):
         gradients themselves are not modified. Call it after backward, before ``step()``; calling
         it again replaces the coefficient (the gradients were not scaled). ``foreach`` is accepted
         for signature compatibility."""
-        if self._in_step:
-            raise RuntimeError("CPUOffloadAdamW.clip_grad_norm_() called while step() is running")
-        registry = self._layout.registry
-        grads = {r.slot: r.param.grad for r in registry if r.param.grad is not None}
-        try:
-            self._clip = clip_request(registry.records, grads, max_norm=max_norm, norm_type=norm_type,
-                                      error_if_nonfinite=error_if_nonfinite, foreach=foreach,
-                                      device=registry.device, grad_stats=self._kernels.grad_stats)
-        except NonFiniteNorm:  # the loop skips this step: the early chunks must not show
-            self._abandon_early("clip_grad_norm_() (a non-finite norm)")
-            raise
-        return self._clip.total_norm
+        return self._engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def attach_ddp(self, model: Any) -> None:
         """With ``overlap_backward``: start chunks after DDP's all-reduce of their gradients (it
         registers a comm hook that reduces as DDP itself does, over DDP's own process group,
         ``offload.overlap._launcher``; call before the first backward). Without it DDP stays exact,
         but every chunk started during backward is redone in ``step()``."""
-        if self._overlap is None:
+        if self._engine.overlap is None:
             raise ValueError("attach_ddp() needs CPUOffloadAdamW(overlap_backward=True)")
         group = getattr(model, "process_group", None)
         size = torch.distributed.get_world_size(group)
@@ -407,8 +380,7 @@ class CPUOffloadAdamW(HostSide):
                 "DDP then divides some gradients by the size and multiplies others by its reciprocal, which "
                 "differ in the last bit unless the size is a power of two; pass gradient_as_bucket_view=False "
                 "or do not attach (chunks started during backward are then redone in step(): still exact)")
-        model.register_comm_hook(group, ddp_comm_hook(self._overlap))
-        self._overlap.set_external()
+        self._engine.attach_ddp(model, group)
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW(fused=True)``'s keys: per parameter ``step``, ``exp_avg``,
@@ -426,19 +398,19 @@ class CPUOffloadAdamW(HostSide):
         since the last step are followed first (``master_param`` is the edited weight), as the
         next step would.
         """
-        self._refuse_broken("state_dict()")
+        self._engine.refuse_broken("state_dict()")
         self._check_idle("state_dict()")
-        registry = self._layout.registry
-        self._sync_edits([r.slot for r in registry if self.state.get(r.param)])
+        registry = self._engine.layout.registry
+        self._engine.sync_edits(self.param_groups, self.state, [r.slot for r in registry if self.state.get(r.param)])
         # torch's state_dict() calls the post-hooks on what it built; they must see (and may
         # replace) the dict returned, after the conversion: they run here instead.
         post_hooks, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, OrderedDict()
         try:
-            sd = torch_shaped(super().state_dict(), self._layout.records)
+            sd = torch_shaped(super().state_dict(), self._engine.layout.records)
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
         if registry.sharded:
-            sd = as_dtensor_state(sd, self._layout.records)
+            sd = as_dtensor_state(sd, self._engine.layout.records)
         for post_hook in post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
@@ -454,8 +426,8 @@ class CPUOffloadAdamW(HostSide):
         the parameter (trained or edited since, e.g. by torch's AdamW after our checkpoint) is
         dropped and the parameter wins, with one warning naming how many.
         """
-        if self._broken is not None:  # a step failed part-way: whatever it left, the loaded state replaces
-            self._pipeline.drain()
+        if self._engine.broken is not None:  # a step failed part-way: whatever it left, the loaded state replaces
+            self._engine.pipeline.drain()
         self._check_idle("load_state_dict()", adopt=False)
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -463,19 +435,11 @@ class CPUOffloadAdamW(HostSide):
             if result is not None:
                 state_dict = result
         groups = self.param_groups
-        layout = self._layout
+        layout = self._engine.layout
         saved_groups, entries = check_loaded(state_dict, groups, self.defaults, layout.registry, layout.slabs)
-        # A loaded master with bits its parameter lacks (a bf16 run resumed in fp32, or the model
-        # not loaded yet) needs a master place where the parameter was its own master; the next
-        # step() drops the place again where the parameter then equals it.
-        seeds = loaded_seeds(layout.records, layout.slabs, entries)
-        if seeds:
-            give_masters(layout.records, seeds)
-            layout = self._relayout(seeds).layout
-        layout.recheck_masters.update(slot for slot, value in entries if "master_param" in value)
-        self.state = load_state(entries, layout)
+        self.state = self._engine.load(groups, self.state, entries)
         self.param_groups = merged_groups(groups, saved_groups, self.defaults)
-        self._broken = None
+        self._engine.loaded()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -491,25 +455,15 @@ class CPUOffloadAdamW(HostSide):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._in_step:
+        if self._engine.in_step:
             raise RuntimeError("CPUOffloadAdamW.step() is already running")
-        self._refuse_broken("step()")
-        self._adopt_replaced_state()
+        self._engine.refuse_broken("step()")
+        self._engine.adopt_replaced_state(self.state)
         self._follow_groups()
-        # A signal whose handler raises would leave the step part-way: it is held until the step
-        # and the tuner's observation are done (offload.pipeline._signals), then its handler runs
-        # and what that raises leaves step(). The same signal again cuts the step short.
-        with DeferredSignals() as signals:
-            self._in_step = True
-            try:
-                with torch.no_grad():
-                    self._step(signals)
-            except StepInterrupted:
-                return loss  # the held signal's handler runs as the block exits
-            finally:
-                self._in_step = False
-            # ---- Tuner observation point: the one place a tuner sees each step's StepStats. ----
-            # The tuner may call apply_settings here, between steps, at the same step on every rank.
-            if self._tuning is not None:
-                self._tuning.after_step()
+        # The tuner observation point, inside the step's signal block: the one place a tuner sees
+        # each step's StepStats; it may call apply_settings there, between steps, at the same
+        # step on every rank.
+        self._engine.step(self.param_groups, self.state, grad_scale=getattr(self, "grad_scale", None),
+                          found_inf=getattr(self, "found_inf", None),
+                          observe=self._tuning.after_step if self._tuning is not None else None)
         return loss

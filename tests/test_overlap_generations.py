@@ -119,7 +119,7 @@ def test_redo_drop_and_gradientless_parameters_without_restores(kernel, native_s
     ref = CPUOffloadAdamW(param_groups(ref_model), settings=SETTINGS)
     kernels = KernelSet() if native_swap else KernelSet(swap=None)
     opt = CPUOffloadAdamW(param_groups(model), settings=SETTINGS, overlap_backward=True, kernels=kernels)
-    assert (opt._swap is not None) == native_swap
+    assert (opt._engine.swap is not None) == native_swap
     for step in range(7):
         for m, o in ((ref_model, ref), (model, opt)):
             o.zero_grad()

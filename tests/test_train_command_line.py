@@ -95,6 +95,6 @@ def test_dist_timeout_also_bounds_the_optimizers_waits_on_device_events() -> Non
     args = train.build_parser().parse_args([*TINY, "--optim-cpu-offload", "--threads", "1", "--dist-timeout", "7"])
     opt = train._make_optimizer(args, torch.nn.Linear(4, 4), {})
     try:
-        assert opt._device_timeout_s == 7.0
+        assert opt._engine.device_timeout_s == 7.0
     finally:
         opt.close()

@@ -136,7 +136,7 @@ def test_bf16_unchanged_elements_keep_the_masters_extra_precision() -> None:
     assert not torch.equal(before, w.float())  # the master has bits the bf16 weight lacks
     with torch.no_grad():
         w[0].fill_(0.25)  # edit one row only
-    opt._follow_edits({opt._layout.registry.of(w).slot: w.grad})
+    opt._engine.follow_edits(opt.param_groups, opt.state, {opt._layout.registry.of(w).slot: w.grad})
     after = opt.state[w]["master_param"]
     assert torch.equal(after[0], torch.full_like(after[0], 0.25))
     assert torch.equal(after[1:], before[1:])

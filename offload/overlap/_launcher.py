@@ -6,8 +6,9 @@ each chunk consumed).
 A :class:`Launcher` lives as long as its optimizer. It is handed each layout and pipeline
 (:meth:`Launcher.bind`: the host state it speculates on, the worker it submits to) and the
 settings in force; of the optimizer itself it reads only what torch's ``Optimizer`` owns,
-``state`` and ``param_groups``, through a weak reference (the hooks live on the model's
-parameters and must not keep the optimizer alive). The optimizer asks it three things:
+``state`` and ``param_groups`` (:class:`OptimizerState`), through a weak reference: the hooks
+run between the optimizer's calls, when nothing hands them these, ``load_state_dict`` replaces
+both, and the hooks live on the model's parameters and must not keep the optimizer alive. The optimizer asks it three things:
 :meth:`Launcher.start_step` (which early chunks stand, and which slab segments were updated out
 of place: the step commits them by a swap, :meth:`Launcher.finish_step`), :meth:`Launcher.abandon` (drop every early chunk: a
 step that does not happen; the committed state was never written), :meth:`Launcher.end_step`
@@ -22,11 +23,10 @@ import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from offload._settings import OffloadSettings
 from offload.overlap._hooks import GradHooks
@@ -42,17 +42,24 @@ from offload.state._slabs import Chunk, StorageSwap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PAUSE_AFTER_STALE_STEPS", "Launcher", "ddp_comm_hook"]
+__all__ = ["PAUSE_AFTER_STALE_STEPS", "Launcher", "OptimizerState", "ddp_comm_hook"]
 
 #: Steps in a row that redid every early chunk before speculation pauses (one is a changed lr or a
 #: first clip; three in a row is a loop that clips every step, where early work only costs).
 PAUSE_AFTER_STALE_STEPS = 3
 
 
+class OptimizerState(Protocol):
+    """What a :class:`Launcher` reads of its optimizer (torch's ``Optimizer`` owns both)."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+
+
 class Launcher:
     """The backward hooks, early launches and speculation of one optimizer (see module doc)."""
 
-    def __init__(self, opt: Optimizer, *, checksums: Checksums, settings: OffloadSettings) -> None:
+    def __init__(self, opt: OptimizerState, *, checksums: Checksums, settings: OffloadSettings) -> None:
         """``opt``: the optimizer (held weakly; its ``state`` and ``param_groups`` are read);
         ``settings``: the settings in force (set :attr:`settings` again when they change)."""
         self._opt = weakref.ref(opt)

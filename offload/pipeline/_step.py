@@ -1,4 +1,5 @@
-"""The gradients and jobs of one ``step()``: one job per chunk, in chunk order.
+"""The jobs of one ``step()``: one job per chunk, in chunk order (the gradients are the engine's:
+``offload._engine.HostEngine.collect_grads``).
 
 A chunk whose early job was committed (``committed``: the jobs an overlap with backward ran and
 found valid) only writes its weights (its kernel ran during backward), submitted as soon as it
@@ -19,13 +20,11 @@ from torch import Tensor
 
 from offload.pipeline._jobs import ChunkJob
 from offload.kernels._adamw import Hyper
-from offload.state._params import check_grad, raise_bad_grad
 from offload.pipeline._pipeline import Pipeline
 from offload.state._layout import HostLayout
 from offload.state._slabs import StorageSwap, View
 
-__all__ = ["StepJobs", "collect_grads", "commit_generations", "keep_views", "part_stepped",
-           "submit_step", "write_job"]
+__all__ = ["StepJobs", "commit_generations", "keep_views", "part_stepped", "submit_step", "write_job"]
 
 
 @dataclass(slots=True)
@@ -141,34 +140,3 @@ def keep_views(layout: HostLayout, views: Sequence[View]) -> None:
     for v in views:
         if slabs.slots[v.slot].own_master:
             layout.records[v.slot].local().detach().view(-1)[v.start : v.stop].copy_(slabs.next_view("master", v))
-
-
-def collect_grads(layout: HostLayout, state: Mapping[Tensor, dict[str, Any]], *,
-                  count_empty: bool = True) -> dict[int, Tensor]:
-    """The gradients of this step by slot (this rank's shards); the first state entry of a
-    parameter without one goes into ``state``; ``count_empty``: count the step of an empty shard
-    (in no chunk) as torch does."""
-    grads: dict[int, Tensor] = {}
-    for rec in layout.records:
-        param = rec.param
-        if param.grad is None:
-            continue
-        slot = rec.slot
-        if rec.layout is not None:  # a DTensor: its gradient must have its placements (not Partial)
-            check_grad(rec, param.grad)
-        p, g = rec.local(), rec.grad_of(param.grad)
-        # .data may have been replaced since construction (contiguity was checked there)
-        if g.is_sparse or not p.is_contiguous() or g.device != p.device or g.shape != p.shape:
-            raise_bad_grad(slot, p, g)
-        st = state[param]
-        if not st:
-            st.update(layout.first_entry(rec))
-        elif st.get("step") is not rec.step:
-            # The user replaced the step tensor (as torch's AdamW allows): the cached Items hold
-            # the old one.
-            rec.step = st.get("step")
-            layout.items.new_state()
-        if count_empty and p.numel() == 0:
-            state[param]["step"] += 1
-        grads[slot] = g
-    return grads

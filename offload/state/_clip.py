@@ -14,7 +14,7 @@ the total norm rounded to float32 first. For DTensor parameters the terms are re
 rank holding another shard, replicated mesh dimensions counted once
 (``offload.state._dtensor.reduce_norm_terms``).
 
-:func:`amp_arguments` reads what ``GradScaler.step`` hands an optimizer that sets
+:func:`amp_arguments` takes what ``GradScaler.step`` hands an optimizer that sets
 ``_step_supports_amp_scaling``: ``grad_scale`` (divided inside the kernel, as torch's fused AdamW
 does) and ``found_inf`` (nonzero: the step is skipped).
 """
@@ -91,11 +91,9 @@ def clip_request(records: Sequence[ParamRecord], grads: Mapping[int, Tensor], *,
     return ClipRequest(total_norm=total.to(device), coef=coef)
 
 
-def amp_arguments(opt: Any) -> tuple[Tensor | None, Tensor | None]:
-    """(grad_scale, found_inf) as ``GradScaler.step`` set them on ``opt`` (None, None without it);
-    the scale as a 0-d float32 CPU tensor (the kernels run on the CPU)."""
-    scale = getattr(opt, "grad_scale", None)
-    found_inf = getattr(opt, "found_inf", None)
-    if scale is not None:
-        scale = scale.detach().to("cpu", torch.float32).reshape(())
-    return scale, found_inf
+def amp_arguments(grad_scale: Tensor | None, found_inf: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """(grad_scale, found_inf) as ``GradScaler.step`` set them on the optimizer (None, None
+    without it); the scale as a 0-d float32 CPU tensor (the kernels run on the CPU)."""
+    if grad_scale is not None:
+        grad_scale = grad_scale.detach().to("cpu", torch.float32).reshape(())
+    return grad_scale, found_inf

@@ -3,8 +3,8 @@
 It holds the parameter records (``ParamRegistry``), the flat slabs of fp32 masters and moments
 (``HostSlabs``), their chunks, the parameters they were laid out for (``BoundParams``), the
 per-chunk work items (``ItemCache``) and the slots whose loaded master is re-checked at the next
-step. ``CPUOffloadAdamW`` owns one layout; the pipeline and the overlap with backward are handed
-it and read it, and nothing else writes its fields.
+step. ``CPUOffloadAdamW``'s engine (``offload._engine.HostEngine``) owns one layout; the pipeline
+and the overlap with backward are handed it and read it, and nothing else writes its fields.
 
 One constructor, :meth:`HostLayout.build`, makes every layout: the first (no ``previous``), and
 every later one (``add_param_group``, a parameter given or losing a master place, parameters
@@ -148,6 +148,12 @@ class HostLayout:
         own = self.slabs.slots[slot].own_master
         rec.views = (entry["exp_avg"], entry["exp_avg_sq"], None if own else entry["master_param"])
         return entry
+
+    def replace_step(self, rec: ParamRecord, step: Tensor) -> None:
+        """The user replaced the step tensor of ``rec``'s state entry (as torch's AdamW allows):
+        the record counts ``step``, and the cached Items, which hold the old one, are made again."""
+        rec.step = step
+        self.items.new_state()
 
     def first_entry(self, rec: ParamRecord) -> dict[str, Tensor]:
         """The first state of ``rec``: its master seeded from the parameter, zero moments, step 0."""
