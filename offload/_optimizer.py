@@ -334,10 +334,12 @@ class CPUOffloadAdamW(Optimizer):
     def close(self) -> None:
         """Stop the worker thread and remove the backward hooks (also done on garbage collection);
         restore the CPU affinity that ``bind_numa`` narrowed."""
-        if self._tuning is not None:
-            self._tuning.close()
-            self._tuning = None
-        self._engine.close()
+        try:  # the tuner (its trace, its short-run warning) first; the engine closes whatever that raises
+            if self._tuning is not None:
+                self._tuning.close()
+                self._tuning = None
+        finally:
+            self._engine.close()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.copy, copy.deepcopy, pickle and torch.save all come here; torch's Optimizer would
