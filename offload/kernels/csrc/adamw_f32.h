@@ -118,18 +118,17 @@ void run_f32(const std::vector<at::Tensor>& params, const std::vector<at::Tensor
 // fp32 parameters (each its own master) with fp32 gradients, torch's step bookkeeping as in
 // fused_mp_adamw_steps_. `outs`: empty, or one fp32 tensor per parameter that receives a copy of
 // the updated parameter. Every check runs before the first write.
+// The tensors, then `options` (StepOptions), as fused_mp_adamw_steps_.
 void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                       const std::vector<at::Tensor>& exp_avgs,
                       const std::vector<at::Tensor>& exp_avg_sqs,
                       const std::vector<at::Tensor>& state_steps,
                       const std::vector<at::Tensor>& outs,
-                      const std::vector<at::Tensor>& steps_to_increment, double lr, double beta1,
-                      double beta2, double eps, double weight_decay,
-                      std::optional<double> grad_scale, std::optional<double> grad_coef,
+                      const std::vector<at::Tensor>& steps_to_increment,
                       const std::vector<at::Tensor>& into,
-                      const std::optional<at::Tensor>& checksums, const std::optional<int64_t>& sr_seed,
-                      const std::vector<int64_t>& sr_slots, const std::vector<int64_t>& sr_starts) {
+                      const std::optional<at::Tensor>& checksums, pybind11::handle options) {
   const char* fn = "adamw_f32_steps_";
+  const StepOptions o = read_options(fn, options);
   const size_t n = params.size();
   const bool with_out = !outs.empty();
   const std::vector<std::pair<const char*, const std::vector<at::Tensor>*>> lists = {
@@ -160,9 +159,9 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
   }
   Speculate spec = make_speculate(fn, grads, params, exp_avgs, exp_avg_sqs, into, checksums);
   std::unordered_map<float*, float> incremented;
-  std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, lr,
-                                           beta1, beta2, eps, weight_decay, incremented);
-  stochastic_rounding(fn, coeffs, sr_seed, sr_slots, sr_starts, m_dtype);
+  std::vector<Coeffs> coeffs = step_coeffs(fn, "params", n, state_steps, steps_to_increment, o,
+                                           incremented);
+  stochastic_rounding(fn, coeffs, o, m_dtype);
   for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &outs, &steps_to_increment}) {
     const bool read_only = !into.empty() && list != &outs && list != &steps_to_increment;
     if (read_only) continue;  // out of place: the state is only read (an own master keeps its version)
@@ -173,7 +172,7 @@ void adamw_f32_steps_(const std::vector<at::Tensor>& params, const std::vector<a
     finish_speculate(spec, into, checksums, n);
     return;
   }
-  const GradXform x = make_xform(grad_scale, grad_coef);
+  const GradXform x = make_xform(o.grad_scale, o.grad_coef);
   {
     pybind11::gil_scoped_release no_gil;
     if (m_dtype == at::kBFloat16) {

@@ -45,32 +45,21 @@ std::string capability() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Single-pass mixed-precision AdamW for CPU offload (see offload/kernels/_fused_mp.py).";
-  m.def("fused_mp_adamw_", &fused_mp_adamw_, pybind11::arg("params_lowp"),
-        pybind11::arg("grads_lowp"), pybind11::arg("masters"), pybind11::arg("exp_avgs"),
-        pybind11::arg("exp_avg_sqs"), pybind11::kw_only(), pybind11::arg("step"),
-        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"),
-        pybind11::arg("eps"), pybind11::arg("weight_decay"));
+  m.doc() = "Single-pass AdamW steps for CPU offload, grad_stats, copies (see offload/kernels/_fused_mp.py).";
+  // The two AdamW steps: the tensors, then one record of everything else (StepOptions).
   m.def("fused_mp_adamw_steps_", &fused_mp_adamw_steps_, pybind11::arg("params_lowp"),
         pybind11::arg("grads_lowp"), pybind11::arg("masters"), pybind11::arg("exp_avgs"),
         pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"), pybind11::kw_only(),
-        pybind11::arg("steps_to_increment"), pybind11::arg("lr"), pybind11::arg("beta1"),
-        pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
-        pybind11::arg("grad_scale") = pybind11::none(),
-        pybind11::arg("grad_coef") = pybind11::none(),
-        pybind11::arg("into") = std::vector<at::Tensor>{},
-        pybind11::arg("checksums") = pybind11::none(),
-        pybind11::arg("seen") = std::vector<at::Tensor>{}, pybind11::arg("sr_seed") = pybind11::none(),
-        pybind11::arg("sr_slots") = std::vector<int64_t>{}, pybind11::arg("sr_starts") = std::vector<int64_t>{});
+        pybind11::arg("steps_to_increment"), pybind11::arg("into") = std::vector<at::Tensor>{},
+        pybind11::arg("checksums") = pybind11::none(), pybind11::arg("seen") = std::vector<at::Tensor>{},
+        pybind11::arg("options"),
+        "One mixed-precision AdamW step; see offload/kernels/_fused_mp.py.");
   m.def("adamw_f32_steps_", &adamw_f32_steps_, pybind11::arg("params"), pybind11::arg("grads"),
         pybind11::arg("exp_avgs"), pybind11::arg("exp_avg_sqs"), pybind11::arg("state_steps"),
         pybind11::kw_only(), pybind11::arg("outs"), pybind11::arg("steps_to_increment"),
-        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
-        pybind11::arg("weight_decay"), pybind11::arg("grad_scale") = pybind11::none(),
-        pybind11::arg("grad_coef") = pybind11::none(),
-        pybind11::arg("into") = std::vector<at::Tensor>{},
-        pybind11::arg("checksums") = pybind11::none(), pybind11::arg("sr_seed") = pybind11::none(),
-        pybind11::arg("sr_slots") = std::vector<int64_t>{}, pybind11::arg("sr_starts") = std::vector<int64_t>{});
+        pybind11::arg("into") = std::vector<at::Tensor>{}, pybind11::arg("checksums") = pybind11::none(),
+        pybind11::arg("options"),
+        "One fp32 AdamW step (each parameter its own master); see offload/kernels/_fused_mp.py.");
   m.def("grad_stats_", &grad_stats_, pybind11::arg("tensors"), pybind11::kw_only(),
         pybind11::arg("norm"),
         "Per-tensor norm terms (float64) and word checksums (int64); see offload/kernels/_grad_stats.py.");

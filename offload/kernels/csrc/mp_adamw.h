@@ -343,8 +343,7 @@ void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Te
             const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
             const std::vector<at::Tensor>& exp_avg_sqs, at::ScalarType p_dtype,
             at::ScalarType g_dtype, const std::vector<Coeffs>& coeffs,
-            const GradXform& x = GradXform{}, const Speculate* spec = nullptr,
-            const std::vector<at::Tensor>& seen = {}) {
+            const GradXform& x, const Speculate* spec, const std::vector<at::Tensor>& seen) {
   if (masters.empty()) return;
   pybind11::gil_scoped_release no_gil;
   if (exp_avgs[0].scalar_type() == at::kBFloat16) {
@@ -356,54 +355,34 @@ void update(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Te
   }
 }
 
-// One step number for every tensor (validated in Python: an int >= 1).
-void fused_mp_adamw_(const std::vector<at::Tensor>& params_lowp,
-                     const std::vector<at::Tensor>& grads_lowp,
-                     const std::vector<at::Tensor>& masters,
-                     const std::vector<at::Tensor>& exp_avgs,
-                     const std::vector<at::Tensor>& exp_avg_sqs, int64_t step, double lr,
-                     double beta1, double beta2, double eps, double weight_decay) {
-  const auto [p_dtype, g_dtype] =
-      check_lists("fused_mp_adamw_", params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
-  if (masters.empty()) return;
-  // torch keeps the step in a float tensor: the int goes through float as it would there.
-  const std::vector<Coeffs> coeffs(
-      masters.size(),
-      make_coeffs(static_cast<float>(step), lr, beta1, beta2, eps, weight_decay));
-  bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs);
-  update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs);
-}
-
-// A step per tensor, read from its fp32 step tensor as torch's fused AdamW reads it (see
-// step_coeffs). The offload pipeline calls this once per chunk: the per-parameter step
-// bookkeeping runs here, not as one Python-level tensor op per parameter.
+// The mixed-precision step: a step per tensor, read from its fp32 step tensor as torch's fused
+// AdamW reads it (see step_coeffs). The offload pipeline calls this once per chunk: the
+// per-parameter step bookkeeping runs here, not as one Python-level tensor op per parameter.
+// The tensors, then `options` (StepOptions: hyper-parameters, gradient transforms, rounding).
 void fused_mp_adamw_steps_(const std::vector<at::Tensor>& params_lowp,
                            const std::vector<at::Tensor>& grads_lowp,
                            const std::vector<at::Tensor>& masters,
                            const std::vector<at::Tensor>& exp_avgs,
                            const std::vector<at::Tensor>& exp_avg_sqs,
                            const std::vector<at::Tensor>& state_steps,
-                           const std::vector<at::Tensor>& steps_to_increment, double lr,
-                           double beta1, double beta2, double eps, double weight_decay,
-                           std::optional<double> grad_scale, std::optional<double> grad_coef,
+                           const std::vector<at::Tensor>& steps_to_increment,
                            const std::vector<at::Tensor>& into,
                            const std::optional<at::Tensor>& checksums,
-                           const std::vector<at::Tensor>& seen, const std::optional<int64_t>& sr_seed,
-                           const std::vector<int64_t>& sr_slots, const std::vector<int64_t>& sr_starts) {
+                           const std::vector<at::Tensor>& seen, pybind11::handle options) {
   const char* fn = "fused_mp_adamw_steps_";
+  const StepOptions o = read_options(fn, options);
   const auto [p_dtype, g_dtype] =
       check_lists(fn, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs);
   check_seen(fn, seen, params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype);
   Speculate spec = make_speculate(fn, grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums);
   std::unordered_map<float*, float> incremented;
   std::vector<Coeffs> coeffs = step_coeffs(fn, "masters", masters.size(), state_steps,
-                                           steps_to_increment, lr, beta1, beta2, eps,
-                                           weight_decay, incremented);
-  stochastic_rounding(fn, coeffs, sr_seed, sr_slots, sr_starts, moments_dtype(fn, exp_avgs));
+                                           steps_to_increment, o, incremented);
+  stochastic_rounding(fn, coeffs, o, moments_dtype(fn, exp_avgs));
   bump_versions(params_lowp, masters, exp_avgs, exp_avg_sqs, steps_to_increment, into.empty());
   for (const auto& [p, v] : incremented) *p = v;  // the first write
   update(params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, p_dtype, g_dtype, coeffs,
-         make_xform(grad_scale, grad_coef), &spec, seen);
+         make_xform(o.grad_scale, o.grad_coef), &spec, seen);
   finish_speculate(spec, into, checksums, masters.size());
 }
 

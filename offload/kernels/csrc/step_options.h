@@ -1,6 +1,9 @@
-// torch's step bookkeeping (each tensor's fp32 step tensor, incremented as torch._foreach_add_
-// does before the fused call), the moments' dtype, stochastic rounding's keys and the version
-// counters: what both AdamW entry points do before their first write.
+// What both AdamW entry points (mp_adamw.h, adamw_f32.h) do before their first write: read the
+// call's options (StepOptions: everything but the tensors, one record built in
+// offload/kernels/_fused_mp.py), torch's step bookkeeping (each tensor's fp32 step tensor,
+// incremented as torch._foreach_add_ does before the fused call; offload/kernels/_adamw.py:
+// fused_adamw_ is the torch form), the moments' dtype, stochastic rounding's keys and the version
+// counters.
 
 #pragma once
 
@@ -9,6 +12,63 @@
 #include "rounding.h"
 
 namespace {
+
+// Everything of one AdamW call that is not a tensor: the param group's hyper-parameters, the
+// gradient transforms and stochastic rounding. Read once, before any check of the tensors, from
+// the Python record (offload.kernels._fused_mp.StepOptions, a frozen dataclass of these fields;
+// `rounding` there is (sr_seed, sr_slots, sr_starts) or None).
+struct StepOptions {
+  double lr = 0.0;
+  double beta1 = 0.0;
+  double beta2 = 0.0;
+  double eps = 0.0;
+  double weight_decay = 0.0;
+  std::optional<double> grad_scale;  // each gradient element is used as g / grad_scale
+  std::optional<double> grad_coef;   // then * grad_coef, rounded to the gradient's dtype
+  // Stochastic rounding of bf16 moments (see stochastic_rounding): off, or the seed and, per
+  // tensor, its parameter's slot and the index in it of its first element.
+  std::optional<int64_t> sr_seed;
+  std::vector<int64_t> sr_slots;
+  std::vector<int64_t> sr_starts;
+};
+
+// One field of the Python record, as T; TypeError naming the field when it is missing or of
+// another type.
+template <typename T>
+T read_field(const char* fn, pybind11::handle options, const char* name, const char* expected) {
+  if (!pybind11::hasattr(options, name)) {
+    fail_type(std::string(fn) + ": options has no field " + name +
+              ": expected an offload.kernels._fused_mp.StepOptions");
+  }
+  const pybind11::object value = options.attr(name);
+  try {
+    return value.cast<T>();
+  } catch (const pybind11::cast_error&) {
+    fail_type(std::string(fn) + ": options." + name + " is " + std::string(pybind11::repr(value)) +
+              ": expected " + expected);
+  }
+}
+
+// The record's fields (the GIL is held: this runs before the update releases it).
+StepOptions read_options(const char* fn, pybind11::handle options) {
+  StepOptions o;
+  o.lr = read_field<double>(fn, options, "lr", "a float");
+  o.beta1 = read_field<double>(fn, options, "beta1", "a float");
+  o.beta2 = read_field<double>(fn, options, "beta2", "a float");
+  o.eps = read_field<double>(fn, options, "eps", "a float");
+  o.weight_decay = read_field<double>(fn, options, "weight_decay", "a float");
+  o.grad_scale = read_field<std::optional<double>>(fn, options, "grad_scale", "a float or None");
+  o.grad_coef = read_field<std::optional<double>>(fn, options, "grad_coef", "a float or None");
+  using Rounding = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>>;
+  const auto rounding = read_field<std::optional<Rounding>>(
+      fn, options, "rounding", "None or (seed, slots, starts): an int and two lists of ints");
+  if (rounding.has_value()) {
+    o.sr_seed = std::get<0>(*rounding);
+    o.sr_slots = std::get<1>(*rounding);
+    o.sr_starts = std::get<2>(*rounding);
+  }
+  return o;
+}
 
 // The moments' dtype of a call: torch.float32, or torch.bfloat16 (state_dtype=torch.bfloat16),
 // the same for every exp_avg and exp_avg_sq (checked with the tensors).
@@ -30,7 +90,7 @@ at::ScalarType moments_dtype(const char* fn, const std::vector<at::Tensor>& exp_
 void bump_versions(const std::vector<at::Tensor>& params_lowp,
                    const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,
                    const std::vector<at::Tensor>& exp_avg_sqs,
-                   const std::vector<at::Tensor>& steps = {}, bool in_place = true) {
+                   const std::vector<at::Tensor>& steps, bool in_place) {
   for (size_t i = 0; i < masters.size(); ++i) {
     params_lowp[i].unsafeGetTensorImpl()->bump_version();
     if (!in_place) continue;
@@ -63,30 +123,23 @@ void check_step(const char* fn, const at::Tensor& t, const char* arg, size_t i) 
   }
 }
 
-// The steps of one call: checks every step tensor and computes each tensor's coefficients from
-// the value its step tensor holds after adding one to each of `steps_to_increment` (as
-// torch._foreach_add_(steps, 1) does before the fused call). Writes nothing: the increments are
-// returned in `incremented` (by address), for the caller to store once every check passed. A
-// storage listed twice (the same tensor, or two views of one element) goes up twice, as with
-// _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
-// lazily cloned step tensor never shares the address its original is incremented at.
 // state_rounding="stochastic" (see sr_key): per tensor its parameter's slot and the index of its
-// first element in that parameter; the moments must be bf16. Checked before any write.
-void stochastic_rounding(const char* fn, std::vector<Coeffs>& coeffs, const std::optional<int64_t>& seed,
-                         const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
+// first element in that parameter (StepOptions' sr_*); the moments must be bf16. Checked before
+// any write.
+void stochastic_rounding(const char* fn, std::vector<Coeffs>& coeffs, const StepOptions& options,
                          at::ScalarType m_dtype) {
-  if (!seed.has_value()) {
-    if (!slots.empty() || !starts.empty()) fail_value(std::string(fn) + ": sr_slots/sr_starts without sr_seed");
-    return;
-  }
+  const std::optional<int64_t>& seed = options.sr_seed;
+  const std::vector<int64_t>& slots = options.sr_slots;
+  const std::vector<int64_t>& starts = options.sr_starts;
+  if (!seed.has_value()) return;
   if (m_dtype != at::kBFloat16 && !coeffs.empty()) {
-    fail_value(std::string(fn) + ": sr_seed (stochastic rounding) with moments of dtype " + dtype_name(m_dtype) +
+    fail_value(std::string(fn) + ": options.rounding (stochastic rounding) with moments of dtype " + dtype_name(m_dtype) +
                ": expected torch.bfloat16 moments");
   }
   if (slots.size() != coeffs.size() || starts.size() != coeffs.size()) {
     std::ostringstream msg;
-    msg << fn << ": sr_slots has " << slots.size() << " and sr_starts " << starts.size()
-        << " entries: expected " << coeffs.size() << " (one per tensor)";
+    msg << fn << ": options.rounding has " << slots.size() << " slots and " << starts.size()
+        << " starts: expected " << coeffs.size() << " of each (one per tensor)";
     fail_value(msg.str());
   }
   for (size_t i = 0; i < coeffs.size(); ++i) {
@@ -96,11 +149,17 @@ void stochastic_rounding(const char* fn, std::vector<Coeffs>& coeffs, const std:
   }
 }
 
+// The steps of one call: checks every step tensor and computes each tensor's coefficients from
+// the value its step tensor holds after adding one to each of `steps_to_increment` (as
+// torch._foreach_add_(steps, 1) does before the fused call). Writes nothing: the increments are
+// returned in `incremented` (by address), for the caller to store once every check passed. A
+// storage listed twice (the same tensor, or two views of one element) goes up twice, as with
+// _foreach_add_. mutable_data_ptr materialises a copy-on-write storage (values unchanged), so a
+// lazily cloned step tensor never shares the address its original is incremented at.
 std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
                                 const std::vector<at::Tensor>& state_steps,
-                                const std::vector<at::Tensor>& steps_to_increment, double lr,
-                                double beta1, double beta2, double eps, double weight_decay,
-                                std::unordered_map<float*, float>& incremented) {
+                                const std::vector<at::Tensor>& steps_to_increment,
+                                const StepOptions& o, std::unordered_map<float*, float>& incremented) {
   if (state_steps.size() != n) {
     std::ostringstream msg;
     msg << fn << ": state_steps has " << state_steps.size() << " tensors: expected " << n
@@ -136,7 +195,7 @@ std::vector<Coeffs> step_coeffs(const char* fn, const char* like, size_t n,
     if (!coeffs.empty() && value == last_value) {
       coeffs.push_back(coeffs.back());
     } else {
-      coeffs.push_back(make_coeffs(value, lr, beta1, beta2, eps, weight_decay));
+      coeffs.push_back(make_coeffs(value, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay));
     }
     last_value = value;
   }
