@@ -42,7 +42,7 @@ enum NormKind : int64_t { kNormL2 = 0, kNormL1 = 1, kNormInf = 2, kNormNone = 3 
 // The checksum weighs lane j (element i of a tensor lies in lane i % 32) by an odd 64-bit
 // constant, so that flipping signs (a sign bit moves a word by 2^31) or swapping neighbours does
 // not cancel out as it does in a plain sum of words (offload/kernels/_grad_stats.py: LANE_WEIGHTS).
-// (splitmix64: defined with stochastic rounding's keys above.)
+// (splitmix64: rounding.h, with stochastic rounding's keys.)
 constexpr uint64_t lane_weight(int j) { return splitmix64(static_cast<uint64_t>(j)) | 1ull; }
 
 struct BlockStats {

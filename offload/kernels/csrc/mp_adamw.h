@@ -197,6 +197,8 @@ void adamw_span(param_t* param_lowp, const grad_t* grad, const StatePtrs<M>& st,
   }
 }
 
+// One call's update of every tensor (their dtypes as template arguments), in one parallel region
+// (for_each_span), each span in place or out of place and checksummed as `spec` says.
 template <typename param_t, typename grad_t, typename M>
 void run(const std::vector<at::Tensor>& params_lowp, const std::vector<at::Tensor>& grads_lowp,
          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs,

@@ -17,7 +17,7 @@ namespace {
 // elements e with e % 32 == j (a span starts on a multiple of kUnit, so `d % 32` is that lane):
 // fp32 words sign-extended into 64-bit lanes, 16-bit words zero-extended into 32-bit lanes (a
 // call covers at most kStatsBlock elements: 512 words of at most 0xFFFF per lane). `weighted()`
-// is then grad_stats' checksum of the span (see below), whatever vector width added the words.
+// is then grad_stats' checksum of the span (grad_stats.h), whatever vector width added the words.
 template <typename grad_t>
 struct WordSums {
   using lane_t = std::conditional_t<std::is_same_v<grad_t, float>, uint64_t, uint32_t>;
