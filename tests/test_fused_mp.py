@@ -22,8 +22,8 @@ from offload.testing import KernelLoader, KernelSet
 from offload.kernels._fused_mp import (
     STEP_RTOL,
     FusedMPUnavailable,
+    StepOptions,
     bitwise_matches_torch,
-    fused_mp_adamw_,
     fused_mp_adamw_steps_,
     fused_mp_available,
 )
@@ -58,6 +58,13 @@ def _clone(tensors):
     return [t.clone() for t in tensors]
 
 
+def _fused_at_step(params, grads, masters, exp_avgs, exp_avg_sqs, *, step, **kwargs):
+    """The native step with every tensor at step ``step`` (``torch_mp_adamw_``'s signature): one
+    fresh step tensor holding it, nothing incremented."""
+    steps = [torch.tensor(float(step))] * len(masters)
+    fused_mp_adamw_steps_(params, grads, masters, exp_avgs, exp_avg_sqs, steps, **kwargs)
+
+
 def _assert_same(got, want, *, what: str, lr: float) -> None:
     """Bitwise on a verified build; else within the documented per-step tolerance."""
     if bitwise_matches_torch():
@@ -82,11 +89,14 @@ def test_each_step_matches_torch_path(kernel, pdtype, gdtype, hyper) -> None:
     gen = torch.Generator().manual_seed(0)
     params, masters, exp_avgs, exp_avg_sqs = _state(SIZES, pdtype, gen)
     ref = [_clone(x) for x in (params, masters, exp_avgs, exp_avg_sqs)]
+    steps = [torch.tensor(0.0) for _ in SIZES]  # each tensor's own, incremented by the kernel
     for step in range(1, 6):
         grads = _grads(SIZES, gdtype, gen)
         grads_before = _clone(grads)
-        fused_mp_adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, step=step, **hyper)
+        fused_mp_adamw_steps_(params, grads, masters, exp_avgs, exp_avg_sqs, steps,
+                              steps_to_increment=steps, **hyper)
         torch_mp_adamw_(*ref[:1], grads, *ref[1:], step=step, **hyper)
+        assert all(s.item() == step for s in steps)
         assert all(torch.equal(g, b) for g, b in zip(grads, grads_before)), "grads were written"
         for i, n in enumerate(SIZES):
             for name, got, want in zip(
@@ -114,14 +124,13 @@ def test_large_call_with_streaming_stores_matches_torch_path(kernel, offset) -> 
     ref = [_clone(x) for x in state]
     grads = _grads((n,), torch.bfloat16, gen)
     for step in (1, 2):
-        fused_mp_adamw_(state[0], grads, *state[1:], step=step, **HYPER)
+        _fused_at_step(state[0], grads, *state[1:], step=step, **HYPER)
         torch_mp_adamw_(ref[0], grads, *ref[1:], step=step, **HYPER)
     for name, got, want in zip(("params_lowp", "masters", "exp_avgs", "exp_avg_sqs"), state, ref):
         _assert_same(got[0], want[0], what=name, lr=HYPER["lr"])
 
 
-@pytest.mark.parametrize("api", ["int-step", "state-steps"])
-def test_thread_counts_give_identical_results(kernel, api) -> None:
+def test_thread_counts_give_identical_results(kernel) -> None:
     sizes = (200_003, 70_001, 5, 131_072)  # ~6,300 units of 64: split across threads
     gen = torch.Generator().manual_seed(1)
     start = _state(sizes, torch.bfloat16, gen)
@@ -133,12 +142,9 @@ def test_thread_counts_give_identical_results(kernel, api) -> None:
             torch.set_num_threads(threads)
             state = [_clone(x) for x in start]
             steps = [torch.tensor(0.0) for _ in sizes]
-            for step in (1, 2, 3):
-                if api == "int-step":
-                    fused_mp_adamw_(state[0], grads, *state[1:], step=step, **HYPER)
-                else:
-                    fused_mp_adamw_steps_(state[0], grads, *state[1:], steps,
-                                          steps_to_increment=steps, **HYPER)
+            for _ in (1, 2, 3):
+                fused_mp_adamw_steps_(state[0], grads, *state[1:], steps,
+                                      steps_to_increment=steps, **HYPER)
             results.append(state)
     finally:
         torch.set_num_threads(previous)
@@ -159,12 +165,13 @@ def test_torch_thread_count_governs_the_kernel(kernel) -> None:
 
 
 def test_empty_lists_are_a_no_op(kernel) -> None:
-    fused_mp_adamw_([], [], [], [], [], step=1, **HYPER)
+    fused_mp_adamw_steps_([], [], [], [], [], [], **HYPER)
 
 
-def test_state_steps_match_an_int_step_per_tensor(kernel) -> None:
-    """fused_mp_adamw_steps_ == fused_mp_adamw_ with each tensor's own step, after increments
-    applied like torch._foreach_add_ (a tensor listed twice goes up by two)."""
+def test_state_steps_match_one_call_per_tensor_at_its_step(kernel) -> None:
+    """One call over tensors of different step tensors == one call per tensor at the step its
+    step tensor holds after increments applied like torch._foreach_add_ (a tensor listed twice
+    goes up by two)."""
     sizes = (100_003, 33, 4097, 65)
     gen = torch.Generator().manual_seed(5)
     params, masters, exp_avgs, exp_avg_sqs = _state(sizes, torch.bfloat16, gen)
@@ -176,8 +183,8 @@ def test_state_steps_match_an_int_step_per_tensor(kernel) -> None:
                           steps_to_increment=[a, b, a], **HYPER)
     assert (a.item(), b.item(), c.item()) == (5.0, 1.0, 7.0)
     for i, step in enumerate((5, 1, 1, 7)):
-        fused_mp_adamw_(*([x[i]] for x in ref[:1]), [grads[i]], *([x[i]] for x in ref[1:]),
-                        step=step, **HYPER)
+        _fused_at_step(*([x[i]] for x in ref[:1]), [grads[i]], *([x[i]] for x in ref[1:]),
+                       step=step, **HYPER)
     for name, got, want in zip(("params_lowp", "masters", "exp_avgs", "exp_avg_sqs"),
                                (params, masters, exp_avgs, exp_avg_sqs), ref):
         for i in range(len(sizes)):
@@ -200,7 +207,7 @@ def test_state_steps_alias_by_storage_not_by_tensor_object(kernel) -> None:
     fused_mp_adamw_steps_(params, grads, masters, exp_avgs, exp_avg_sqs, [lazy],
                           steps_to_increment=[original], **HYPER)
     assert (original.item(), lazy.item()) == (5.0, 4.0)
-    fused_mp_adamw_(ref[0], grads, *ref[1:], step=4, **HYPER)  # the clone's own step
+    _fused_at_step(ref[0], grads, *ref[1:], step=4, **HYPER)  # the clone's own step
     for got, want in zip((params, masters, exp_avgs, exp_avg_sqs), ref):
         assert torch.equal(got[0], want[0])
 
@@ -261,9 +268,10 @@ def _bad_case(name: str):
     sizes = (33, 40)
     params, masters, exp_avgs, exp_avg_sqs = _state(sizes, torch.bfloat16, gen)
     grads = _grads(sizes, torch.bfloat16, gen)
+    steps = [torch.tensor(0.0), torch.tensor(0.0)]
     args = {"params_lowp": params, "grads_lowp": grads, "masters": masters,
-            "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    hyper = {"step": 1, **HYPER}
+            "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "state_steps": steps}
+    hyper = {"steps_to_increment": steps, **HYPER}
     if name == "non-contiguous":
         args["exp_avgs"][1] = torch.zeros(80)[::2]
         return args, hyper, ValueError, "exp_avgs[1] is not contiguous"
@@ -298,10 +306,6 @@ def _bad_case(name: str):
     if name == "not-a-list":
         args["masters"] = masters[0]
         return args, hyper, TypeError, "masters is a Tensor"
-    if name == "step-zero":
-        return args, {**hyper, "step": 0}, ValueError, "step=0"
-    if name == "step-bool":
-        return args, {**hyper, "step": True}, ValueError, "step=True"
     if name == "beta1-one":
         return args, {**hyper, "beta1": 1.0}, ValueError, "beta1=1.0"
     if name == "lr-nan":
@@ -313,7 +317,7 @@ def _bad_case(name: str):
     "case",
     ["non-contiguous", "size-mismatch", "fp32-master-as-bf16", "fp32-grads", "fp32-params",
      "mixed-param-dtypes", "length-mismatch", "aliased", "wrong-device", "not-a-tensor",
-     "not-a-list", "step-zero", "step-bool", "beta1-one", "lr-nan"],
+     "not-a-list", "beta1-one", "lr-nan"],
 )
 def test_bad_inputs_raise_before_touching_memory(kernel, case) -> None:
     args, hyper, error, message = _bad_case(case)
@@ -321,7 +325,7 @@ def test_bad_inputs_raise_before_touching_memory(kernel, case) -> None:
                if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
     before = _clone(watched)
     with pytest.raises(error, match=re.escape(message)):
-        fused_mp_adamw_(**args, **hyper)
+        fused_mp_adamw_steps_(**args, **hyper)
     for now, was in zip(watched, before):
         assert torch.equal(now, was), f"{case}: a buffer changed before the error"
 
@@ -336,7 +340,7 @@ def test_loss_curves_match_over_200_steps(kernel) -> None:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: thread start-up would dominate on a shared machine
     try:
-        for update in (torch_mp_adamw_, fused_mp_adamw_):
+        for update in (torch_mp_adamw_, _fused_at_step):
             curves.append(_train(cfg, update))
     finally:
         torch.set_num_threads(previous)
@@ -410,7 +414,7 @@ def _expect_fallback(caplog, loader, reason_part: str) -> str:
         ok, reason = fused_mp_available(loader)
         assert fused_mp_available(loader) == (ok, reason)
         with pytest.raises(FusedMPUnavailable, match="unavailable"):
-            fused_mp_adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, step=1, **HYPER, loader=loader)
+            _fused_at_step(params, grads, masters, exp_avgs, exp_avg_sqs, step=1, **HYPER, loader=loader)
         # A kernel set on that loader: the same answer, and its native kernels run on it (fail).
         kernels = KernelSet(loader=loader)
         assert kernels.available() == (ok, reason)
@@ -506,7 +510,7 @@ def test_f32_entry_equals_torch_fused_adamw(kernel, threads, hyper) -> None:
             lr = hyper["lr"] / (1 + k)
             outs = [torch.full((n,), float("nan")) for n in sizes] if k == 1 else []
             kernel.adamw_f32_steps_(params, grads, exp_avgs, exp_avg_sqs, steps, outs=outs,
-                                    steps_to_increment=steps, **{**hyper, "lr": lr})
+                                    steps_to_increment=steps, options=StepOptions(**{**hyper, "lr": lr}))
             fused_adamw_(ref_p, grads, ref_m, ref_v, ref_steps, steps_to_increment=ref_steps,
                           hyper=Hyper(lr=lr, beta1=hyper["beta1"], beta2=hyper["beta2"],
                                       weight_decay=hyper["weight_decay"], eps=hyper["eps"]))
@@ -549,6 +553,40 @@ def test_f32_entry_bad_inputs_raise_before_touching_memory(kernel, case, error, 
     before = [t.clone() for t in (*params, *exp_avgs, *exp_avg_sqs, *steps)]
     with pytest.raises(error, match=re.escape(message)):
         kernel.adamw_f32_steps_(params, grads, exp_avgs, exp_avg_sqs, steps, outs=outs,
-                                steps_to_increment=steps, **HYPER)
+                                steps_to_increment=steps, options=StepOptions(**HYPER))
     after = [*params, *exp_avgs, *exp_avg_sqs, *steps]
     assert all(torch.equal(a, b) for a, b in zip(after, before)), "memory was written"
+
+
+@pytest.mark.parametrize("entry", ["fused_mp_adamw_steps_", "adamw_f32_steps_"])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lr": "0.1"}, "options.lr is '0.1': expected a float"),
+        ({"grad_coef": [1.0]}, "options.grad_coef is [1.0]: expected a float or None"),
+        ({"rounding": (1, [0])}, "options.rounding is (1, [0]): expected None or (seed, slots, starts)"),
+        (None, "options has no field lr: expected an offload.kernels._fused_mp.StepOptions"),
+    ],
+    ids=["lr-str", "coef-list", "rounding-short", "not-a-record"],
+)
+def test_a_bad_options_record_raises_before_touching_memory(kernel, entry, options, message) -> None:
+    """Both native entry points take their tensors and one StepOptions record, read once before
+    any check of the tensors: a field of the wrong type, or a record that is not one, is a
+    TypeError naming the field; nothing is written (the step tensors included)."""
+    gen = torch.Generator().manual_seed(9)
+    params, masters, exp_avgs, exp_avg_sqs = _state((33,), torch.bfloat16, gen)
+    steps = [torch.tensor(0.0)]
+    record = object() if options is None else StepOptions(**{**HYPER, **options})
+    if entry == "fused_mp_adamw_steps_":
+        grads = _grads((33,), torch.bfloat16, gen)
+        call = lambda: kernel.fused_mp_adamw_steps_(  # noqa: E731
+            params, grads, masters, exp_avgs, exp_avg_sqs, steps, steps_to_increment=steps, options=record)
+    else:
+        grads = _grads((33,), torch.float32, gen)
+        call = lambda: kernel.adamw_f32_steps_(  # noqa: E731
+            masters, grads, exp_avgs, exp_avg_sqs, steps, outs=[], steps_to_increment=steps, options=record)
+    watched = [*params, *masters, *exp_avgs, *exp_avg_sqs, *steps]
+    before = _clone(watched)
+    with pytest.raises(TypeError, match=re.escape(f"{entry}: {message}")):
+        call()
+    assert all(torch.equal(a, b) for a, b in zip(watched, before)), "memory was written"

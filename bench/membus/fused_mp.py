@@ -13,7 +13,8 @@ thread count, in rotating order (ABC, BCA, CAB), one full optimizer step of:
 * ``torch``: per chunk, upcast the bf16 gradient into the fp32 buffer (read 2 + write 4 B/param),
   ``torch._fused_adamw_`` on the fp32 master and moments (28 B), copy the master into the bf16
   parameter (read 4 + write 2 B): 40 B per parameter;
-* ``fused-mp``: per chunk, :func:`offload.kernels._fused_mp.fused_mp_adamw_`: read the bf16 gradient (2 B),
+* ``fused-mp``: per chunk, :func:`offload.kernels._fused_mp.fused_mp_adamw_steps_` (one step tensor
+  shared by every parameter, set before the step): read the bf16 gradient (2 B),
   read and write master, exp_avg, exp_avg_sq (24 B), write the bf16 parameter (2 B): 28 B;
 * ``probe``: the read-4/write-3 streaming probe ``c_4r3w`` of :mod:`bench.membus._stream` over four
   fp32 buffers as long as the model: per element, load p, g, m, v and store p, m, v in place,
@@ -46,7 +47,7 @@ from bench.membus._harness import add_output, command, interleaved, new_parser, 
 from bench.membus._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
 from bench.train.model import GPT, PRESETS, preset
 from offload import thread_limit
-from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_adamw_, fused_mp_available
+from offload.kernels._fused_mp import bitwise_matches_torch, fused_mp_adamw_steps_, fused_mp_available
 from offload.kernels._mp_reference import torch_mp_adamw_
 
 logger = logging.getLogger("bench.membus.fused_mp")
@@ -92,6 +93,7 @@ class _Slabs:
         self.param = self.master.to(torch.bfloat16)
         self.grad = (1e-3 * torch.randn(total, generator=gen)).to(torch.bfloat16)
         self.grad32 = torch.empty(total)  # the torch path's upcast buffer
+        self.step = torch.zeros(())  # the fused kernel's step tensor (every parameter's)
         self.chunks: list[dict[str, list[torch.Tensor]]] = []
         offset, current = 0, self._empty_chunk()
         for n in sizes:
@@ -99,6 +101,7 @@ class _Slabs:
                               ("masters", self.master), ("exp_avgs", self.exp_avg),
                               ("exp_avg_sqs", self.exp_avg_sq), ("grad_buffers", self.grad32)):
                 current[key].append(slab[offset:offset + n])
+            current["state_steps"].append(self.step)
             offset += n
             if sum(t.numel() for t in current["masters"]) >= chunk_numel:
                 self.chunks.append(current)
@@ -108,7 +111,8 @@ class _Slabs:
 
     @staticmethod
     def _empty_chunk() -> dict[str, list[torch.Tensor]]:
-        keys = ("params_lowp", "grads_lowp", "masters", "exp_avgs", "exp_avg_sqs", "grad_buffers")
+        keys = ("params_lowp", "grads_lowp", "masters", "exp_avgs", "exp_avg_sqs", "grad_buffers",
+                "state_steps")
         return {key: [] for key in keys}
 
 
@@ -155,12 +159,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
     def fused_step() -> None:
         for chunk in slabs.chunks:
-            fused_mp_adamw_(chunk["params_lowp"], chunk["grads_lowp"], chunk["masters"],
-                            chunk["exp_avgs"], chunk["exp_avg_sqs"], step=step, **_HYPER)
+            fused_mp_adamw_steps_(chunk["params_lowp"], chunk["grads_lowp"], chunk["masters"],
+                                  chunk["exp_avgs"], chunk["exp_avg_sqs"], chunk["state_steps"], **_HYPER)
 
     def visit(variant: str, t: int) -> float:
         nonlocal step
         step += 1
+        slabs.step.fill_(step)
         if variant == "probe":
             return probe.run("c_4r3w", t).seconds
         with thread_limit(t):

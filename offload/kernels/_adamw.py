@@ -42,6 +42,7 @@ one of bf16/fp16 where ``grad_dtypes`` names a gradient upcast from one).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -54,10 +55,10 @@ from torch import Tensor
 from offload.kernels._rounding import round_moments_, sr_key
 from offload.kernels._fused_mp import (
     Rounding,
+    StepOptions,
+    bitwise_matches_torch,
     call_f32_unchecked,
     call_steps_unchecked,
-    NativeScalars,
-    bitwise_matches_torch,
     fused_mp_available,
 )
 from offload.kernels._build import ExtensionLoader
@@ -76,7 +77,7 @@ __all__ = [
     "fused_adamw_",
     "mixed_precision_adamw_",
     "native_adamw_f32_",
-    "native_scalars",
+    "native_options",
     "new_step_tensor",
 ]
 
@@ -275,17 +276,18 @@ def fused_adamw_(
         torch._foreach_copy_(stored[1], list(exp_avg_sqs))
 
 
-def native_scalars(hyper: Hyper, steps_to_increment: Sequence[Tensor]) -> NativeScalars | None:
-    """The native kernels' scalar arguments of ``hyper``; None where ``found_inf`` skips the step
-    (done here)."""
+def native_options(hyper: Hyper, steps_to_increment: Sequence[Tensor],
+                   rounding: Rounding | None = None) -> StepOptions | None:
+    """The native kernels' one record of a call (:class:`StepOptions`): ``hyper`` as the floats
+    the kernel reads, and ``rounding``; None where ``found_inf`` skips the step (done here)."""
     scale, coef, skip = check_grad_transform(hyper)
     if skip:
         _skip_step(steps_to_increment, hyper.found_inf)  # type: ignore[arg-type]
         return None
     lr = hyper.lr
-    return NativeScalars(lr=float(lr.item()) if isinstance(lr, Tensor) else float(lr), beta1=hyper.beta1,
-                         beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
-                         grad_scale=scale, grad_coef=coef)
+    return StepOptions(lr=float(lr.item()) if isinstance(lr, Tensor) else float(lr), beta1=hyper.beta1,
+                       beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+                       grad_scale=scale, grad_coef=coef, rounding=rounding)
 
 
 def native_adamw_f32_(
@@ -311,14 +313,14 @@ def native_adamw_f32_(
     updated parameter. ``into`` and ``checksums``: see :func:`speculation_outputs`. ``loader``: whose extension runs (None: the
     process's). Raises ``FusedMPUnavailable`` when the kernel could not be built.
     """
-    scalars = native_scalars(hyper, steps_to_increment)
-    if scalars is None:
+    options = native_options(hyper, steps_to_increment, rounding)
+    if options is None:
         speculation_outputs(grads, params, exp_avgs, exp_avg_sqs, into, checksums)
         return
     call_f32_unchecked(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps),
-        outs=list(outs), steps_to_increment=list(steps_to_increment), scalars=scalars,
-        into=list(into), checksums=checksums, rounding=rounding, loader=loader,
+        outs=list(outs), steps_to_increment=list(steps_to_increment), options=options,
+        into=list(into), checksums=checksums, loader=loader,
     )
 
 
@@ -357,16 +359,16 @@ def mixed_precision_adamw_(
     """
     if follow:
         seen = params_lowp
-    scalars = native_scalars(hyper, steps_to_increment)
-    if scalars is None:
+    options = native_options(hyper, steps_to_increment, rounding)
+    if options is None:
         speculation_outputs(grads_lowp, masters, exp_avgs, exp_avg_sqs, into, checksums, seen=seen)
         return
     dtypes = {(p.dtype, g.dtype) for p, g in zip(params_lowp, grads_lowp)}
     if len(dtypes) <= 1:  # the usual case: one call
         call_steps_unchecked(
             list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
-            list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars,
-            into=list(into), checksums=checksums, seen=list(seen), rounding=rounding, loader=loader,
+            list(state_steps), steps_to_increment=list(steps_to_increment), options=options,
+            into=list(into), checksums=checksums, seen=list(seen), loader=loader,
         )
         return
     # A chunk mixing bf16 and fp16 parameters: one call per dtype pair (a call takes one of each).
@@ -378,11 +380,11 @@ def mixed_precision_adamw_(
         call_steps_unchecked(
             *([lst[i] for i in idx] for lst in (params_lowp, grads_lowp, masters, exp_avgs,
                                                 exp_avg_sqs, state_steps)),
-            steps_to_increment=[], scalars=scalars,
+            steps_to_increment=[],
+            options=options if rounding is None else dataclasses.replace(
+                options, rounding=(rounding[0], [rounding[1][i] for i in idx], [rounding[2][i] for i in idx])),
             into=[into[3 * i + k] for i in idx for k in range(3)] if into else [],
             checksums=sums, seen=[seen[i] for i in idx] if seen else [],
-            rounding=None if rounding is None else (rounding[0], [rounding[1][i] for i in idx],
-                                                     [rounding[2][i] for i in idx]),
             loader=loader,
         )
         if checksums is not None:

@@ -1,11 +1,12 @@
-"""Build and load of the fused-mp extension (its source: ``csrc/fused_mp_adamw.cpp`` of this package).
+"""Build and load of the fused-mp extension (its source: ``csrc/module.cpp`` of this package and the
+headers it includes, one per concern, each beside the Python module it serves).
 
 The C++ source is compiled on first use with torch's extension tooling
 (``torch.utils.cpp_extension.load``, which needs a C++ compiler and ``ninja``) into
 ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set (torch's own convention for extension builds),
 else ``$XDG_CACHE_HOME/offload-autotune/ext/<name>`` (``offload._settings.extensions_dir``; never
 beside the tuning cache, whose path may be ``/dev/null`` or a bare ``c.json``), and ``<name>``
-hashes the source and its path, the torch and Python versions, the compiler's ``--version`` and the flags, so
+hashes the source, every header it includes (:func:`source_files`) and their paths, the torch and Python versions, the compiler's ``--version`` and the flags, so
 a cached build is reused only where it was made for exactly this combination. The flags are those torch compiles its own kernels with
 for the CPU capability torch dispatches to at runtime (``torch.backends.cpu.get_cpu_capability()``:
 AVX512, AVX2 or DEFAULT), never ``-march=native``: that would tie a cache shared over NFS to one CPU
@@ -26,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -51,12 +53,17 @@ __all__ = [
     "load_extension",
     "needs_build",
     "pip_ninja_on_path",
+    "source_digest",
+    "source_files",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: The kernel's C++ source.
-SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_mp_adamw.cpp"
+#: The kernel's C++ source: one translation unit (each extra one that includes torch's headers
+#: costs 15-25 s of compile on a 2-core machine) that includes the headers beside it.
+SOURCE = Path(__file__).resolve().parent / "csrc" / "module.cpp"
+#: A quoted include (``#include "x.h"``): a file of the kernel's own, resolved beside its includer.
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 _NAME_PREFIX = "offload_fused_mp"
 #: Flags torch's CMake (cmake/Codegen.cmake) compiles its per-capability kernels with (plus
 #: -mf16c for AVX2, which ATen's fp16 vector conversions need outside torch's own build; every
@@ -111,10 +118,44 @@ def _compiler_identity(compiler: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else compiler
 
 
+def source_files(source: Path = SOURCE) -> tuple[Path, ...]:
+    """Every file the build of ``source`` reads besides torch's and the system's headers:
+    ``source`` and, transitively, each file a quoted ``#include`` names (resolved beside the file
+    that includes it, as the compiler does), each once, in the order first met. A quoted include
+    of a file that does not exist is left to the compiler (its name is still in the includer's
+    bytes); one inside an ``#if`` counts whatever the condition (a key that changes too often
+    costs a build, one that changes too rarely reuses a stale one)."""
+    seen: dict[Path, None] = {}
+    pending = [source.resolve()]
+    while pending:
+        path = pending.pop(0)
+        if path in seen or not path.is_file():
+            continue
+        seen[path] = None
+        for name in _LOCAL_INCLUDE.findall(path.read_bytes()):
+            pending.append((path.parent / name.decode()).resolve())
+    return tuple(seen)
+
+
+def _sources_digest(source: Path) -> bytes:
+    """sha256 over the name (relative to ``source``'s folder) and bytes of every file of
+    :func:`source_files`: the same for two checkouts of one commit."""
+    digest = hashlib.sha256()
+    files = source_files(source)
+    root = source.resolve().parent
+    for path in files or (source,):  # (a missing source: read_bytes raises, as before)
+        digest.update(os.path.relpath(path, root).encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.digest()
+
+
 def source_digest(source: Path = SOURCE) -> str:
-    """A short hash of the native kernel's source (part of a tuned setting's cache key: a kernel
-    changed in a source checkout, whose package version stays "source", may move the optimum)."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    """A short hash of the native kernel's source and the headers it includes (part of a tuned
+    setting's cache key: a kernel changed in a source checkout, whose package version stays
+    "source", may move the optimum)."""
+    return _sources_digest(source).hex()[:16]
 
 
 def build_spec(source: Path = SOURCE, cache_root: Path | None = None) -> BuildSpec:
@@ -127,7 +168,9 @@ def build_spec(source: Path = SOURCE, cache_root: Path | None = None) -> BuildSp
     compiler = cpp_extension.get_cxx_compiler()
     key = hashlib.sha256()
     for part in (
-        source.read_bytes(),
+        # Every file of ours the compiler reads (the source and its headers: an edited header
+        # must not reuse a stale build).
+        _sources_digest(source),
         # torch's build.ninja names the source by its path: two checkouts sharing one directory
         # would rebuild each other's build (about 25 s) on every first use.
         str(source.resolve()).encode(),
@@ -200,8 +243,6 @@ def _first_error_line(text: str) -> str:
 
 def load_extension(spec: BuildSpec) -> ModuleType:
     """Build (or reuse) and import the extension; raises FusedMPUnavailable with the reason."""
-    from torch.utils import cpp_extension
-
     if shutil.which(spec.compiler) is None:
         raise FusedMPUnavailable(
             f"no C++ compiler: {spec.compiler!r} is not on PATH (install g++ or set CXX)"

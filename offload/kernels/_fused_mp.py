@@ -3,9 +3,14 @@
 The torch path of a bf16 model's offloaded step makes three passes over memory: upcast the bf16
 gradient into an fp32 buffer (read 2 + write 4 bytes per parameter), torch's fused AdamW on the
 fp32 master and moments (28 bytes), downcast the master into the bf16 parameter (read 4 + write 2),
-about 40 bytes per parameter. :func:`fused_mp_adamw_` does it in one pass: it reads the bf16
+about 40 bytes per parameter. :func:`fused_mp_adamw_steps_` does it in one pass: it reads the bf16
 gradient, updates the fp32 master and moments in place and writes the bf16 parameter, 28 bytes per
-parameter (``csrc/fused_mp_adamw.cpp`` of this package).
+parameter (``csrc/mp_adamw.h`` of this package; ``csrc/module.cpp`` lists the extension's files).
+
+One native entry point per kernel kind: ``fused_mp_adamw_steps_`` (bf16/fp16 parameters) and
+``adamw_f32_steps_`` (fp32 parameters, :func:`call_f32_unchecked`), each called with its tensors
+and one :class:`StepOptions` record (everything else: hyper-parameters, gradient transforms,
+stochastic rounding), made in Python and read once by the C++ side (``csrc/step_options.h``).
 
 Build and load: :mod:`offload.kernels._build` (a :class:`KernelLoader` per source and cache;
 every function here takes ``loader=``, default the process's own, built once per process).
@@ -58,14 +63,12 @@ __all__ = [
     "STEP_RTOL",
     "FusedMPUnavailable",
     "bitwise_matches_torch",
-    "NativeScalars",
     "Rounding",
+    "StepOptions",
     "call_f32_unchecked",
     "call_steps_unchecked",
     "check_hyper",
     "check_lists",
-    "check_step",
-    "fused_mp_adamw_",
     "fused_mp_adamw_steps_",
     "fused_mp_available",
     "process_loader",
@@ -115,10 +118,18 @@ def bitwise_matches_torch() -> bool:
     return (major_minor, torch.backends.cpu.get_cpu_capability()) in BITWISE_VERIFIED
 
 
-@dataclass(frozen=True, slots=True)
-class NativeScalars:
-    """The scalar arguments of one native kernel call: a param group's ``Hyper`` as the floats the
-    kernel reads (``offload.kernels._adamw.native_scalars`` makes it once per job)."""
+Rounding = tuple[int, list[int], list[int]]
+"""Stochastic rounding of one call's bf16 moments: ``(seed, slots, starts)``, per tensor the slot
+of its parameter and the index in it of its first element (``offload.kernels._rounding``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOptions:
+    """Everything of one native AdamW call that is not a tensor: the one record both entry points
+    take (``options=``), read once by the C++ side (``csrc/step_options.h``: ``read_options``,
+    whose TypeError names a missing or mistyped field). ``offload.kernels._adamw.native_options``
+    makes it from a param group's ``Hyper`` once per call; :func:`fused_mp_adamw_steps_` from its
+    checked arguments."""
 
     lr: float
     beta1: float
@@ -129,24 +140,21 @@ class NativeScalars:
     """Each gradient element is used as ``g / grad_scale`` (None: not applied)."""
     grad_coef: float | None = None
     """Then ``* grad_coef`` rounded to the gradient's dtype (None: not applied)."""
+    rounding: Rounding | None = None
+    """The bf16 moments rounded stochastically (:data:`Rounding`; None: to nearest-even)."""
 
 
 def check_lists(**lists: Sequence[Tensor]) -> None:
     for name, value in lists.items():
         if not isinstance(value, (list, tuple)):
             raise TypeError(
-                f"fused_mp_adamw_: {name} is a {type(value).__name__}: expected a list of tensors"
+                f"fused_mp_adamw_steps_: {name} is a {type(value).__name__}: expected a list of tensors"
             )
         for i, item in enumerate(value):
             if not isinstance(item, Tensor):
                 raise TypeError(
-                    f"fused_mp_adamw_: {name}[{i}] is a {type(item).__name__}: expected a Tensor"
+                    f"fused_mp_adamw_steps_: {name}[{i}] is a {type(item).__name__}: expected a Tensor"
                 )
-
-
-def check_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise ValueError(f"fused_mp_adamw_: step={step!r}: expected an int >= 1")
 
 
 def check_hyper(lr: float, beta1: float, beta2: float, eps: float, wd: float) -> None:
@@ -158,54 +166,10 @@ def check_hyper(lr: float, beta1: float, beta2: float, eps: float, wd: float) ->
         ("weight_decay", wd, 0.0, math.inf),
     ):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"fused_mp_adamw_: {name}={value!r}: expected a float")
+            raise TypeError(f"fused_mp_adamw_steps_: {name}={value!r}: expected a float")
         if not (math.isfinite(value) and low <= value and (value < high or high == math.inf)):
             bound = f"in [{low}, {high})" if high != math.inf else f"finite and >= {low}"
-            raise ValueError(f"fused_mp_adamw_: {name}={value!r}: expected {bound}")
-
-
-def fused_mp_adamw_(
-    params_lowp: Sequence[Tensor],
-    grads_lowp: Sequence[Tensor],
-    masters: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    loader: ExtensionLoader | None = None,
-) -> None:
-    """One AdamW step over lists of CPU tensors in a single pass, in place.
-
-    For each ``i``: reads ``grads_lowp[i]`` (bf16 or fp16), updates ``masters[i]``,
-    ``exp_avgs[i]``, ``exp_avg_sqs[i]`` (fp32) like ``torch._fused_adamw_`` on the upcast
-    gradient, and writes the master rounded to nearest-even into ``params_lowp[i]`` (bf16 or fp16).
-    All tensors of an index hold the same number of elements and are contiguous CPU tensors
-    (typically 1-D slab views); each list has one dtype. ``step`` is the step number after this
-    update (1 on the first step), as in ``torch.optim.AdamW``.
-
-    Every input is checked before any memory is written: TypeError for a wrong type or dtype,
-    ValueError for lengths, sizes, devices, layouts, non-contiguous or aliased tensors and
-    hyper-parameters, each naming the argument and index. Raises :class:`FusedMPUnavailable` when
-    the kernel could not be built (check :func:`fused_mp_available` first). Runs on torch's
-    intra-op thread pool (``torch.set_num_threads``) and releases the GIL while it runs.
-    """
-    check_lists(
-        params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
-        exp_avg_sqs=exp_avg_sqs,
-    )
-    check_step(step)
-    check_hyper(lr, beta1, beta2, eps, weight_decay)
-    module = _module(loader)
-    module.fused_mp_adamw_(
-        list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
-        step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-        weight_decay=float(weight_decay),
-    )
+            raise ValueError(f"fused_mp_adamw_steps_: {name}={value!r}: expected {bound}")
 
 
 def fused_mp_adamw_steps_(
@@ -226,19 +190,32 @@ def fused_mp_adamw_steps_(
     grad_coef: float | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
-    """:func:`fused_mp_adamw_` with torch's step bookkeeping: each tensor's own step tensor.
+    """One AdamW step over lists of CPU tensors in a single pass, in place, with torch's step
+    bookkeeping: each tensor's own step tensor.
+
+    For each ``i``: reads ``grads_lowp[i]`` (bf16 or fp16), updates ``masters[i]``,
+    ``exp_avgs[i]``, ``exp_avg_sqs[i]`` (fp32) like ``torch._fused_adamw_`` on the upcast
+    gradient, and writes the master rounded to nearest-even into ``params_lowp[i]`` (bf16 or fp16).
+    All tensors of an index hold the same number of elements and are contiguous CPU tensors
+    (typically 1-D slab views); each list has one dtype.
 
     ``state_steps[i]`` is the fp32 one-element step tensor of the parameter ``masters[i]``
     belongs to (several entries may share one). First each of ``steps_to_increment`` is
     incremented by one (as ``torch._foreach_add_(steps, 1)`` before torch's fused AdamW), then
     every tensor is updated with the step its step tensor then holds, read as a float as torch
-    reads it. One call does the work of a ``_foreach_add_``, a ``.item()`` per tensor and one
-    kernel call per distinct step: the offload pipeline's per-chunk Python time, which on a
-    memory-bound step leaves the memory bus idle, no longer grows with the number of parameters.
+    reads it (the step number after this update: 1 on the first step, as in
+    ``torch.optim.AdamW``). One call does the work of a ``_foreach_add_``, a ``.item()`` per
+    tensor and one kernel call per distinct step: the offload pipeline's per-chunk Python time,
+    which on a memory-bound step leaves the memory bus idle, no longer grows with the number of
+    parameters.
 
-    Same checks as :func:`fused_mp_adamw_` (all before the first write, the step increments
-    included), plus: every step tensor is a one-element fp32 CPU tensor, and every step is finite
-    and >= 1 after the increments.
+    Every input is checked before any memory is written, the step increments included:
+    TypeError for a wrong type or dtype, ValueError for lengths, sizes, devices, layouts,
+    non-contiguous or aliased tensors, hyper-parameters, a step tensor that is not a one-element
+    fp32 CPU tensor, or a step that is not finite and >= 1 after the increments, each naming the
+    argument and index. Raises :class:`FusedMPUnavailable` when the kernel could not be built
+    (check :func:`fused_mp_available` first). Runs on torch's intra-op thread pool
+    (``torch.set_num_threads``) and releases the GIL while it runs.
 
     ``grad_scale``, ``grad_coef`` (the fp32 values of ``offload.kernels._adamw.Hyper``'s tensors; None:
     not applied): each gradient element is used as ``g / grad_scale`` (fp32 division, as
@@ -251,26 +228,14 @@ def fused_mp_adamw_steps_(
         exp_avg_sqs=exp_avg_sqs, state_steps=state_steps, steps_to_increment=steps_to_increment,
     )
     check_hyper(lr, beta1, beta2, eps, weight_decay)
-    scalars = NativeScalars(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                            weight_decay=float(weight_decay),
-                            grad_scale=None if grad_scale is None else float(grad_scale),
-                            grad_coef=None if grad_coef is None else float(grad_coef))
+    options = StepOptions(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                          weight_decay=float(weight_decay),
+                          grad_scale=None if grad_scale is None else float(grad_scale),
+                          grad_coef=None if grad_coef is None else float(grad_coef))
     call_steps_unchecked(
         list(params_lowp), list(grads_lowp), list(masters), list(exp_avgs), list(exp_avg_sqs),
-        list(state_steps), steps_to_increment=list(steps_to_increment), scalars=scalars, loader=loader,
+        list(state_steps), steps_to_increment=list(steps_to_increment), options=options, loader=loader,
     )
-
-
-Rounding = tuple[int, list[int], list[int]]
-"""Stochastic rounding of one call's bf16 moments: ``(seed, slots, starts)``, per tensor the slot
-of its parameter and the index in it of its first element (``offload.kernels._rounding``)."""
-
-
-def _rounding_kwargs(rounding: Rounding | None) -> dict[str, object]:
-    if rounding is None:
-        return {}
-    seed, slots, starts = rounding
-    return {"sr_seed": seed, "sr_slots": slots, "sr_starts": starts}
 
 
 def call_steps_unchecked(
@@ -282,18 +247,18 @@ def call_steps_unchecked(
     state_steps: list[Tensor],
     *,
     steps_to_increment: list[Tensor],
-    scalars: NativeScalars,
+    options: StepOptions,
     into: list[Tensor] | None = None,
     checksums: Tensor | None = None,
     seen: list[Tensor] | None = None,
-    rounding: Rounding | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """:func:`fused_mp_adamw_steps_` without its Python-side checks, for the offload pipeline.
-    ``rounding``: stochastic rounding of bf16 moments (:data:`Rounding`; None: nearest-even).
-    ``into``/``checksums``: a speculation's next generation (the new master and moments, written
-    out of place) and gradient checksums, made in the kernel's pass; ``seen``: the weights the
-    masters must round to (see :func:`offload.kernels._adamw.mixed_precision_adamw_`).
+    ``options``: everything but the tensors (:class:`StepOptions`, stochastic rounding of bf16
+    moments included). ``into``/``checksums``: a speculation's next generation (the new master
+    and moments, written out of place) and gradient checksums, made in the kernel's pass;
+    ``seen``: the weights the masters must round to (see
+    :func:`offload.kernels._adamw.mixed_precision_adamw_`).
 
     The C++ side still checks every tensor before writing; what is skipped is the per-element
     ``isinstance`` walk (pybind rejects a non-tensor with a less precise TypeError) and the
@@ -303,10 +268,8 @@ def call_steps_unchecked(
     module = _module(loader)
     module.fused_mp_adamw_steps_(
         params_lowp, grads_lowp, masters, exp_avgs, exp_avg_sqs, state_steps,
-        steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
-        eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
-        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums, seen=seen or [],
-        **_rounding_kwargs(rounding),
+        steps_to_increment=steps_to_increment, into=into or [], checksums=checksums,
+        seen=seen or [], options=options,
     )
 
 
@@ -319,10 +282,9 @@ def call_f32_unchecked(
     *,
     outs: list[Tensor],
     steps_to_increment: list[Tensor],
-    scalars: NativeScalars,
+    options: StepOptions,
     into: list[Tensor] | None = None,
     checksums: Tensor | None = None,
-    rounding: Rounding | None = None,
     loader: ExtensionLoader | None = None,
 ) -> None:
     """The fp32 entry point (each parameter its own master, fp32 gradients; ``outs`` empty or a
@@ -332,7 +294,5 @@ def call_f32_unchecked(
     module = _module(loader)
     module.adamw_f32_steps_(
         params, grads, exp_avgs, exp_avg_sqs, state_steps, outs=outs,
-        steps_to_increment=steps_to_increment, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2,
-        eps=scalars.eps, weight_decay=scalars.weight_decay, grad_scale=scalars.grad_scale,
-        grad_coef=scalars.grad_coef, into=into or [], checksums=checksums, **_rounding_kwargs(rounding),
+        steps_to_increment=steps_to_increment, into=into or [], checksums=checksums, options=options,
     )

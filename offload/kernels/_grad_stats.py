@@ -3,7 +3,7 @@
 ``CPUOffloadAdamW.clip_grad_norm_`` needs each gradient's norm term (the total norm is the only
 global quantity of a clipped step), and a speculative step validates what a chunk consumed by the
 content of its gradients. Both are one read of every gradient, so :func:`grad_stats_` computes
-both in that one read (``grad_stats_`` in this package's ``csrc/fused_mp_adamw.cpp``), per tensor:
+both in that one read (``grad_stats_`` in this package's ``csrc/grad_stats.h``), per tensor:
 
 * the norm term in float64: ``sum g**2`` (``norm_type`` 2), ``sum |g|`` (1), ``max |g|`` (inf);
   other ``norm_type`` values go to the torch reference (``sum |g|**p``). The sum runs over fixed

@@ -1,17 +1,24 @@
-"""The torch path with ``offload.kernels._fused_mp.fused_mp_adamw_``'s signature: the reference the
-fused-mp tests and ``bench.membus.fused_mp`` compare the native kernel with."""
+"""The torch path of the mixed-precision step (upcast, torch's fused AdamW, downcast): the reference
+the fused-mp tests and ``bench.membus.fused_mp`` compare the native kernel
+(``offload.kernels._fused_mp.fused_mp_adamw_steps_``, ``csrc/mp_adamw.h``) with."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from offload.kernels._adamw import Hyper, fused_adamw_
-from offload.kernels._fused_mp import check_hyper, check_lists, check_step
+from offload.kernels._fused_mp import check_hyper, check_lists
 
 __all__ = ["torch_mp_adamw_"]
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"torch_mp_adamw_: step={step!r}: expected an int >= 1")
 
 
 @torch.no_grad()
@@ -32,8 +39,10 @@ def torch_mp_adamw_(
     grad_scale: Tensor | None = None,
     grad_coef: Tensor | None = None,
 ) -> None:
-    """The torch path with ``offload.kernels._fused_mp.fused_mp_adamw_``'s signature: the reference of the
-    fused-mp tests and benchmarks.
+    """The torch path of the mixed-precision step: the reference of the fused-mp tests and
+    benchmarks. ``step``: the step number after this update (1 on the first step), the same for
+    every tensor (what each tensor's step tensor holds after the increments, for
+    ``offload.kernels._fused_mp.fused_mp_adamw_steps_``).
 
     Upcasts each gradient into an fp32 buffer (``grad_buffers`` when given, else new tensors),
     runs ``torch._fused_adamw_`` on the fp32 masters and moments, and copies the masters into the
@@ -45,7 +54,7 @@ def torch_mp_adamw_(
         params_lowp=params_lowp, grads_lowp=grads_lowp, masters=masters, exp_avgs=exp_avgs,
         exp_avg_sqs=exp_avg_sqs,
     )
-    check_step(step)
+    _check_step(step)
     check_hyper(lr, beta1, beta2, eps, weight_decay)
     if not masters:
         return

@@ -1,6 +1,6 @@
 """Stochastic rounding of bf16 moments (``CPUOffloadAdamW(state_rounding="stochastic")``), with torch ops.
 
-The native kernels do this in their pass (``csrc/fused_mp_adamw.cpp``: ``sr_key``, ``sr_hash``,
+The native kernels do this in their pass (``csrc/rounding.h``: ``sr_key``, ``sr_hash``,
 ``sr_round``); this module is the same function for torch's kernel, bit for bit. Element ``j``
 (< 2**32) of the parameter in slot ``slot`` gets 32 random bits ``h = sr_hash(key, j)`` with
 ``key = sr_key(seed, step, slot)``: they depend on the seed, the step, the parameter and the
