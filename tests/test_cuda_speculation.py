@@ -156,10 +156,10 @@ class Rig:
     def _launch(self, c: Chunk, grads: list[torch.Tensor], ready: Any) -> ChunkJob:
         items = [Item(v, self.params[v.slot], grads[v.slot], self.state[self.params[v.slot]]["step"], KIND_TORCH)
                  for v in c.views]
-        job = ChunkJob(chunk=c.index, items=items, hyper=HYPER, threads=1, update=True, materialize=False,
-                       into_next=True, done=threading.Event(), ready_event=ready)
-        self.spec.launch(c, job, {v.slot: grads[v.slot] for v in c.views}, self.records, self.state,
-                         host_weights=False)
+        job = self.spec.launch(c, items, {v.slot: grads[v.slot] for v in c.views}, self.records, self.state,
+                               host_weights=False, job=lambda before_kernel: ChunkJob(
+                                   chunk=c.index, items=items, hyper=HYPER, threads=1, update=True, materialize=False,
+                                   into_next=True, done=threading.Event(), ready_event=ready, before_kernel=before_kernel))
         self.pipe.submit(job)
         return job
 

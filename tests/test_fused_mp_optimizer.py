@@ -175,13 +175,13 @@ class _CountingPrepare(HostTransport):
         super().__init__()
         self.prepared: list[bool] = []
 
-    def prepare(self, job, lists, kernels) -> None:
-        super().prepare(job, lists, kernels)
-        self.prepared.append(job.calls is not None)
+    def prepare(self, job, calls) -> None:
+        super().prepare(job, calls)
+        self.prepared.append(job.progress.calls is not None)
 
 
 class _FailingPrepare(HostTransport):
-    def prepare(self, job, lists, kernels) -> None:
+    def prepare(self, job, calls) -> None:
         raise RuntimeError("prepare failed")
 
 
@@ -220,7 +220,7 @@ def test_kernel_calls_prepared_at_submit_or_by_the_worker_agree(kernel, caplog) 
     seen = {}
 
     def inspect(opt: CPUOffloadAdamW) -> None:
-        seen["prepared"] = dict(opt._pipeline.transport._prepared)
+        seen["prepared"] = dict(opt._pipeline.calls.templates)
         seen["chunks"] = opt.last_stats.num_chunks
 
     _run(torch.bfloat16, "fused-mp", chunk=3000, inspect=inspect)

@@ -62,7 +62,7 @@ def test_items_and_kernel_calls_are_made_once_per_chunk_layout() -> None:
 
     def snapshot():
         items = dict(opt._layout.items.entries)
-        prepared = dict(opt._pipeline.transport._prepared)
+        prepared = dict(opt._pipeline.calls.templates)
         held.append((items, prepared))
         return ({i: id(c.items) for i, c in items.items()}, {i: id(e.calls) for i, e in prepared.items()})
 

@@ -190,11 +190,12 @@ class Launcher:
         group = opt.param_groups[chunk.group]
         hyper = replace(hyper_of(group, lr_into=self._lr_place(chunk, group["lr"])), grad_scale=self._grad_scale)
         items = fresh_items(chunk, grads, records, state, kernel=self.settings.kernel)
-        job = ChunkJob(chunk=chunk.index, items=items, hyper=hyper, threads=self.backward_threads(),
-                       update=True, materialize=False, into_next=True, done=threading.Event(),
-                       ready_event=pipeline.transport.ready_event())
-        self.speculation.launch(chunk, job, grads, records, state,
-                                host_weights=pipeline.transport.host_weights)
+        ready, threads = pipeline.transport.ready_event(), self.backward_threads()
+        job = self.speculation.launch(
+            chunk, items, grads, records, state, host_weights=pipeline.transport.host_weights,
+            job=lambda before_kernel: ChunkJob(
+                chunk=chunk.index, items=items, hyper=hyper, threads=threads, update=True, materialize=False,
+                into_next=True, done=threading.Event(), ready_event=ready, before_kernel=before_kernel))
         pipeline.submit(job)
 
     def backward_threads(self) -> int:
@@ -229,10 +230,10 @@ class Launcher:
         assert opt is not None and layout is not None and pipeline is not None and self.hooks is not None
         self.hooks.end_window()
         launched = self.speculation.take()
-        for spec in launched.values():
+        if launched:
             # Backward is over: an early kernel the worker has not started yet runs with the
             # drain's threads (read once, when the worker takes the job; either count is exact).
-            spec.job.threads = threads
+            pipeline.set_threads(threads)
         if not launched:
             if self.paused and self._would_commit(opt.param_groups, hyper_now):
                 self.paused, self._stale_steps = False, 0
@@ -323,7 +324,7 @@ class Launcher:
         if self._writes:
             assert self.pipeline is not None and self.layout is not None
             result = self.pipeline.drain()
-            done = [j for j in self._writes if j.materialized]
+            done = [j for j in self._writes if j.progress.materialized]
             mixed = part_stepped(self.layout, [], self._writes, failed=True)
             keep_views(self.layout, [it.view for j in done for it in j.items])
             self.speculation.reset_steps()
@@ -343,7 +344,8 @@ class Launcher:
         of the step landed (no update ran, no committed weights written): the early chunks are
         dropped and the step counters put back. Returns the slots a failure left part-stepped
         (``part_stepped``)."""
-        failed = error and not any(j.kernel_ran for j in updates) and not any(j.materialized for j in self._writes)
+        failed = error and not any(j.progress.kernel_ran for j in updates) and not any(
+            j.progress.materialized for j in self._writes)
         mixed = part_stepped(self.layout, updates, self._writes, failed=failed) if error else []
         if segments:
             assert self.layout is not None

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from offload.state._edits import stamp
-from offload.state._items import KIND_TORCH, ItemKind, follows_weights
+from offload.state._items import KIND_TORCH, Item, ItemKind, follows_weights
 from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._operands import grad_slice, param_view
 from offload.kernels._adamw import Hyper
@@ -71,6 +71,8 @@ Checksums = Callable[[list[Tensor]], Tensor]
 """``checksums(tensors)``: a 1-D int64 tensor, one content checksum per tensor."""
 ViewKey = tuple[int, int, int]
 """(slot, start, stop): the elements of one parameter's gradient an early item read."""
+BeforeKernel = Callable[[ChunkJob], dict[ItemKind, Tensor]]
+"""What the worker calls right before an early job's kernel (``ChunkJob.before_kernel``)."""
 def same_hyper(a: Hyper, b: Hyper) -> bool:
     """Would a kernel run with ``a`` give the bits of one run with ``b``?"""
     if (a.beta1, a.beta2, a.weight_decay, a.eps) != (b.beta1, b.beta2, b.weight_decay, b.eps):
@@ -160,12 +162,14 @@ class Speculation:
         self._keys.clear()
 
     # -------------------------------------------------------------- launch (backward hook)
-    def launch(self, chunk: Chunk, job: ChunkJob, grads: Mapping[int, Tensor],
+    def launch(self, chunk: Chunk, items: list[Item], grads: Mapping[int, Tensor],
                records: Sequence[ParamRecord], state: Mapping[Tensor, dict[str, Any]], *,
-               host_weights: bool) -> None:
-        """On the launching thread, before ``job`` is submitted: the step counters the early
+               host_weights: bool, job: Callable[[BeforeKernel], ChunkJob]) -> ChunkJob:
+        """On the launching thread, before the job is submitted: the step counters the early
         kernels count (copies: ``optimizer.state`` keeps the committed count until
-        :meth:`publish_steps`), and the worker's checksums (:meth:`_before_kernel`)."""
+        :meth:`publish_steps`), put in ``items`` (the chunk's fresh ones); returns the job
+        ``job(before_kernel)`` makes, whose worker calls ``before_kernel`` for the checksums
+        (:meth:`_before_kernel`)."""
         first = [s for s in grads if s not in self._steps]
         if first:
             # One copy per chunk into this speculation's own step tensors (0-d views of two
@@ -177,18 +181,23 @@ class Speculation:
             torch._foreach_copy_([counted[s] for s in first], reals)
             for s, step in zip(first, reals):
                 self._steps[s] = (step, before[s], counted[s])
-        for it in job.items:  # fresh Items of this job: each counts its parameter's copy
+        for it in items:  # fresh Items of this job: each counts its parameter's copy
             it.step = self._steps[it.view.slot][2]
+
+        def before_kernel(job: ChunkJob) -> dict[ItemKind, Tensor]:
+            return self._before_kernel(job, spec, chunk)  # (spec: bound below, before any submit)
+
+        made = job(before_kernel)
         # No checksum here (no device work in a hook): every gradient view is checksummed on the
         # worker from what its kernel consumes (_before_kernel).
-        spec = SpeculativeChunk(job, tuple(grads), dict(grads),
+        spec = SpeculativeChunk(made, tuple(grads), dict(grads),
                                 {s: state[records[s].param]["step"] for s in grads},
                                 {s: stamp(records[s]) for s in grads})
-        spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in job.items]
-        spec.weighted = {(it.view.slot, it.view.start, it.view.stop) for it in job.items
+        spec.views = [(it.view.slot, it.view.start, it.view.stop) for it in items]
+        spec.weighted = {(it.view.slot, it.view.start, it.view.stop) for it in items
                          if it.grad is not None and follows_weights(it, host_weights)}
         self._launched[chunk.index] = spec
-        job.before_kernel = lambda job, spec=spec, chunk=chunk: self._before_kernel(job, spec, chunk)
+        return made
 
     def _step_views(self, n: int) -> tuple[list[Tensor], list[Tensor]]:
         """Per slot, a 0-d fp32 view of each of two buffers: the step count before the window,
@@ -206,12 +215,13 @@ class Speculation:
             keys = self._keys[chunk.index] = {(v.slot, v.start): (v.slot, v.start, v.stop) for v in chunk.views}
         return keys
 
-    def _before_kernel(self, job: ChunkJob, spec: SpeculativeChunk, chunk: Chunk) -> None:
+    def _before_kernel(self, job: ChunkJob, spec: SpeculativeChunk, chunk: Chunk) -> dict[ItemKind, Tensor]:
         """On the worker, right before the early kernel (and before the transport reads or
-        upcasts any gradient): where the checksums of the gradient views it reads go. Items of a
-        native kernel get them from their kernel call, CUDA items of torch's kernel from the
-        transport, of the staged copy once it landed (both through ``job.speculate``); host items
-        of torch's kernel are checksummed here, first."""
+        upcasts any gradient): where the checksums of the gradient views it reads go, returned
+        per item kind (the worker keeps them in ``job.progress.speculate``). Items of a native
+        kernel get them from their kernel call, CUDA items of torch's kernel from the transport,
+        of the staged copy once it landed; host items of torch's kernel are checksummed here,
+        first."""
         keys = self._view_keys(chunk)
         summed: list[tuple[ViewKey, Tensor]] = []
         weights: list[tuple[int, Tensor]] = []  # (index in summed, the weights torch's kernel compares with)
@@ -243,12 +253,13 @@ class Speculation:
                 sums[[i for i, _ in weights]] += self._checksums([w for _, w in weights])
             for i, (key, _) in enumerate(summed):
                 self._sums[key] = (sums, i)
-        job.speculate = {}
+        places: dict[ItemKind, Tensor] = {}
         for kind, kind_keys in in_pass.items():
             sums = torch.zeros(len(kind_keys), dtype=torch.int64)
-            job.speculate[kind] = sums
+            places[kind] = sums
             for i, key in enumerate(kind_keys):
                 self._sums[key] = (sums, i)
+        return places
 
     # -------------------------------------------------------------- step()
     def has_launched(self) -> bool:
@@ -319,7 +330,7 @@ class Speculation:
             group = chunk_group(c)
             if group not in now_of:
                 now_of[group] = on_host(hyper_now(group))
-            yield c, bool(not spec.job.kernel_ran or changed.intersection(spec.slots) or stale_views
+            yield c, bool(not spec.job.progress.kernel_ran or changed.intersection(spec.slots) or stale_views
                           or not same_hyper(spec.job.hyper, now_of[group]))
 
     def _now(self, keys: list[ViewKey], reading: GradReading, weighted: set[ViewKey],

@@ -53,13 +53,14 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload.pipeline._buffers import STAGING_ALIGN, Scratch, SlabListCache
+from offload.pipeline._buffers import STAGING_ALIGN, Scratch
+from offload.pipeline._calls import CallBuilder
 from offload.pipeline._jobs import ChunkJob, StageRecord
 from offload.pipeline._cuda_runtime import CudaRuntime
 from offload.pipeline._pinned import LowpPlaces, PinnedPool, Ring
 from offload.pipeline._waits import DEVICE_TIMEOUT_S, EventWait
 from offload.state._items import KIND_MP, KIND_TORCH, Item
-from offload.kernels._adamw import ChecksumKernel, KernelSet
+from offload.kernels._adamw import ChecksumKernel
 from offload.pipeline._operands import torch_grads
 from offload.state._slabs import Chunk, HostSlabs, View
 
@@ -305,11 +306,11 @@ class CudaTransport:
             ops.record(event, ops.current_stream())
         return event
 
-    def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
+    def prepare(self, job: ChunkJob, calls: CallBuilder) -> None:
         """No kernel call ahead: the kernel's gradient operands exist only after the worker's d2h
         copy. The kernels' checksum function is kept for the staged copies of an early chunk's
         items of torch's kernel (:meth:`finish_d2h`)."""
-        self._checksums = kernels.checksums
+        self._checksums = calls.kernels.checksums
 
     def issue_d2h(self, job: ChunkJob) -> None:
         t_issue = time.perf_counter()
@@ -328,15 +329,16 @@ class CudaTransport:
                        spans=[(it.view.start, it.view.stop) for it in job.items])
             ops.record(end, stream)
             self._d2h.used_by(slot, end, ("d2h", job.chunk, "end"))
-        job.transfer = (staged, start, end, t_issue)
+        job.progress.transfer = (staged, start, end, t_issue)
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        staged, start, end, t_issue = job.transfer
+        progress = job.progress
+        staged, start, end, t_issue = progress.transfer
         self._lowp.note(job, slabs)
         self._wait(end, ("d2h", job.chunk, "end"), f"chunk {job.chunk}'s gradients (their copy to the host)")
         gpu_s = start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
-        sums = None if job.speculate is None else job.speculate.pop(KIND_TORCH, None)
+        sums = None if progress.speculate is None else progress.speculate.pop(KIND_TORCH, None)
         if sums is not None:
             self._checksum_staged(job, staged, sums)
         # The kernels read the pinned copies where they are (fused-mp: low precision; fp32
@@ -344,10 +346,10 @@ class CudaTransport:
         # upcast, into the chunk-sized scratch buffer.
         upcast = [i for i, (it, src) in enumerate(zip(job.items, staged))
                   if it.kind != KIND_MP and src.dtype != torch.float32]
-        job.grads = torch_grads(job, list(staged), upcast, self._scratch)
+        progress.grads, progress.coef_in_grads = torch_grads(job, list(staged), upcast, self._scratch)
         t1 = time.perf_counter()
         records.append(StageRecord(job.chunk, "d2h", t_issue, t1, gpu_s + (t1 - t0)))
-        job.transfer = None
+        progress.transfer = None
 
     def _checksum_staged(self, job: ChunkJob, staged: list[Tensor], sums: Tensor) -> None:
         """An early chunk (``offload.overlap._speculation``): into ``sums``, the checksums of its
@@ -366,14 +368,15 @@ class CudaTransport:
     def _slot_view(self, job: ChunkJob, item: Item) -> Tensor:
         """``item``'s place in the job's h2d ring slot, taken on first use (before the kernel
         writes into it: ``take`` waits for the slot's previous copy)."""
-        if job.staging is None:
+        progress = job.progress
+        if progress.staging is None:
             dtypes = [it.param.dtype for it in job.items]
             offsets, nbytes = _staging_layout(job.items, dtypes)
             with self._ops.context():
                 slot, buf = self._h2d.take(nbytes)
             where = {id(it): (off, dt) for it, off, dt in zip(job.items, offsets, dtypes)}
-            job.staging = (slot, buf, where)
-        _, buf, where = job.staging
+            progress.staging = (slot, buf, where)
+        _, buf, where = progress.staging
         off, dtype = where[id(item)]
         return _staged(buf, off, item.view.numel, dtype)
 
@@ -395,14 +398,15 @@ class CudaTransport:
         t0 = time.perf_counter()
         # the new master: out of place (a step that commits a speculation), the next generation's
         master = (lambda v: slabs.next_view("master", v)) if job.into_next else (lambda v: slabs.view("master", v))
+        progress = job.progress
         with ops.context():
-            if job.staging is not None:  # the kernel of this job wrote its native items' weights
-                written = {id(it) for it in job.items if it.kind} if job.kernel_ran else set()
+            if progress.staging is not None:  # the kernel of this job wrote its native items' weights
+                written = {id(it) for it in job.items if it.kind} if progress.kernel_ran else set()
                 staged = [self._slot_view(job, it) for it in job.items]
                 _downcast([dst for it, dst in zip(job.items, staged) if id(it) not in written],
                           [master(it.view) for it in job.items if id(it) not in written])
-                slot = job.staging[0]
-                job.staging = None
+                slot = progress.staging[0]
+                progress.staging = None
                 lowp_used = False
             else:
                 downcast = [it for it in job.items if it.kind != KIND_MP]

@@ -26,8 +26,14 @@ worker's Python between two kernel calls leaves it idle, and right after a kerne
 So it is kept short: the slab views of a chunk are made once and reused (``SlabListCache``), a whole
 parameter goes to the fused-mp kernel as it is (no view, ``offload.pipeline._operands.param_operand``), the
 step counters are incremented inside the kernel call, the worker thread runs with grad mode off for
-good, and on the CPU a step's fused-mp job gets its kernel arguments from the submitting thread
-(``HostTransport.prepare``), which builds them while the worker runs the previous kernel.
+good, and on the CPU a step's fused-mp job gets its kernel calls on the submitting thread
+(``HostTransport.prepare``), made while the worker runs the previous kernel.
+
+Who writes what: a :class:`ChunkJob` is frozen once its maker (``offload.pipeline._step``, the
+launcher of ``offload.overlap``) made it; what running it learns goes into its ``JobProgress``,
+written only by the worker and the transport; every kernel call is made by the pipeline's
+:class:`~offload.pipeline._calls.CallBuilder` (at submit for the host's in-place jobs, else on
+the worker after d2h).
 """
 
 from __future__ import annotations
@@ -44,11 +50,12 @@ from typing import Any
 import torch
 
 from offload.pipeline._buffers import SlabListCache
+from offload.pipeline._calls import CallBuilder
 from offload.pipeline._jobs import ChunkJob, DrainResult, StageRecord
 from offload.kernels._adamw import DEFAULT_KERNELS, KernelSet
 from offload.state._slabs import Chunk, HostSlabs
 from offload.pipeline._transport import Transport
-from offload.pipeline._worker import STOP, Barrier, OnWorker, Worker, worker_main
+from offload.pipeline._worker import STOP, Barrier, OnWorker, Worker, worker_main, write_weights
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +92,9 @@ class Pipeline:
         self._lists = SlabListCache(slabs)
         self._prepare_failed = False
         self.kernels = kernels
-        self._worker = Worker(self._q, slabs, transport, self._lists, kernels)
+        self.calls = CallBuilder(self._lists, kernels)
+        """Makes every kernel call of the pipeline's jobs (its templates are read by tests)."""
+        self._worker = Worker(self._q, slabs, transport, self.calls)
         self._thread = threading.Thread(
             target=worker_main, args=(self._worker,), name=name, daemon=True
         )
@@ -99,14 +108,13 @@ class Pipeline:
         return self._thread.is_alive()
 
     def submit(self, job: ChunkJob) -> None:
-        """Queue ``job``; first the transport may prepare its kernel arguments on this thread."""
+        """Queue ``job``; first the transport may have its kernel calls made on this thread (a
+        raise there leaves ``job`` as it was: the worker makes them)."""
         if not self._finalizer.alive:
             raise RuntimeError("the optimizer's pipeline is closed")
         try:
-            self.transport.prepare(job, self._lists, self.kernels)
+            self.transport.prepare(job, self.calls)
         except Exception:  # noqa: BLE001 - the worker meets the same problem and reports it
-            job.calls = job.call_steps = None
-            job.direct = False
             if not self._prepare_failed:  # the worker's path still works, but slower: say so once
                 self._prepare_failed = True
                 logger.warning("preparing chunk %d's kernel call at submit failed; the worker "
@@ -133,15 +141,19 @@ class Pipeline:
             self.submit(job)
             return
         records: list[StageRecord] = []
-        job.writing = True
-        self.transport.materialize(job, self._worker.slabs, records)
-        job.materialized = True
+        write_weights(self.transport, job, self._worker.slabs, records)
         self._caller_records.extend(records)
 
     @property
     def step_index(self) -> int:
         """The step the jobs queued now belong to (the drains so far); see :meth:`cancel`."""
         return self._worker.steps
+
+    def set_threads(self, threads: int) -> None:
+        """The jobs of the current step the worker has not begun yet run with ``threads`` intra-op
+        threads instead of their own (``step()``: the early jobs of a backward that is over; the
+        step's own jobs are made with ``threads``). A job begun keeps its count: either is exact."""
+        self._worker.threads_at = (self._worker.steps, threads)
 
     def cancel(self, step_index: int) -> None:
         """Cut step ``step_index`` short (from any thread): the worker skips its jobs not started
@@ -157,6 +169,7 @@ class Pipeline:
     def forget_layout(self) -> None:
         """Drop the cached kernel argument lists of the old chunk layout (call between steps)."""
         self._lists.clear()
+        self.calls.forget()
         self.transport.forget()
 
     def resize_rings(self, slots: int) -> None:

@@ -93,7 +93,7 @@ def commit_generations(layout: HostLayout, segments: Collection[int], grads: Map
     if failed:
         return
     if error:
-        keep_views(layout, [it.view for job in jobs if job.kernel_ran and job.into_next for it in job.items])
+        keep_views(layout, [it.view for job in jobs if job.progress.kernel_ran and job.into_next for it in job.items])
         return
     slabs.carry(s.index for s in slabs.slots if s.segment in segments and s.index not in grads and slabs.used[s.index])
     slabs.swap(sorted(segments), swap)
@@ -108,7 +108,8 @@ def part_stepped(layout: HostLayout, updates: Sequence[ChunkJob], writes: Sequen
     weight writes of the committed early chunks (their kernels ran during backward, into the
     second generation); ``failed``: nothing of the step landed and the early chunks are dropped
     (``Launcher.finish_step``). An element landed when its kernel ran and its weights were
-    written; an out-of-place update that did not land is not kept (``commit_generations``)."""
+    written (what the worker noted in each job's ``JobProgress``); an out-of-place update that did
+    not land is not kept (``commit_generations``)."""
     landed: dict[int, int] = {}
     partial: set[int] = set()
 
@@ -117,14 +118,15 @@ def part_stepped(layout: HostLayout, updates: Sequence[ChunkJob], writes: Sequen
             landed[it.view.slot] = landed.get(it.view.slot, 0) + it.view.numel
 
     for job in updates:
-        if job.kernel_ran and job.materialized and not (failed and job.into_next):
+        done = job.progress
+        if done.kernel_ran and done.materialized and not (failed and job.into_next):
             add(job)
-        elif job.kernel_started or job.writing:  # a kernel call or a weight write raised part-way
+        elif done.kernel_started or done.writing:  # a kernel call or a weight write raised part-way
             partial.update(it.view.slot for it in job.items)
     for job in writes:
-        if job.materialized:
+        if job.progress.materialized:
             add(job)
-        elif job.writing or not failed:  # written part-way, or its master kept and its weight not written
+        elif job.progress.writing or not failed:  # written part-way, or its master kept and its weight not written
             partial.update(it.view.slot for it in job.items)
     slots = layout.slabs.slots
     partial.update(s for s, n in landed.items() if n < slots[s].numel)

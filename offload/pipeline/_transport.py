@@ -4,6 +4,11 @@ A transport moves a job's gradients to where the kernel reads them (``issue_d2h`
 ``finish_d2h``), says where the kernel writes its outputs (``lowp_out`` / ``f32_out``) and moves
 the new weights into the parameters (``materialize``). Every transport implements every member
 (the host transport with trivial ones), so the worker never probes for one.
+
+A job (``ChunkJob``) is a description the transport only reads; what it learns running it (the
+d2h in flight, the gradient operands, the ring slot of the new weights, the calls it had made at
+submit) it writes into the job's ``JobProgress``, which only it and the worker write. It never
+makes kernel calls itself: ``prepare`` asks the pipeline's ``CallBuilder`` for them.
 """
 
 from __future__ import annotations
@@ -14,10 +19,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from offload.pipeline._buffers import SlabListCache
+from offload.pipeline._calls import CallBuilder
 from offload.pipeline._jobs import ChunkJob, StageRecord
 from offload.state._items import Item
-from offload.kernels._adamw import KernelSet
 from offload.state._slabs import Chunk, HostSlabs
 
 __all__ = ["Transport"]
@@ -47,16 +51,17 @@ class Transport(Protocol):
         weight copies (``write_event``). None where nothing runs asynchronously (the host)."""
         ...
 
-    def prepare(self, job: ChunkJob, lists: SlabListCache, kernels: KernelSet) -> None:
-        """On the submitting thread: optionally set ``job.calls``/``job.call_steps`` ahead."""
+    def prepare(self, job: ChunkJob, calls: CallBuilder) -> None:
+        """On the submitting thread: optionally the job's kernel calls ahead, from ``calls``, into
+        ``job.progress.calls`` (one write, last: a raise leaves the job as it was)."""
         ...
 
     def issue_d2h(self, job: ChunkJob) -> None:
-        """Start moving the job's gradients (sets ``job.transfer``)."""
+        """Start moving the job's gradients (sets ``job.progress.transfer``)."""
         ...
 
     def finish_d2h(self, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
-        """Wait for them; set ``job.grads`` unless ``job.calls`` were prepared."""
+        """Wait for them; set ``job.progress.grads`` unless its calls were made at submit."""
         ...
 
     def lowp_out(self, job: ChunkJob, item: Item) -> Tensor:

@@ -1,6 +1,7 @@
 """The pipeline's worker thread: runs each queued job's d2h, adam_kernel and materialize in order.
 
-All CPU work of the worker runs under ``thread_limit(job.threads)``, entered when a job needs a
+All CPU work of the worker runs under ``thread_limit(job.threads)`` (or the count
+``Pipeline.set_threads`` gave the step's jobs not begun yet), entered when a job needs a
 different count and left at the end of each step (the barrier). torch's intra-op thread count is
 per OS thread (OpenMP ICVs are per thread). Checked on torch 2.13 CPU (OpenMP backend):
 ``torch.set_num_threads(n)`` called in the worker makes the worker's kernels use n threads (1 or 2
@@ -8,9 +9,14 @@ busy threads seen in /proc per-thread CPU time) and leaves the main thread's cou
 it also sets the default that threads created later start with, hence the restore.
 
 The worker runs with grad mode off for good, increments each parameter's step inside the kernel
-call (once per step, in the first chunk holding it that runs), and calls prepared kernel calls as
-they are (see :mod:`offload.pipeline._pipeline` for why the hot path is this lean). With an asynchronous
+call (once per step, in the first chunk holding it that runs), and calls the kernel calls made at
+submit as they are (see :mod:`offload.pipeline._pipeline` for why the hot path is this lean); a
+job without them gets them from the pipeline's ``CallBuilder`` after d2h. With an asynchronous
 transport (``lookahead > 0``) it issues the next queued jobs' d2h before the current kernel.
+
+A job is a description the worker only reads; what it learns (its kernel began, ran, its weights
+are being or were written, the speculation's checksum places) goes into the job's
+``JobProgress``, which only the worker and the transport write.
 """
 
 from __future__ import annotations
@@ -26,11 +32,9 @@ from typing import Any
 
 import torch
 
-from offload.pipeline._buffers import SlabListCache
+from offload.pipeline._calls import CallBuilder
 from offload.pipeline._jobs import ChunkJob, DrainResult, StageRecord
 from offload.state._items import KIND_TORCH
-from offload.kernels._adamw import KernelSet
-from offload.pipeline._operands import build_calls, call_steps
 from offload.pipeline._signals import StepInterrupted
 from offload.state._slabs import HostSlabs
 from offload.threads._plan import thread_limit
@@ -38,7 +42,7 @@ from offload.pipeline._transport import Transport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STOP", "Barrier", "OnWorker", "Worker", "worker_main"]
+__all__ = ["STOP", "Barrier", "OnWorker", "Worker", "worker_main", "write_weights"]
 
 
 @dataclass(slots=True)
@@ -69,14 +73,21 @@ class OnWorker:
     """What it raised."""
 
 
+def write_weights(transport: Transport, job: ChunkJob, slabs: HostSlabs, records: list[StageRecord]) -> None:
+    """The materialize stage of ``job``: on the worker, or on the thread calling ``step()`` for a
+    committed early chunk (``Pipeline.write_committed``); its progress says it began and ended."""
+    progress = job.progress
+    progress.writing = True
+    transport.materialize(job, slabs, records)
+    progress.materialized = True
+
+
 class Worker:
     """State owned by the worker thread (never touched by other threads while it runs), except
-    :attr:`lists`, which the submitting thread shares (see :class:`SlabListCache`)."""
+    :attr:`calls`, which the submitting thread shares (its ``SlabListCache``), and the two
+    fields other threads set (:attr:`cancel_at`, :attr:`threads_at`)."""
 
-    def __init__(
-        self, q: queue.Queue[Any], slabs: HostSlabs, transport: Transport, lists: SlabListCache,
-        kernels: KernelSet,
-    ) -> None:
+    def __init__(self, q: queue.Queue[Any], slabs: HostSlabs, transport: Transport, calls: CallBuilder) -> None:
         self.q = q
         self.slabs = slabs
         self.transport = transport
@@ -84,14 +95,16 @@ class Worker:
         self.error: BaseException | None = None
         self.stepped: set[int] = set()
         self.device: torch.device | None = transport.device
-        self.kernels = kernels
         self._threads: int | None = None
         self._limit = contextlib.ExitStack()
-        self.lists = lists
+        self.calls = calls
         self.steps = 0
         """Barriers processed: the step the queued jobs belong to (:meth:`Pipeline.cancel`)."""
         self.cancel_at = -1
         """Skip the jobs of this step (set by another thread: read once per job)."""
+        self.threads_at: tuple[int, int] = (-1, 0)
+        """(step, threads): the jobs of that step not begun yet run with these threads instead of
+        their own (``Pipeline.set_threads``; set by another thread: read once per job)."""
 
     def _use_threads(self, threads: int) -> None:
         if threads != self._threads:
@@ -142,7 +155,7 @@ class Worker:
         if self.error is not None:
             return  # a failed or cut step: leave the remaining chunks untouched
         try:
-            if job.update and job.transfer is None:
+            if job.update and job.progress.transfer is None:
                 self.transport.issue_d2h(job)
             # Async transports: issue the gradient copies of the next queued jobs before this
             # job's kernel, so they run while it computes (never past a barrier).
@@ -154,7 +167,7 @@ class Worker:
                 except queue.Empty:
                     break
                 pending.append(nxt)
-                if isinstance(nxt, ChunkJob) and nxt.update and nxt.transfer is None:
+                if isinstance(nxt, ChunkJob) and nxt.update and nxt.progress.transfer is None:
                     self.transport.issue_d2h(nxt)
             self._process(job)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller of step()
@@ -162,53 +175,49 @@ class Worker:
             self.error = exc
 
     def _process(self, job: ChunkJob) -> None:
-        self._use_threads(job.threads)
+        at, threads = self.threads_at
+        self._use_threads(threads if at == self.steps else job.threads)
         if job.update:
             if job.before_kernel is not None:
                 # Before finish_d2h: the host transport reads (upcasts) gradients there, and the
                 # checksum must come before any read of them (offload.overlap._speculation).
-                job.before_kernel(job)
+                job.progress.speculate = job.before_kernel(job)
             self.transport.finish_d2h(job, self.slabs, self.records)
             self._kernel(job)
         if job.materialize:
-            job.writing = True
-            self.transport.materialize(job, self.slabs, self.records)
-            job.materialized = True
+            write_weights(self.transport, job, self.slabs, self.records)
 
     def _kernel(self, job: ChunkJob) -> None:
         stepped = self.stepped
         t0 = time.perf_counter()
-        calls, steps_of = job.calls, job.call_steps
-        if calls is None:
-            assert job.grads is not None  # set by finish_d2h
+        progress = job.progress
+        made = progress.calls
+        if made is None:
+            assert progress.grads is not None  # set by finish_d2h
             transport = self.transport
-            calls = build_calls(
-                job, self.slabs, self.lists, job.grads, lambda it: transport.lowp_out(job, it),
-                lambda it: transport.f32_out(job, it), self.kernels, host_weights=transport.host_weights,
-            )
-        if steps_of is None:
-            steps_of = call_steps(job.items, calls)
+            made = self.calls.build(job, progress.grads, lambda it: transport.lowp_out(job, it),
+                                    lambda it: transport.f32_out(job, it), host_weights=transport.host_weights)
         # Each parameter's step goes up once per optimizer step, in the first chunk holding it
         # that runs (set.add returns None: the test adds the slot as it goes).
-        hyper, speculate = job.hyper, job.speculate
-        job.kernel_started = True
-        for (kind, fn, args), (slots, steps) in zip(calls, steps_of):
+        hyper, speculate = job.hyper, progress.speculate
+        progress.kernel_started = True
+        for (kind, fn, args), (slots, steps) in zip(made.calls, made.steps):
             new = [st for slot, st in zip(slots, steps) if slot not in stepped and not stepped.add(slot)]
-            if job.coef_in_grads and kind == KIND_TORCH:  # the operands are the products already
+            if progress.coef_in_grads and kind == KIND_TORCH:  # the operands are the products already
                 hyper = replace(job.hyper, grad_coef=None)
             if speculate is not None and kind in speculate:  # checksums in the kernel's pass
                 fn(*args, steps_to_increment=new, hyper=hyper, checksums=speculate[kind])
             else:
                 fn(*args, steps_to_increment=new, hyper=hyper)
             hyper = job.hyper
-        job.calls = job.call_steps = None
-        job.grads = None
-        job.speculate = None
+        progress.calls = None
+        progress.grads = None
+        progress.speculate = None
         self._record_kernel(job, t0)
 
     def _record_kernel(self, job: ChunkJob, t0: float) -> None:
         t1 = time.perf_counter()
-        job.kernel_ran = True
+        job.progress.kernel_ran = True
         self.records.append(StageRecord(job.chunk, "adam_kernel", t0, t1, t1 - t0))
 
     def _barrier(self, barrier: Barrier) -> None:
