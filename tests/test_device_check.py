@@ -126,11 +126,12 @@ def test_a_step_past_its_limit_dumps_every_threads_stack(tmp_path: Path) -> None
     (line,) = [line for line in text.splitlines() if line.strip().startswith("timeout ")]
     words = shlex.split(line)
     options = words[:words.index("$limit")]
-    assert "ABRT" in options, line
+    wrapper = words[words.index("$limit") + 1:words.index("$PYTHON")]  # the shell that takes timeout's first signal
+    assert "ABRT" in options and wrapper, line
     hung = ("import threading, time\n"
             "threading.Thread(target=time.sleep, args=(60,), name='copies', daemon=True).start()\n"
             "time.sleep(60)\n")
-    proc = subprocess.run([*options, "5", sys.executable, "-c", hung], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run([*options, "5", *wrapper, sys.executable, "-c", hung], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     assert proc.returncode == 124, (proc.returncode, proc.stderr)
     assert "Fatal Python error: Aborted" in proc.stderr and proc.stderr.count("hread 0x") >= 2, proc.stderr
