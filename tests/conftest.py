@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads OpenMP, which reads it then: idle OpenMP threads sleep instead of spinning.
+# CI runs two pytest workers on two cores (``-n 2``) beside tests that start ranks and worker
+# threads of their own; spinning threads of one then burn the cores another needs (a subset of
+# the fast tests took 134 s instead of 29 s on the loaded 2-core machine). It changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import copy
 import itertools
 import json
@@ -214,3 +222,15 @@ class FakeTunable:
     def apply_settings(self, settings: Any) -> None:
         self.settings = settings
         self.applied.append(settings)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, what CI runs), every ``slow`` test runs on
+    one worker, one after the other, while the other worker takes the fast tests: slow tests
+    start ranks that use both cores and some hold tight timeouts (a stopped rank named within
+    5 s), which two of them side by side would stretch."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("ranks"))
