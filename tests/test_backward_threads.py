@@ -89,6 +89,7 @@ class _ThreadSpy:
         self.calls: list[tuple[bool, int]] = []
         self.early = threading.Semaphore(0)
         self.hold = False
+        self.held = threading.Event()  # the held early call has begun (its threads are set)
         self.in_step = threading.Event()
         self.main = threading.get_ident()
 
@@ -96,6 +97,7 @@ class _ThreadSpy:
         early = kwargs.get("checksums") is not None
         if early and self.hold:
             self.hold = False
+            self.held.set()
             assert self.in_step.wait(60), "step() was not called"
             self._wait_for_step_to_wait()
         self.calls.append((early, torch.get_num_threads()))
@@ -166,7 +168,13 @@ def test_early_chunks_still_queued_when_step_starts_run_with_threads(kernel: obj
     spy.calls.clear()
     spy.hold = True
     spy.in_step.clear()
-    _train(model, opt, 1)
+    opt.zero_grad(set_to_none=True)
+    model(batch(2, 0)).backward()
+    # The worker has begun the first early chunk (with backward's threads) before step() starts:
+    # on a loaded machine it may not have run at all during backward, and then every early chunk
+    # rightly begins after step() started, with its threads (a failure seen on two pytest workers).
+    assert spy.held.wait(60), "no early chunk began"
+    opt.step()
     early = [t for e, t in spy.calls if e]
     assert len(early) >= 2 and opt.last_stats.committed_chunks == opt.last_stats.speculated_chunks > 1, spy.calls
     assert early[0] == 1 and set(early[1:]) == {2}, spy.calls
