@@ -143,19 +143,26 @@ std::string dtype_name(at::ScalarType t) {
 [[noreturn]] void fail_value(const std::string& msg) { throw pybind11::value_error(msg); }
 [[noreturn]] void fail_type(const std::string& msg) { throw pybind11::type_error(msg); }
 
-// `fn`: the entry point's name, which every message starts with.
+// Where a check failed, `fn: arg[i]` (`fn`: the entry point's name, which every message starts
+// with). Built only on failure: the checks run several times per tensor per call.
+std::string where_of(const char* fn, const char* arg, size_t i) {
+  std::ostringstream out;
+  out << fn << ": " << arg << "[" << i << "]";
+  return out.str();
+}
+
+// Fails unless `t` is a defined CPU tensor.
+void check_cpu(const char* fn, const at::Tensor& t, const char* arg, size_t i) {
+  if (!t.defined()) fail_value(where_of(fn, arg, i) + " is an undefined tensor");
+  if (t.device().type() != c10::DeviceType::CPU) {
+    fail_value(where_of(fn, arg, i) + " is on device " + t.device().str() + ": expected a CPU tensor");
+  }
+}
+
 void check_tensor(const char* fn, const at::Tensor& t, const char* arg, size_t i, int64_t numel,
                   at::ScalarType dtype) {
-  // The message prefix is built only on failure: this runs five times per tensor per call.
-  const auto where = [&]() {
-    std::ostringstream out;
-    out << fn << ": " << arg << "[" << i << "]";
-    return out.str();
-  };
-  if (!t.defined()) fail_value(where() + " is an undefined tensor");
-  if (t.device().type() != c10::DeviceType::CPU) {
-    fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
-  }
+  check_cpu(fn, t, arg, i);
+  const auto where = [&]() { return where_of(fn, arg, i); };
   if (t.layout() != c10::kStrided) fail_value(where() + ": expected a dense (strided) tensor");
   if (t.scalar_type() != dtype) {
     fail_type(where() + " has dtype " + dtype_name(t.scalar_type()) + ": expected " +

@@ -317,11 +317,8 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_(const std::vector<at::Tensor>& te
   std::vector<int64_t> numel(n), block_start(n + 1, 0);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& t = tensors[i];
-    const auto where = [&]() { return std::string(fn) + ": tensors[" + std::to_string(i) + "]"; };
-    if (!t.defined()) fail_value(where() + " is an undefined tensor");
-    if (t.device().type() != c10::DeviceType::CPU) {
-      fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
-    }
+    check_cpu(fn, t, "tensors", i);
+    const auto where = [&]() { return where_of(fn, "tensors", i); };
     if (t.layout() != c10::kStrided) fail_value(where() + ": expected a dense (strided) tensor");
     const at::ScalarType dt = t.scalar_type();
     if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) {

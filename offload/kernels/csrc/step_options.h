@@ -103,15 +103,8 @@ void bump_versions(const std::vector<at::Tensor>& params_lowp,
 
 // Checks a 0-d (or one-element) fp32 CPU step tensor.
 void check_step(const char* fn, const at::Tensor& t, const char* arg, size_t i) {
-  const auto where = [&]() {
-    std::ostringstream out;
-    out << fn << ": " << arg << "[" << i << "]";
-    return out.str();
-  };
-  if (!t.defined()) fail_value(where() + " is an undefined tensor");
-  if (t.device().type() != c10::DeviceType::CPU) {
-    fail_value(where() + " is on device " + t.device().str() + ": expected a CPU tensor");
-  }
+  check_cpu(fn, t, arg, i);
+  const auto where = [&]() { return where_of(fn, arg, i); };
   if (t.layout() != c10::kStrided || t.numel() != 1) {
     std::ostringstream msg;
     msg << where() << " has shape " << t.sizes() << ": expected a one-element step tensor";
