@@ -223,14 +223,3 @@ class FakeTunable:
         self.settings = settings
         self.applied.append(settings)
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, what CI runs), every ``slow`` test runs on
-    one worker, one after the other, while the other worker takes the fast tests: slow tests
-    start ranks that use both cores and some hold tight timeouts (a stopped rank named within
-    5 s), which two of them side by side would stretch."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("ranks"))
