@@ -45,6 +45,21 @@ def write_results(out_dir: Path, name: str, result: Result, markdown: str) -> tu
     return json_path, md_path
 
 
+def bench_entry(*, build_parser: Callable[[], argparse.ArgumentParser],
+                run: Callable[[argparse.Namespace, list[str]], Result],
+                resolve: Callable[[argparse.ArgumentParser, argparse.Namespace], object] | None = None,
+                render_markdown: Callable[[Result], str] | None = None,
+                log_level: str = "INFO") -> Callable[[Sequence[str] | None], int]:
+    """A benchmark module's ``main(argv=None) -> 0``: :func:`bench_main` with these parts."""
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        bench_main(argv, build_parser=build_parser, run=run, resolve=resolve, render_markdown=render_markdown,
+                   log_level=log_level)
+        return 0
+
+    return main
+
+
 def bench_main(argv: Sequence[str] | None, *, build_parser: Callable[[], argparse.ArgumentParser],
                run: Callable[[argparse.Namespace, list[str]], Result],
                resolve: Callable[[argparse.ArgumentParser, argparse.Namespace], object] | None = None,

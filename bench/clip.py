@@ -50,7 +50,7 @@ from typing import Any, Sequence
 import torch
 
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import iqr, machine_info, median
 from bench.train.model import GPT, PRESETS, preset
 
@@ -338,9 +338,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
 
 
 if __name__ == "__main__":

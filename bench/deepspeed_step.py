@@ -39,7 +39,7 @@ import torch
 
 from autotune import AutotuneConfig
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import iqr, machine_info, median
 
 logger = logging.getLogger(__name__)
@@ -270,10 +270,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve,
-               render_markdown=lambda result: render_markdown(result) + "\n", log_level="WARNING")
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve,
+                   render_markdown=lambda result: render_markdown(result) + "\n", log_level="WARNING")
 
 
 if __name__ == "__main__":

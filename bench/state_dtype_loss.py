@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import machine_info
 
 __all__ = ["MODES", "build_parser", "main", "run"]
@@ -142,9 +142,7 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 
 from autotune import AutotuneConfig
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import iqr, machine_info, median, quantile
 from bench.simulate import _main as simulate
 from bench.simulate._stepmodel import Workload
@@ -250,10 +250,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve,
-               render_markdown=lambda result: render_markdown(result) + "\n", log_level="WARNING")
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve,
+                   render_markdown=lambda result: render_markdown(result) + "\n", log_level="WARNING")
 
 
 if __name__ == "__main__":

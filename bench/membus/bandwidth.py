@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from bench._args import int_list, thread_list
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import atomic_write_json, atomic_write_text, iqr, machine_info, median
 from bench.membus._harness import add_output, command, new_parser
 from bench.membus._stream import PROBE_BYTES_PER_ELEMENT, ProbeBuffers, c_kernel_status
@@ -477,9 +477,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from bench._args import thread_list
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import machine_info, median
 from bench.membus._harness import add_output, alternate, command, interleaved, new_parser, paired, rotation, summary
 from bench.membus._stream import ProbeBuffers, c_kernel_status
@@ -233,9 +233,7 @@ def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "expected >= 1 / >= 1 / >= 0")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
 
 
 if __name__ == "__main__":

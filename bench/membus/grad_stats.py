@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import iqr, machine_info, median
 from bench.membus._harness import add_output, interleaved, new_parser, paired, timed
 from offload import thread_limit
@@ -150,9 +150,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, render_markdown=render_markdown)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, render_markdown=render_markdown)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from bench._args import thread_list
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import iqr, machine_info, median
 from bench.membus._harness import add_output, alternate, command, new_parser, timed
 
@@ -212,9 +212,7 @@ def _resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.name = args.name or ("many_tensors-quick" if args.quick else "many_tensors")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import machine_info
 from bench.torch_optim_suite._filter import not_instantiated_reason
 from bench.torch_optim_suite._plugin import OPTIMIZERS
@@ -178,6 +178,4 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)

@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import machine_info, median, quantile
 from bench.tuner_load._load import KINDS as LOAD_KINDS
 from bench.tuner_load._load import BackgroundLoad, LoadSpec
@@ -523,6 +523,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve, render_markdown=render_markdown)

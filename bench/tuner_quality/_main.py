@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import random
 import shlex
@@ -72,7 +71,7 @@ from typing import Any, Sequence
 import torch
 
 from bench._args import OUT_DIR_HELP, PATH_RULE, HelpFormatter, output_dir
-from bench._cli import bench_main
+from bench._cli import bench_entry
 from bench._stats import atomic_write_json, atomic_write_text, machine_info, median
 from bench.train import _main as train
 from bench.train.model import GPT, PRESETS, SyntheticTokens, preset
@@ -474,6 +473,4 @@ def _config_dict(rep: dict[str, Any], recheck_rounds: int | None) -> dict[str, A
     return cfg
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    bench_main(argv, build_parser=build_parser, run=run, resolve=_resolve)
-    return 0
+main = bench_entry(build_parser=build_parser, run=run, resolve=_resolve)
