@@ -582,3 +582,18 @@ def test_the_checks_themselves_catch_what_they_claim(tmp_path: Path) -> None:
         "offload.pipeline._pipeline.fused_adamw_", "offload.state._slabs.plan_chunks", "offload.kernels._adamw.fused_adamw_",
         "offload.threads._plan._exchange", "offload.pipeline._pipeline.Queue", "offload.threads._plan.thread_limit",
         "offload.threads._numa.bind", "offload.state._slabs.HostSlabs", "offload._stock.thread_plan"]
+
+
+def test_the_architecture_doc_states_the_counted_graphs() -> None:
+    """docs/architecture.md says how many top-level nodes, layers and import edges ``offload``'s
+    and ``autotune``'s graphs have, "counted as tests/test_code_shape.py counts it": the
+    figures it states are the ones counted here, so a change to the graph updates the picture."""
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    stated = re.findall(r"(\d+) top-level nodes, (\d+) layers, (\d+) import edges", text)
+    counted = []
+    for package in ("offload", "autotune"):
+        graph = _top_graph(package)
+        counted.append((str(len(graph)), str(_layers(graph)), str(sum(len(t) for t in graph.values()))))
+    assert stated == counted, f"docs/architecture.md states {stated}; counted (offload, autotune): {counted}"
