@@ -41,7 +41,36 @@ from typing import Any, Callable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["WorkerResult", "free_port", "run_torchrun", "run_workers"]
+__all__ = ["COSTS", "WorkerResult", "costed_tuning", "free_port", "run_torchrun", "run_workers"]
+
+
+#: Step cost by thread count on two local ranks that disagree (rank 0 is fastest at 2 threads,
+#: rank 1 at 4): the ranks must still agree on one setting.
+COSTS = ({1: 3.0, 2: 1.0, 4: 2.0}, {1: 2.0, 2: 1.5, 4: 1.0})
+
+
+def costed_tuning(rank: int, world_size: int, *, cache_path: str, trace_dir: str) -> tuple[Any, Any, Callable[[], float]]:
+    """What a rank's tuner gets in the multi-rank tuning tests: a plan of 4 threads on 2 cpus, a
+    short probe (``AutotuneConfig``) and a clock that advances by ``COSTS[rank]`` of the thread
+    count in force at each read."""
+    import torch
+
+    from autotune import AutotuneConfig
+    from offload import ThreadPlan
+
+    plan = ThreadPlan(threads=4, reason="test plan", source="plan", cpus=frozenset({0, 1}),
+                      local_world_size=world_size, local_rank=rank, planned_threads=4,
+                      local_threads=(4,) * world_size)
+    config = AutotuneConfig(probe_steps=26, warmup_steps=1, measure_steps=2, finalists=2, final_rounds=1,
+                            timeout_s=60.0, cache_path=cache_path, trace_dir=trace_dir)
+    t = 0.0
+
+    def clock() -> float:
+        nonlocal t
+        t += COSTS[rank][torch.get_num_threads()]
+        return t
+
+    return plan, config, clock
 
 
 @dataclass

@@ -16,6 +16,50 @@ import threading
 from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
+
+from offload.kernels._adamw import Hyper
+from offload.state._slabs import HostSlabs
+
+#: bf16 parameters of uneven sizes (chunks of different staging sizes: the ring grows in the first
+#: step), and fp32 ones where a case asks for them.
+SIZES = [700, 1500, 64, 2100, 333, 900]
+HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
+
+
+def stepped_case(seed: int, fp32: Callable[[int], bool]) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                                torch.optim.AdamW, HostSlabs]:
+    """Random parameters of :data:`SIZES` (fp32 where ``fp32(index)``, bf16 elsewhere), their fp32
+    masters, torch's fused AdamW on those masters (the reference) and host slabs that hold them."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=gen).to(torch.float32 if fp32(i) else torch.bfloat16)
+              for i, n in enumerate(SIZES)]
+    masters = [p.float().clone().requires_grad_(True) for p in params]
+    ref = torch.optim.AdamW(masters, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                            weight_decay=HYPER.weight_decay, fused=True)
+    slabs = HostSlabs([[p.shape for p in params]], speculable=None)
+    for i, p in enumerate(params):
+        slabs.flat("master", i).copy_(p.float())
+    return params, masters, ref, slabs
+
+
+class CallRecorder(TorchFunctionMode):
+    """Records the names of the torch calls on this thread that :meth:`records` picks (modes are
+    per thread: a worker's calls are not seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def records(self, name: str, args: tuple, kwargs: dict) -> bool:
+        raise NotImplementedError
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if self.records(name, args, kwargs):
+            self.calls.append(name)
+        return func(*args, **kwargs)
 
 
 class Log:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from _client_util import require
-from _dist_util import REPO_ROOT, run_workers
+from _dist_util import REPO_ROOT, costed_tuning, run_workers
 
 require("deepspeed")
 
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.slow
 #: Fake seconds of one CPU Adam call, per rank and thread count (two calls per engine step, one
 #: per group). Alone, rank 0 would pick 2 threads and rank 1 would pick 4; the node's time (max
 #: over ranks) is lowest at 2: 1 -> 3.0, 2 -> 1.5, 4 -> 2.0. One rank: rank 0's row.
-COSTS = ({1: 3.0, 2: 1.0, 4: 2.0}, {1: 2.0, 2: 1.5, 4: 1.0})
 STEPS = 28
 
 
@@ -80,29 +79,17 @@ def _worker(rank: int, world_size: int, *, cache_path: str, trace_dir: str, ext_
     os.environ["TORCH_EXTENSIONS_DIR"] = ext_dir
     import torch
 
-    from autotune import AutotuneConfig
-    from offload import ThreadPlan, tune_deepspeed
+    from offload import tune_deepspeed
 
     torch.set_num_threads(1)
-    plan = ThreadPlan(threads=4, reason="test plan", source="plan", cpus=frozenset({0, 1}),
-                      local_world_size=world_size, local_rank=rank, planned_threads=4,
-                      local_threads=(4,) * world_size)
-    config = AutotuneConfig(probe_steps=26, warmup_steps=1, measure_steps=2, finalists=2, final_rounds=1,
-                            timeout_s=60.0, cache_path=cache_path, trace_dir=trace_dir)
-
-    class Clock:
-        t = 0.0
-
-        def __call__(self) -> float:
-            self.t += COSTS[rank][torch.get_num_threads()]
-            return self.t
+    plan, config, clock = costed_tuning(rank, world_size, cache_path=cache_path, trace_dir=trace_dir)
 
     ref, engine = _engine(0), _engine(0)
     used: list[int] = []
     engine.optimizer.optimizer.register_step_pre_hook(lambda *_: used.append(torch.get_num_threads()))
     out: dict[str, Any] = {}
     for run in ("first", "second"):
-        tuning = tune_deepspeed(engine, autotune=config, plan=plan, clock=Clock())
+        tuning = tune_deepspeed(engine, autotune=config, plan=plan, clock=clock)
         mismatches = []
         offset = 0 if run == "first" else STEPS
         for step in range(offset, offset + STEPS):

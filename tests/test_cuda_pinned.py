@@ -14,23 +14,21 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from _fake_cuda import FakeOps, Log
+from _fake_cuda import HYPER, SIZES, FakeOps, Log, stepped_case
 
-from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, new_step_tensor
+from offload.kernels._adamw import DEFAULT_KERNELS, new_step_tensor
 from offload.pipeline._cuda_runtime import CudaRuntime
 from offload.pipeline._cuda_transport import CudaTransport, TorchCudaOps
 from offload.pipeline._jobs import ChunkJob, DrainResult
 from offload.pipeline._pinned import PIN_ALIGN
 from offload.pipeline._pipeline import Pipeline
 from offload.state._items import KIND_MP, KIND_TORCH, Item
-from offload.state._slabs import Chunk, HostSlabs, plan_chunks
+from offload.state._slabs import Chunk, plan_chunks
 
-# bf16 parameters of uneven sizes (chunks of different staging sizes: the ring grows in the first
-# step) and one fp32 parameter (no low-precision place: its weights are downcast from the master)
-SIZES = [700, 1500, 64, 2100, 333, 900]
+# SIZES: bf16 parameters of uneven sizes and one fp32 parameter (no low-precision place: its
+# weights are downcast from the master)
 FP32 = 4  # index of the fp32 parameter
 STEPS = 5  # the first without early chunks (the hooks count themselves in the first backward)
-HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
 
 
 def _aligned(n: int) -> int:
@@ -76,15 +74,7 @@ def _train(ops: FakeOps, *, chunk_numel: int, steps: int = STEPS, rechunk_at: in
     others start every chunk during backward (kernel into the pinned places) and write the
     weights in step(); ``rechunk_at``: the chunk layout halves before that step; not
     ``first_plain``: the first step starts its chunks during backward too."""
-    gen = torch.Generator().manual_seed(7)
-    params = [torch.randn(n, generator=gen).to(torch.float32 if i == FP32 else torch.bfloat16)
-              for i, n in enumerate(SIZES)]
-    masters = [p.float().clone().requires_grad_(True) for p in params]
-    ref = torch.optim.AdamW(masters, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
-                            weight_decay=HYPER.weight_decay, fused=True)
-    slabs = HostSlabs([[p.shape for p in params]], speculable=None)
-    for i, p in enumerate(params):
-        slabs.flat("master", i).copy_(p.float())
+    params, masters, ref, slabs = stepped_case(7, fp32=lambda i: i == FP32)
     chunks = plan_chunks(list(slabs.slots), chunk_numel)
     transport = CudaTransport(torch.device("cpu"), slots=2, ops=ops)
     pipe = Pipeline(slabs, transport, name="pinned-test", kernels=DEFAULT_KERNELS)

@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from _fake_cuda import FakeEvent, FakeOps, Log
-from torch.overrides import TorchFunctionMode
+from _fake_cuda import CallRecorder, FakeEvent, FakeOps, Log
 
 from offload.kernels._adamw import KernelSet, Hyper, new_step_tensor
 from offload.kernels._grad_stats import checksums_
@@ -61,21 +60,13 @@ class Missing:
         return None, "no native extension (test)"
 
 
-class GradientCalls(TorchFunctionMode):
+class GradientCalls(CallRecorder):
     """Every torch call on this thread that takes a gradient (device work on a GPU)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
+    def records(self, name: str, args: tuple, kwargs: dict) -> bool:
         flat = [*args, *kwargs.values()]
         flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
-        if name != "__get__" and any(isinstance(a, OnCuda) for a in flat):
-            self.calls.append(name)
-        return func(*args, **kwargs)
+        return name != "__get__" and any(isinstance(a, OnCuda) for a in flat)
 
 
 class Rig:

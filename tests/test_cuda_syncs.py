@@ -9,52 +9,32 @@ in one call (one stream context, not one per tensor)."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
-from _fake_cuda import FakeEvent, FakeOps, Log
-from torch.overrides import TorchFunctionMode
+from _fake_cuda import HYPER, CallRecorder, FakeEvent, FakeOps, Log, stepped_case
 
-from offload.kernels._adamw import DEFAULT_KERNELS, Hyper, new_step_tensor
+from offload.kernels._adamw import DEFAULT_KERNELS, new_step_tensor
 from offload.pipeline._cuda_transport import CudaTransport
 from offload.pipeline._jobs import ChunkJob
 from offload.pipeline._pipeline import Pipeline
 from offload.state._items import KIND_TORCH, Item
-from offload.state._slabs import HostSlabs, plan_chunks
+from offload.state._slabs import plan_chunks
 
-SIZES = [700, 1500, 64, 2100, 333, 900]
-HYPER = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8)
 #: Tensor methods and functions that wait for the device when their tensor is on one.
 SYNCING = {"item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "synchronize"}
 
 
-class SyncCalls(TorchFunctionMode):
-    """Records every torch call on this thread that would sync with a device (modes are per
-    thread: the worker's calls are not seen)."""
+class SyncCalls(CallRecorder):
+    """Every torch call on this thread that would sync with a device."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if name in SYNCING or (name == "tensor" and "device" in kwargs) or (
-                name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))):
-            self.calls.append(name)
-        return func(*args, **kwargs)
+    def records(self, name: str, args: tuple, kwargs: dict) -> bool:
+        return name in SYNCING or (name == "tensor" and "device" in kwargs) or (
+            name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device"))))
 
 
 def test_hooks_and_step_make_no_host_device_sync_and_the_worker_waits_only_for_its_copies() -> None:
-    gen = torch.Generator().manual_seed(11)
-    params = [torch.randn(n, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
-              for i, n in enumerate(SIZES)]
-    masters = [p.float().clone().requires_grad_(True) for p in params]
-    ref = torch.optim.AdamW(masters, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
-                            weight_decay=HYPER.weight_decay, fused=True)
-    slabs = HostSlabs([[p.shape for p in params]], speculable=None)
-    for i, p in enumerate(params):
-        slabs.flat("master", i).copy_(p.float())
+    params, masters, ref, slabs = stepped_case(11, fp32=lambda i: i % 2 == 0)
+    gen = torch.Generator().manual_seed(12)
     chunks = plan_chunks(list(slabs.slots), 2048)
     ops = FakeOps(Log(10.0), 0, gate=False)
     pipe = Pipeline(slabs, CudaTransport(torch.device("cpu"), slots=2, ops=ops), name="sync-test",

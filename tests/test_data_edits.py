@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import batch, make_model, param_groups, uses_sometimes
-from test_weight_edits import _check, _EditAwareReference
+from test_weight_edits import _check, reference
 
 from offload import CPUOffloadAdamW, OffloadSettings
 from offload.kernels._adamw import Hyper, KernelSet, mixed_precision_adamw_
@@ -70,12 +70,7 @@ def _train(model, opt, edit, *, edit_before_step: bool = False) -> None:
 
 def _pair(dtype: torch.dtype, kind: str):
     ref_model, model = make_model(dtype), make_model(dtype)
-    if dtype == torch.float32:
-        ref = torch.optim.AdamW(param_groups(ref_model), fused=True)
-        ref_state = lambda p: ref.state[p]  # noqa: E731
-    else:
-        ref = _EditAwareReference(ref_model)
-        ref_state = ref.state
+    ref, ref_state = reference(ref_model, dtype)
     return ref_model, ref, ref_state, model, EDITS[kind](ref_model), EDITS[kind](model)
 
 

@@ -35,11 +35,13 @@ class MixedPrecisionReference:
     """fp32 master copies updated by torch.optim.AdamW(fused=True) from the upcast low-precision
     gradient, then cast back into the model: the mixed-precision reference."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, groups: list[dict] | None = None) -> None:
+        """``groups``: the model's parameter groups (default: conftest's ``param_groups``)."""
         self.params = list(model.parameters())
         self.master = {p: p.detach().float().clone().requires_grad_(True) for p in self.params}
         groups = [
-            {**g, "params": [self.master[p] for p in g["params"]]} for g in param_groups(model)
+            {**g, "params": [self.master[p] for p in g["params"]]}
+            for g in (param_groups(model) if groups is None else groups)
         ]
         self.opt = torch.optim.AdamW(groups, fused=True)
         self.param_groups = self.opt.param_groups
@@ -53,8 +55,12 @@ class MixedPrecisionReference:
             self.master[p].grad = None if p.grad is None else p.grad.float()
         self.opt.step()
         with torch.no_grad():
+            self.after_step()
             for p in self.params:
                 p.copy_(self.master[p])
+
+    def after_step(self) -> None:
+        """What a variant does to the fp32 state after the step, before the cast back (nothing)."""
 
     def state(self, p: torch.Tensor) -> dict:
         return self.opt.state[self.master[p]]

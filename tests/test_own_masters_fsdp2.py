@@ -16,8 +16,31 @@ from _dist_util import run_workers
 pytestmark = pytest.mark.slow
 
 
+def _train(pairs, rank: int, steps: range) -> None:
+    """Steps of each (model, optimizer) pair on the same batches."""
+    from _fsdp_models import batch
+
+    for step in steps:
+        for m, o in pairs:
+            m(*batch(rank, step)).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+
+def _swap_load(models, other: torch.nn.Module) -> None:
+    """Load ``other``'s weights into each model by swapping the parameters' contents (the
+    parameter objects stay, their local tensors are new)."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for m in models:
+            m.load_state_dict({k: v.detach().clone() for k, v in other.state_dict().items()}, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
 def _swap_load_worker(rank: int, world_size: int, kernel: str) -> dict[str, Any]:
-    from _fsdp_models import ShardMixedPrecisionReference, assert_same, batch, groups, sharded
+    from _fsdp_models import ShardMixedPrecisionReference, assert_same, groups, sharded
     from offload import CPUOffloadAdamW, OffloadSettings
     from offload.state._dtensor import local
 
@@ -29,29 +52,16 @@ def _swap_load_worker(rank: int, world_size: int, kernel: str) -> dict[str, Any]
     if kernel == "fused-mp" and opt.settings.kernel != "fused-mp":
         return {"skipped": "fused-mp unavailable"}
 
-    def run(steps: range) -> None:
-        for step in steps:
-            for m, o in ((model, opt), (ref, mp_ref)):
-                m(*batch(rank, step)).backward()
-                o.step()
-                o.zero_grad(set_to_none=True)
-
-    run(range(3))
+    pairs = ((model, opt), (ref, mp_ref))
+    _train(pairs, rank, range(3))
     # New weights, loaded by swapping the parameters' contents (the parameter objects stay).
     other = sharded(torch.bfloat16)
     with torch.no_grad():
         for p in other.parameters():
             local(p).mul_(0.5).add_(0.01)
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        ids = [id(p) for p in model.parameters()]
-        old_locals = [local(p) for p in model.parameters()]
-        for m in (model, ref):
-            sd = {k: v.detach().clone() for k, v in other.state_dict().items()}
-            m.load_state_dict(sd, assign=True)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
+    ids = [id(p) for p in model.parameters()]
+    old_locals = [local(p) for p in model.parameters()]
+    _swap_load((model, ref), other)
     assert [id(p) for p in model.parameters()] == ids  # same parameter objects...
     replaced = sum(local(p) is not o for p, o in zip(model.parameters(), old_locals))
     assert replaced > 0  # ... with new local tensors
@@ -60,7 +70,7 @@ def _swap_load_worker(rank: int, world_size: int, kernel: str) -> dict[str, Any]
         for p in ref.parameters():
             master, w = mp_ref.master[p], local(p)
             master.copy_(torch.where(master.to(w.dtype) == w, master, w.float()))
-    run(range(3, 6))
+    _train(pairs, rank, range(3, 6))
     assert_same(list(model.parameters()), list(ref.parameters()), f"{kernel} params after swap-load")
     opt.close()
     return {"replaced": replaced}
@@ -74,7 +84,7 @@ def test_fsdp2_bf16_swap_load_new_local_tensors_are_written(kernel: str) -> None
 
 def _swap_load_fp32_worker(rank: int, world_size: int) -> dict[str, Any]:
     """fp32 shards (own masters): the new local tensors are written, as torch AdamW writes them."""
-    from _fsdp_models import assert_same, batch, groups, sharded
+    from _fsdp_models import assert_same, groups, sharded
     from offload import CPUOffloadAdamW, OffloadSettings
     from offload.state._dtensor import local
 
@@ -84,26 +94,14 @@ def _swap_load_fp32_worker(rank: int, world_size: int) -> dict[str, Any]:
     opt = CPUOffloadAdamW(groups(model), lr=1e-3, settings=OffloadSettings(threads=1, chunk_numel=1024))
     assert all(s.own_master for s in opt._layout.slabs.slots)
 
-    def run(steps: range) -> None:
-        for step in steps:
-            for m, o in ((model, opt), (ref, ref_opt)):
-                m(*batch(rank, step)).backward()
-                o.step()
-                o.zero_grad(set_to_none=True)
-
-    run(range(3))
+    pairs = ((model, opt), (ref, ref_opt))
+    _train(pairs, rank, range(3))
     other = sharded()
     with torch.no_grad():
         for p in other.parameters():
             local(p).mul_(0.5).add_(0.01)
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        for m in (model, ref):
-            m.load_state_dict({k: v.detach().clone() for k, v in other.state_dict().items()}, assign=True)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
-    run(range(3, 6))
+    _swap_load((model, ref), other)
+    _train(pairs, rank, range(3, 6))
     assert_same(list(model.parameters()), list(ref.parameters()), "fp32 params after swap-load")
     opt.close()
     return {}

@@ -17,39 +17,25 @@ from conftest import assert_bitwise
 
 from offload import CPUOffloadAdamW, OffloadSettings
 from offload.kernels._adamw import Hyper, mixed_precision_adamw_, native_adamw_f32_
+from test_optimizer_numerics import MixedPrecisionReference
 
 pytestmark = pytest.mark.usefixtures("single_threaded_main")
 
 LR, WD = 1e-2, 0.1
 
 
-class Bf16MomentsReference:
+class Bf16MomentsReference(MixedPrecisionReference):
     """fp32 master copies stepped by ``torch.optim.AdamW(fused=True)``; after every step both
     moments are rounded to bf16 (and kept as the fp32 values of those bf16 numbers); the master is
     cast back into the model (for an fp32 model the master is the parameter's value)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.params = list(model.parameters())
-        self.master = {p: p.detach().float().clone().requires_grad_(True) for p in self.params}
-        self.opt = torch.optim.AdamW([self.master[p] for p in self.params], lr=LR, weight_decay=WD, fused=True)
+        super().__init__(model, groups=[{"params": list(model.parameters()), "lr": LR, "weight_decay": WD}])
 
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> None:
-        for p in self.params:
-            self.master[p].grad = None if p.grad is None else p.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for st in self.opt.state.values():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    st[key].copy_(st[key].to(torch.bfloat16))
-            for p in self.params:
-                p.copy_(self.master[p])
-
-    def state(self, p: torch.Tensor) -> dict:
-        return self.opt.state[self.master[p]]
+    def after_step(self) -> None:
+        for st in self.opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                st[key].copy_(st[key].to(torch.bfloat16))
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
@@ -231,17 +217,12 @@ class StochasticReference(Bf16MomentsReference):
         super().__init__(model)
         self.seed = seed
 
-    def step(self) -> None:
-        for p in self.params:
-            self.master[p].grad = None if p.grad is None else p.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for slot, p in enumerate(self.params):
-                st = self.opt.state[self.master[p]]
-                h = _bits(self.seed, int(st["step"]), slot, p.numel())
-                st["exp_avg"].copy_(_stochastic(st["exp_avg"], h & 0xFFFF))
-                st["exp_avg_sq"].copy_(_stochastic(st["exp_avg_sq"], (h >> 16) & 0xFFFF))
-                p.copy_(self.master[p])
+    def after_step(self) -> None:
+        for slot, p in enumerate(self.params):
+            st = self.opt.state[self.master[p]]
+            h = _bits(self.seed, int(st["step"]), slot, p.numel())
+            st["exp_avg"].copy_(_stochastic(st["exp_avg"], h & 0xFFFF))
+            st["exp_avg_sq"].copy_(_stochastic(st["exp_avg_sq"], (h >> 16) & 0xFFFF))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 
-from _dist_util import run_workers
+from _dist_util import costed_tuning, run_workers
 
 pytestmark = pytest.mark.slow
 
 #: Fake step seconds per rank and thread count. Alone, rank 0 would pick 2 and rank 1 would pick
 #: 4 threads; the node's time (max over ranks) is lowest at 2: 1->3.0, 2->1.5, 4->2.0.
-COSTS = ({1: 3.0, 2: 1.0, 4: 2.0}, {1: 2.0, 2: 1.5, 4: 1.0})
 
 
 def _sharded_model(seed: int = 0) -> Any:
@@ -79,21 +78,10 @@ def _worker(rank: int, world_size: int, *, cache_path: str, trace_dir: str) -> d
     import torch
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from autotune import AutotuneConfig
-    from offload import ThreadPlan, tune_step_threads
+    from offload import tune_step_threads
 
     torch.set_num_threads(1)
-    plan = ThreadPlan(threads=4, reason="test plan", source="plan", cpus=frozenset({0, 1}), local_world_size=2,
-                      local_rank=rank, planned_threads=4, local_threads=(4, 4))
-    config = AutotuneConfig(probe_steps=26, warmup_steps=1, measure_steps=2, finalists=2, final_rounds=1,
-                            timeout_s=60.0, cache_path=cache_path, trace_dir=trace_dir)
-
-    class Clock:
-        t = 0.0
-
-        def __call__(self) -> float:
-            self.t += COSTS[rank][torch.get_num_threads()]
-            return self.t
+    plan, config, clock = costed_tuning(rank, world_size, cache_path=cache_path, trace_dir=trace_dir)
 
     makers = {
         "adamw-fused": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1, fused=True),
@@ -104,7 +92,7 @@ def _worker(rank: int, world_size: int, *, cache_path: str, trace_dir: str) -> d
     for name, make in makers.items():
         ref_model, model = _sharded_model(), _sharded_model()
         ref = make(ref_model.parameters())
-        opt = tune_step_threads(make(model.parameters()), autotune=config, plan=plan, clock=Clock())
+        opt = tune_step_threads(make(model.parameters()), autotune=config, plan=plan, clock=clock)
         used: list[int] = []
         opt.register_step_pre_hook(lambda *_: used.append(torch.get_num_threads()))
         mismatches = []
@@ -133,7 +121,7 @@ def _worker(rank: int, world_size: int, *, cache_path: str, trace_dir: str) -> d
             )
             model2 = _sharded_model(seed=1)
             model2.load_state_dict(copy.deepcopy(model.state_dict()))
-            opt2 = tune_step_threads(make(model2.parameters()), autotune=config, plan=plan, clock=Clock())
+            opt2 = tune_step_threads(make(model2.parameters()), autotune=config, plan=plan, clock=clock)
             set_optimizer_state_dict(model2, opt2, copy.deepcopy(got))
             resumed = []
             for step in range(28, 46):

@@ -69,6 +69,16 @@ class _EditAwareReference(MixedPrecisionReference):
                 master.copy_(torch.where(keep, master, p.float()))
 
 
+def reference(model: torch.nn.Module, dtype: torch.dtype):
+    """The reference optimizer for ``model`` and how to read a parameter's state from it: torch's
+    AdamW for fp32, the edit-aware mixed-precision reference otherwise."""
+    if dtype == torch.float32:
+        ref = torch.optim.AdamW(param_groups(model), fused=True)
+        return ref, lambda p: ref.state[p]
+    ref = _EditAwareReference(model)
+    return ref, ref.state
+
+
 def _ours(model, *, overlap: bool) -> CPUOffloadAdamW:
     return CPUOffloadAdamW(
         param_groups(model),
@@ -108,12 +118,7 @@ def test_every_edit_kind_with_and_without_overlap(dtype: torch.dtype, overlap: b
     launch); bf16 against the mixed-precision reference with the documented rule."""
     edits = {3: _clamp, 6: _load, 9: _replace_data}
     ref_model, model = make_model(dtype), make_model(dtype)
-    if dtype == torch.float32:
-        ref = torch.optim.AdamW(param_groups(ref_model), fused=True)
-        ref_state = lambda p: ref.state[p]  # noqa: E731
-    else:
-        ref = _EditAwareReference(ref_model)
-        ref_state = ref.state
+    ref, ref_state = reference(ref_model, dtype)
     opt = _ours(model, overlap=overlap)
     _train(ref_model, ref, edits, micro=2 if overlap else 1)
     _train(model, opt, edits, micro=2 if overlap else 1)
