@@ -14,10 +14,9 @@ Usage from a test (the target must be a module-level function of an importable t
 
 Each worker is a process with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``OMP_NUM_THREADS=1``) on a free port of
-127.0.0.1, forked from a process that has imported torch once (:class:`_Zygote`, one per pytest
-process): about 1.5 s of CPU saved per rank, most of a small test's cost. A fork starts with the
-test's environment and one intra-op thread, as a fresh ``python tests/_dist_util.py SPEC RANK``
-would; ``fresh=True`` starts that instead, for a test of what happens at import. Its return value (or exception) comes back in a :class:`WorkerResult`; its
+127.0.0.1: ``python tests/_dist_util.py SPEC RANK`` forked from a process that has imported torch
+once (``_forked.py``); ``fresh=True`` starts a new interpreter instead, for a test of what happens
+at import. Its return value (or exception) comes back in a :class:`WorkerResult`; its
 stderr (logging goes there) too. Workers still running at ``timeout_s``, or once every rank of
 ``wait_ranks`` has finished, are killed, so a test never hangs.
 
@@ -36,16 +35,18 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from _forked import ForkedProcess, start_python
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["COSTS", "WorkerResult", "costed_tuning", "free_port", "run_torchrun", "run_workers"]
+__all__ = ["COSTS", "WorkerResult", "costed_tuning", "free_port", "run_ranks", "run_torchrun", "run_workers",
+           "start_ranks"]
 
 
 #: Step cost by thread count on two local ranks that disagree (rank 0 is fastest at 2 threads,
@@ -114,6 +115,73 @@ def run_torchrun(cmd: Sequence[str], *, timeout_s: float, **popen_kwargs: Any) -
     return run(cmd, timeout_s=timeout_s, **popen_kwargs)
 
 
+def start_ranks(argv: Sequence[str], *, nproc: int, env: dict[str, str], cwd: str | Path, out_dir: Path,
+                port: int, nnodes: int = 1, node_rank: int = 0) -> list[ForkedProcess]:
+    """Node ``node_rank``'s ranks of ``torchrun --nnodes NNODES --nproc-per-node NPROC ARGV`` on this
+    host, without the launcher: each rank ``python ARGV`` forked (``_forked.py``) with the
+    environment torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, the world
+    sizes, ``MASTER_ADDR``/``MASTER_PORT`` of rank 0's store, ``OMP_NUM_THREADS=1`` unless set),
+    its stdout and stderr in ``out_dir``/``stdout.RANK`` and ``stderr.RANK``."""
+    procs = []
+    for local in range(nproc):
+        rank = node_rank * nproc + local
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local), "GROUP_RANK": str(node_rank),
+                    "ROLE_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nnodes * nproc),
+                    "GROUP_WORLD_SIZE": str(nnodes), "ROLE_WORLD_SIZE": str(nnodes * nproc),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        rank_env.setdefault("OMP_NUM_THREADS", "1")
+        procs.append(start_python(argv, env=rank_env, cwd=cwd, stdout=out_dir / f"stdout.{rank}",
+                                  stderr=out_dir / f"stderr.{rank}"))
+    return procs
+
+
+def run_ranks(cmd: Sequence[str], *, cwd: str | Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """What ``run_torchrun(cmd, cwd=, env=, timeout_s=)`` gives for a torchrun command
+    (``python -m torch.distributed.run --standalone --nproc-per-node N ARGV``) on one host, with the
+    ranks forked by :func:`start_ranks` instead of started by the launcher: about 2 s of CPU less
+    per rank and 2 s for the launcher. The result's stdout and stderr are the ranks' in rank order;
+    its returncode the first failing rank's, or 0. Like torchrun, a failing rank ends the others
+    (after 5 s here, so that their own error lines are written); a run past ``timeout_s`` is killed
+    and raises ``subprocess.TimeoutExpired``. The launcher itself is tested with real torchrun
+    (``test_run_torchrun.py``, ``test_train.py``)."""
+    args = list(cmd)
+    start = args.index("torch.distributed.run") + 1
+    nproc, i = 1, start
+    while i < len(args) and args[i].startswith("--"):
+        if args[i] in ("--nproc-per-node", "--nproc_per_node"):
+            nproc, i = int(args[i + 1]), i + 2
+        elif args[i] == "--standalone":
+            i += 1
+        else:
+            raise ValueError(f"run_ranks: torchrun option {args[i]!r} is not emulated; expected --standalone "
+                             "and --nproc-per-node N")
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        out_dir = Path(tmp)
+        procs = start_ranks(args[i:], nproc=nproc, env=env, cwd=cwd, out_dir=out_dir, port=free_port())
+        deadline, failed_at, timed_out = time.monotonic() + timeout_s, None, False
+        try:
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.poll() for p in procs):
+                    failed_at = now
+                timed_out = now >= deadline
+                if timed_out or (failed_at is not None and now - failed_at > 5.0):
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        read = lambda name: "".join((out_dir / f"{name}.{r}").read_text(errors="replace")  # noqa: E731
+                                    for r in range(nproc) if (out_dir / f"{name}.{r}").exists())
+        stdout, stderr = read("stdout"), read("stderr")
+    if timed_out and failed_at is None:
+        raise subprocess.TimeoutExpired(args, timeout_s, output=stdout, stderr=stderr)
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+
+
 def _launch(target: str, world_size: int, kwargs: dict[str, Any], timeout_s: float,
             wait_ranks: Sequence[int] | None, log_level: str, workdir: Path, fresh: bool) -> list[WorkerResult]:
     port = free_port()
@@ -121,7 +189,7 @@ def _launch(target: str, world_size: int, kwargs: dict[str, Any], timeout_s: flo
             "workdir": str(workdir)}
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    procs: list[subprocess.Popen | _ForkedRank] = []
+    procs: list[subprocess.Popen | ForkedProcess] = []
     killed = set()
     try:
         for rank in range(world_size):
@@ -138,7 +206,8 @@ def _launch(target: str, world_size: int, kwargs: dict[str, Any], timeout_s: flo
                         cwd=REPO_ROOT, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True,
                     ))
             else:
-                procs.append(_zygote().spawn(spec_path, rank, env, workdir / f"stderr.{rank}"))
+                procs.append(start_python([str(Path(__file__).resolve()), str(spec_path), str(rank)], env=env,
+                                          cwd=REPO_ROOT, stdout=workdir / f"stderr.{rank}"))
         deadline = time.monotonic() + timeout_s
         waited = range(world_size) if wait_ranks is None else wait_ranks
         while time.monotonic() < deadline and any(procs[r].poll() is None for r in waited):
@@ -194,122 +263,6 @@ def run_workers(
     raise AssertionError("unreachable")
 
 
-class _ForkedRank:
-    """A rank forked by the zygote: the part of ``subprocess.Popen`` that :func:`_launch` uses.
-    It leads its own session, so ``os.killpg(pid, ...)`` reaches it and what it started."""
-
-    def __init__(self, zygote: _Zygote, pid: int) -> None:
-        self._zygote, self.pid, self.returncode = zygote, pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._zygote.call(op="poll", pid=self.pid)["returncode"]
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            self.returncode = self._zygote.call(op="wait", pid=self.pid)["returncode"]
-        return self.returncode
-
-
-class _Zygote:
-    """``python tests/_dist_util.py --zygote``: imports torch (and this project) once, then forks
-    a rank per request on its stdin and reaps it (replies on its stdout, one JSON line each). It
-    never runs an OpenMP region or starts a thread of its own, so its forks start clean; it exits
-    when this process closes its stdin."""
-
-    def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote"], cwd=REPO_ROOT,
-                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._lock = threading.Lock()
-
-    def alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def call(self, **request: Any) -> dict[str, Any]:
-        with self._lock:
-            assert self._proc.stdin is not None and self._proc.stdout is not None
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-            line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the rank zygote exited (returncode {self._proc.poll()})")
-        return json.loads(line)
-
-    def spawn(self, spec_path: Path, rank: int, env: dict[str, str], output: Path) -> _ForkedRank:
-        reply = self.call(op="spawn", spec=str(spec_path), rank=rank, env=env, output=str(output), cwd=str(REPO_ROOT))
-        return _ForkedRank(self, reply["pid"])
-
-
-_ZYGOTE: _Zygote | None = None
-
-
-def _zygote() -> _Zygote:
-    global _ZYGOTE
-    if _ZYGOTE is None or not _ZYGOTE.alive():
-        _ZYGOTE = _Zygote()
-    return _ZYGOTE
-
-
-def _become_rank(request: dict[str, Any]) -> None:
-    """In a fork of the zygote: become what a fresh ``python tests/_dist_util.py SPEC RANK`` with
-    ``request``'s environment would be, then run the rank (which ends the process)."""
-    import torch
-
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(null)
-    os.close(out)
-    env = request["env"]
-    os.environ.clear()
-    os.environ.update(env)
-    for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
-        if entry and entry not in sys.path:
-            sys.path.insert(1, entry)
-    os.chdir(request["cwd"])
-    # OpenMP read OMP_NUM_THREADS when the zygote loaded it; a fresh process would read the rank's.
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
-    _worker_main(request["spec"], str(request["rank"]))
-
-
-def _zygote_main() -> None:
-    import torch  # noqa: F401  (the import every rank would repeat)
-    import torch.distributed  # noqa: F401
-
-    import autotune  # noqa: F401
-    import offload  # noqa: F401
-
-    exits: dict[int, int] = {}
-
-    def reap(pid: int, block: bool) -> int | None:
-        if pid not in exits:
-            done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
-            if done == 0:
-                return None
-            exits[pid] = os.waitstatus_to_exitcode(status)
-        return exits[pid]
-
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request["op"] == "spawn":
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    _become_rank(request)
-                finally:
-                    os._exit(70)
-            reply: dict[str, Any] = {"pid": pid}
-        else:
-            reply = {"returncode": reap(request["pid"], block=request["op"] == "wait")}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
-
-
 def _worker_main(spec_path: str, rank_text: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank, world_size = int(rank_text), int(spec["world_size"])
@@ -341,7 +294,4 @@ def _worker_main(spec_path: str, rank_text: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--zygote"]:
-        _zygote_main()
-    else:
-        _worker_main(sys.argv[1], sys.argv[2])
+    _worker_main(sys.argv[1], sys.argv[2])

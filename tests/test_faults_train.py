@@ -1,14 +1,13 @@
-"""The reference trainer under real faults: two ranks of ``python -m bench.train`` joined by gloo,
-one of them frozen (SIGSTOP) or killed (SIGKILL) mid-run. The survivor must stop within
-``--dist-timeout`` plus a grace, with one line naming the step and the rank, not after gloo's
-default 600 s with a traceback that names nobody."""
+"""The reference trainer under real faults: two ranks of ``python -m bench.train`` joined by gloo
+(forked with torch imported: ``_forked.py``), one of them frozen (SIGSTOP) or killed (SIGKILL)
+mid-run. The survivor must stop within ``--dist-timeout`` plus a grace, with one line naming the
+step and the rank, not after gloo's default 600 s with a traceback that names nobody."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from _dist_util import free_port
+from _forked import ForkedProcess, start_python
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,7 +29,7 @@ GRACE_S = 20.0
 TIMEOUT_S = 10.0
 
 
-def _launch(tmp_path: Path, *extra: str) -> list[subprocess.Popen]:
+def _launch(tmp_path: Path, *extra: str) -> list[ForkedProcess]:
     port = free_port()
     procs = []
     for rank in range(2):
@@ -37,16 +37,13 @@ def _launch(tmp_path: Path, *extra: str) -> list[subprocess.Popen]:
         env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        out = open(tmp_path / f"out.{rank}", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "bench.train", *TINY, "--optim-cpu-offload", "--steps", "100000",
-             "--dist-timeout", f"{TIMEOUT_S:g}", *extra],
-            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        out.close()
+        procs.append(start_python(
+            ["-m", "bench.train", *TINY, "--optim-cpu-offload", "--steps", "100000", "--dist-timeout",
+             f"{TIMEOUT_S:g}", *extra], cwd=tmp_path, env=env, stdout=tmp_path / f"out.{rank}"))
     return procs
 
 
-def _wait_for(path: Path, text: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+def _wait_for(path: Path, text: str, procs: list[ForkedProcess], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if text in path.read_text(errors="replace"):

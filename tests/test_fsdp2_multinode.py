@@ -1,9 +1,10 @@
-"""Two torchrun agents on this machine play two nodes (``--nnodes 2 --nproc-per-node 2``, c10d
-rendezvous): the FSDP trainer with ``--autotune`` tunes, locks in and caches once per node (the
-tuner's agreement group is the node's ``LOCAL_WORLD_SIZE`` consecutive ranks), and the run ends
-with the same losses and shards as the same two agents without tuning.
+"""Four ranks on this machine play two nodes of two, with the environment that two torchrun
+agents (``--nnodes 2 --nproc-per-node 2``) give their workers (``_dist_util.start_ranks``): the
+FSDP trainer with ``--autotune`` tunes, locks in and caches once per node (the tuner's agreement
+group is the node's ``LOCAL_WORLD_SIZE`` consecutive ranks), and the run ends with the same losses
+and shards as the same two nodes without tuning.
 
-Each agent gets its own cache and trace folder, as two real nodes would have. The model is the
+Each node gets its own cache and trace folder, as two real nodes would have. The model is the
 tiny GPT in bf16: its slabs are too small for the chunk knob and one CPU per rank leaves one
 thread count, so the kernel knob (torch / fused-mp, bitwise equal on this build) is what is tuned.
 """
@@ -12,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from _dist_util import free_port
-from bench.train._dist import stop_torchrun
+from _dist_util import free_port, start_ranks
 
 REPO = Path(__file__).absolute().parents[1]
 STEPS = 44  # the default probe budget (40) and a few locked steps: a decision may take all of it
@@ -31,7 +30,7 @@ pytestmark = [
 ]
 
 
-def _two_agents(tmp: Path, *extra: str) -> tuple[dict, list[str]]:
+def _two_nodes(tmp: Path, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("OFFLOAD_AUTOTUNE_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "WORLD_SIZE",
                         "GROUP_RANK")}
@@ -42,29 +41,28 @@ def _two_agents(tmp: Path, *extra: str) -> tuple[dict, list[str]]:
         node_dir = tmp / f"node{node}"
         node_dir.mkdir(parents=True, exist_ok=True)
         tune = [a.replace("{node}", str(node_dir)) for a in extra]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "fsdp2-test",
-               "-m", "bench.train", "--model-size", "tiny", "--dtype", "bf16", "--device", "cpu",
-               "--batch-size", "2", "--seq-len", "16", "--steps", str(STEPS), "--fsdp", "--optim-cpu-offload",
-               "--summary-json", str(tmp / "summary.json"), *tune]
-        procs.append(subprocess.Popen(cmd, cwd=node_dir, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = []
+        argv = ["-m", "bench.train", "--model-size", "tiny", "--dtype", "bf16", "--device", "cpu",
+                "--batch-size", "2", "--seq-len", "16", "--steps", str(STEPS), "--fsdp", "--optim-cpu-offload",
+                "--summary-json", str(tmp / "summary.json"), *tune]
+        procs += start_ranks(argv, nproc=2, nnodes=2, node_rank=node, env=env, cwd=node_dir, out_dir=node_dir,
+                             port=port)
     try:
+        for rank, proc in enumerate(procs):
+            rc = proc.wait(timeout=600)
+            out = tmp / f"node{rank // 2}" / f"stderr.{rank}"
+            assert rc == 0, out.read_text(errors="replace")[-4000:]
+    finally:  # every rank leads its own session
         for proc in procs:
-            out, _ = proc.communicate(timeout=600)
-            outputs.append(out)
-            assert proc.returncode == 0, out[-4000:]
-    finally:  # a SIGKILL of an agent alone would leave its workers (own sessions) running
-        for proc in procs:
-            stop_torchrun(proc)
-    return json.loads((tmp / "summary.json").read_text()), outputs
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return json.loads((tmp / "summary.json").read_text())
 
 
 def test_two_nodes_tune_and_cache_each_on_their_own(tmp_path: Path) -> None:
-    tuned, outputs = _two_agents(tmp_path / "tuned", "--autotune", "--cache", "{node}/cache.json",
-                                 "--trace-dir", "{node}/trace")
-    plain, _ = _two_agents(tmp_path / "plain")
+    tuned = _two_nodes(tmp_path / "tuned", "--autotune", "--cache", "{node}/cache.json", "--trace-dir",
+                       "{node}/trace")
+    plain = _two_nodes(tmp_path / "plain")
     assert tuned["world_size"] == plain["world_size"] == 4
     for node in range(2):
         node_dir = tmp_path / "tuned" / f"node{node}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import train_summary
 
-from _dist_util import run_torchrun
+from _dist_util import run_ranks
 from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
@@ -53,7 +53,7 @@ def _torchrun(tmp_path: Path, name: str, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "bench.train", *TINY, "--fsdp", "--steps", "3", "--grad-accum", "2",
            "--summary-json", str(out), *extra]
-    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=300)
+    proc = run_ranks(cmd, cwd=tmp_path, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Every rank's line names its chunk (n/a for torch's AdamW), never "chunk None" (issue 17).
     assert "rank 1: threads" in proc.stdout and "chunk None" not in proc.stdout, proc.stdout[-3000:]

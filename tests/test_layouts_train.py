@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist_util import run_torchrun
+from _dist_util import run_ranks
 from bench.train import _main as train
 from bench.train._parallel import _interleave_qkv, layout_mesh
 
@@ -28,7 +28,7 @@ def _torchrun(tmp_path: Path, name: str, *extra: str) -> tuple[dict, str]:
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "bench.train", *TINY, "--fsdp", "--tp", "2", "--steps", "3", "--summary-json", str(out), *extra]
-    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=400)
+    proc = run_ranks(cmd, cwd=tmp_path, env=env, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout + proc.stderr
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import train_summary
 
-from _dist_util import run_torchrun
+from _dist_util import run_ranks, run_torchrun
 from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
@@ -92,13 +92,16 @@ def test_autotune_locks_in_then_hits_the_cache_without_changing_the_math(tmp_pat
     t = first["tuner"]
     assert t["state"] == "locked" and t["cache_hit"] is False and 0 < t["probe_steps"] <= 40
     assert t["winner"] is not None and set(t["winner"]) == {"threads", "chunk_numel"}
-    # The rank reports the knobs the optimizer runs after its last step: the tuner's current
-    # setting, which is the winner unless a watch round is under way (on a loaded machine lock-in
-    # can come early enough for the watch to start one before step 44: its challenger runs then).
-    assert [first["ranks"][0][k] for k in ("threads", "chunk_numel")] == [
-        t["current"]["threads"], t["current"]["chunk_numel"]]
-    assert t["current"] == t["winner"] or t["watch_steps"] > 0, t
+    # The rank reports the knobs of its last step. The tuner's current setting is the one for the
+    # step after: it differs where the last step ended a probe or a watch round (on a loaded
+    # machine lock-in can come early enough for the watch to start one before step 44), and then
+    # the trace's row of that step names what ran.
     run = trace / "run-1"  # one directory per run (tests/test_run_dirs.py)
+    rows = [json.loads(line) for line in (run / "trace.jsonl").read_text().splitlines() if line.strip()]
+    last = [r["candidate"] for r in rows if r.get("step") == t["steps"]]
+    assert [first["ranks"][0][k] for k in ("threads", "chunk_numel")] == [
+        (last or [t["current"]])[0][k] for k in ("threads", "chunk_numel")]
+    assert t["current"] == t["winner"] or t["watch_steps"] > 0, t
     for name in ("trace.jsonl", "trace.csv", "trace.chrome.json", "summary.json", "train_steps.jsonl",
                  "run.json"):
         assert (run / name).is_file(), name
@@ -160,7 +163,7 @@ def test_torchrun_two_ranks_autotune_agree_and_share_the_cache(tmp_path: Path) -
                "-m", "bench.train", "--model-size", "small", "--device", "cpu", "--batch-size", "2",
                "--seq-len", "16", "--optim-cpu-offload", "--autotune", "--steps", "44",
                "--cache", str(tmp_path / "cache.json"), "--summary-json", str(out)]
-        proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=300)
+        proc = run_ranks(cmd, cwd=tmp_path, env=env, timeout_s=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         summaries.append(json.loads(out.read_text()))
     first, second = summaries

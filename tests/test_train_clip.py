@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import train_summary
 
-from _dist_util import run_torchrun
+from _dist_util import run_ranks
 from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
@@ -134,7 +134,7 @@ def _torchrun(tmp_path: Path, name: str, *extra: str) -> dict:
            "-m", "bench.train", "--model-size", "tiny", "--device", "cpu", "--batch-size", "4", "--seq-len", "32",
            "--fsdp", "--steps", "3", "--grad-accum", "2", "--clip-grad-norm", "0.5", "--amp", "fp16",
            "--summary-json", str(out), *extra]
-    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=300)
+    proc = run_ranks(cmd, cwd=tmp_path, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
