@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["ForkedProcess", "start_python"]
+__all__ = ["ForkedProcess", "run_python", "start_python"]
 
 
 class ForkedProcess:
@@ -60,7 +62,10 @@ class ForkedProcess:
 
 class _Zygote:
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())],
+        # Without OMP_NUM_THREADS, so that torch's default thread count is the one a fork without
+        # the variable gets.
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lock = threading.Lock()
 
@@ -97,6 +102,23 @@ def start_python(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd:
                         cwd=str(Path.cwd() if cwd is None else cwd), stdout=str(stdout),
                         stderr=str(stdout if stderr is None else stderr))
     return ForkedProcess(zygote, reply["pid"], [sys.executable, *argv])
+
+
+def run_python(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+               timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=, cwd=,
+    timeout=)`` on a fork (:func:`start_python`); on a timeout its process group is killed."""
+    with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = start_python(argv, env=env, cwd=cwd, stdout=out, stderr=err)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(proc.args, returncode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
 
 # --- in the zygote and its forks -------------------------------------------------------------
@@ -139,7 +161,7 @@ def _run_argv(argv: list[str]) -> int:
     return code
 
 
-def _become(request: dict[str, Any]) -> None:
+def _become(request: dict[str, Any], default_threads: int) -> None:
     """In a fork of the zygote: become ``python ARGV`` with the request's environment and files."""
     import torch
 
@@ -163,7 +185,7 @@ def _become(request: dict[str, Any]) -> None:
             sys.path.insert(1, entry)
     os.chdir(request["cwd"])
     # OpenMP read OMP_NUM_THREADS when the zygote loaded it; a fresh process reads its own.
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or default_threads))
     code = _run_argv(request["argv"])
     sys.stdout.flush()
     sys.stderr.flush()
@@ -172,12 +194,13 @@ def _become(request: dict[str, Any]) -> None:
 
 def _zygote_main() -> None:
     sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository, for offload
-    import torch  # noqa: F401  (the imports every forked process would otherwise repeat)
+    import torch  # the imports every forked process would otherwise repeat
     import torch.distributed  # noqa: F401
 
     import autotune  # noqa: F401
     import offload  # noqa: F401
 
+    default_threads = torch.get_num_threads()  # what torch picks without OMP_NUM_THREADS
     exits: dict[int, int] = {}
 
     def reap(pid: int, block: bool) -> int | None:
@@ -194,7 +217,7 @@ def _zygote_main() -> None:
             pid = os.fork()
             if pid == 0:
                 try:
-                    _become(request)
+                    _become(request, default_threads)
                 finally:
                     os._exit(70)
             reply: dict[str, Any] = {"pid": pid}

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from _client_util import require
 from _dist_util import free_port
+from _forked import run_python
 
 REPO = Path(__file__).absolute().parents[1]
 DOC = (REPO / "docs" / "integrations.md").read_text(encoding="utf-8")
@@ -36,8 +36,7 @@ def test_python_example_runs(index: int, tmp_path: Path, kernel_build_dir: Path)
            # An example that sets up its own world of one takes this port (os.environ.setdefault):
            # its shown default, a fixed port, can be taken on a shared machine.
            "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = run_python(["-c", code], cwd=tmp_path, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "ok", proc.stdout[-2000:]
 

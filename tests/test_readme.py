@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _forked import run_python
 
 REPO = Path(__file__).absolute().parents[1]
 README = REPO / "README.md"
@@ -41,8 +40,7 @@ def test_python_example_runs(path: Path, index: int, tmp_path: Path, kernel_buil
     code = _blocks(path, "python")[index]
     # This process's PATH: the ninja that built the session's kernel (another ninja version, as
     # /usr/bin's 1.11 beside the venv's 1.13, finds its log foreign and rebuilds it, ~30 s).
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    proc = run_python(["-c", code], cwd=tmp_path, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                             "XDG_CACHE_HOME": str(tmp_path / "xdg"),
                                             "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _forked import run_python
 
 from bench.train import _main as train
 
@@ -25,8 +26,7 @@ def _trainer(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> s
             if k not in ("OFFLOAD_AUTOTUNE_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
     full["PYTHONPATH"] = str(REPO) + os.pathsep + full.get("PYTHONPATH", "")
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "bench.train", *TINY, *args],
-                          cwd=tmp_path, env=full, capture_output=True, text=True, timeout=300)
+    return run_python(["-m", "bench.train", *TINY, *args], cwd=tmp_path, env=full, timeout=300)
 
 
 def test_help_shows_each_default_once_and_documents_every_flag(capsys) -> None:

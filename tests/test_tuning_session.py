@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _forked import run_python
 
 from autotune import AutotuneConfig, Knob, SearchSpace, TuningCache, TuningSession
 
@@ -34,8 +33,7 @@ def test_the_docs_example_runs_twice_and_the_second_run_hits_the_cache(tmp_path:
     example = _example()
     outs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=600, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+        done = run_python(["-c", example], cwd=tmp_path, timeout=600, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
         assert done.returncode == 0, done.stderr[-3000:]
         outs.append(done.stdout.split())
     assert outs[0][0] == "locked" and outs[0][-2] == "False" and int(outs[0][-1]) > 0, outs[0]
