@@ -98,6 +98,9 @@ def start_python(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd:
             _ZYGOTE = _Zygote()
         zygote = _ZYGOTE
     argv = [str(a) for a in argv]
+    for path in (stdout, stderr):  # there once this returns, as Popen's would be
+        if path is not None:
+            Path(path).touch()
     reply = zygote.call(op="spawn", argv=argv, env=dict(os.environ if env is None else env),
                         cwd=str(Path.cwd() if cwd is None else cwd), stdout=str(stdout),
                         stderr=str(stdout if stderr is None else stderr))
