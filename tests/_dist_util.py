@@ -142,8 +142,8 @@ def run_ranks(cmd: Sequence[str], *, cwd: str | Path, env: dict[str, str], timeo
     per rank and 2 s for the launcher. The result's stdout and stderr are the ranks' in rank order;
     its returncode the first failing rank's, or 0. Like torchrun, a failing rank ends the others
     (after 5 s here, so that their own error lines are written); a run past ``timeout_s`` is killed
-    and raises ``subprocess.TimeoutExpired``. The launcher itself is tested with real torchrun
-    (``test_run_torchrun.py``, ``test_train.py``)."""
+    and raises ``subprocess.TimeoutExpired``. Real torchrun runs in ``test_run_torchrun.py`` and
+    starts the trainer in ``test_threads_dist.py``, ``test_suite.py`` and ``test_overlap_bench.py``."""
     args = list(cmd)
     start = args.index("torch.distributed.run") + 1
     nproc, i = 1, start

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from _client_util import require
 from _dist_util import REPO_ROOT, costed_tuning, run_workers
+from _forked import run_python
 
 require("deepspeed")
 
@@ -155,13 +156,13 @@ def test_zero2_offload_tuned_bitwise_agreed_and_cached(world_size: int, tmp_path
 
 
 def test_refuses_what_is_not_a_zero_offload_engine(tmp_path: Path) -> None:
-    """In a fresh interpreter, so the ZeRO runtime tune_deepspeed imports stays out of the test session."""
+    """In another process (a fork: ``_forked.py``), so the ZeRO runtime tune_deepspeed imports stays
+    out of the test session."""
     code = ("from offload import DeepSpeedTuningError, tune_deepspeed\n"
             "class Engine:\n    optimizer = object()\n"
             "try:\n    tune_deepspeed(Engine())\nexcept DeepSpeedTuningError as e:\n    print(e)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+    proc = run_python(["-c", code], env=env, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1].startswith(
         "tune_deepspeed: engine.optimizer is object: expected DeepSpeedZeroOptimizer"), proc.stdout
@@ -172,8 +173,8 @@ def test_benchmark_runs_and_writes_its_row(tmp_path: Path, ds_ext_dir: Path) -> 
     every arm measured, the OpenMP check ran, both files written."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": str(ds_ext_dir), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    proc = subprocess.run([sys.executable, "-m", "bench.deepspeed_step", "--quick", "--out-dir", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=420, cwd=tmp_path)
+    proc = run_python(["-m", "bench.deepspeed_step", "--quick", "--out-dir", str(tmp_path)], env=env, timeout=420,
+                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "deepspeed_step.json").read_text())
     assert set(result["here"]["arms"]) == {"ds_1_thread", "ds_default", "ds_tuned", "cpu_offload_adamw"}

@@ -1,5 +1,6 @@
 """The reference trainer (``python -m bench.train``): summaries, numerics against torch's AdamW,
-and a real two-process torchrun/gloo run whose ranks must end with bitwise identical parameters."""
+and two gloo ranks with torchrun's environment (``_dist_util.run_ranks``) that must end with
+bitwise identical parameters."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from conftest import train_summary
 
-from _dist_util import run_ranks, run_torchrun
+from _dist_util import run_ranks
 from bench.train import _main as train
 
 REPO = Path(__file__).absolute().parents[1]
@@ -133,7 +134,7 @@ def test_torchrun_two_ranks_stay_identical(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "bench.train", *TINY, "--optim-cpu-offload", "--steps", "4", "--chunk-numel", "8192",
            "--summary-json", str(out)]
-    proc = run_torchrun(cmd, cwd=tmp_path, env=env, timeout_s=240)
+    proc = run_ranks(cmd, cwd=tmp_path, env=env, timeout_s=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["world_size"] == 2 and s["backend"] == "gloo"
