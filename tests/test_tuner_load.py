@@ -229,3 +229,40 @@ def test_bad_values_are_refused_before_any_folder(tmp_path: Path, monkeypatch: p
             tl.main(argv)
         assert exc.value.code == 2
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_wait_policy_benchmark_measures_both_policies_in_their_own_processes(tmp_path: Path) -> None:
+    """``python -m bench.tuner_load.wait_policy --quick``: one process per policy, each with only its
+    ``OMP_WAIT_POLICY`` set, every kind and thread count measured, the summary recomputed from the
+    raw samples; the load's workers are gone. No timing is asserted."""
+    from bench.tuner_load import wait_policy as wp
+
+    assert wp.main(["--quick", "--load", "busy", "--out-dir", str(tmp_path)]) == 0
+    result = _strict_json((tmp_path / "wait_policy-busy-quick.json").read_text())
+    assert [p["policy"] for p in result["processes"]] == ["default", "PASSIVE"]
+    for proc in result["processes"]:
+        assert set(proc["times"]) == {"stock", "offload"}
+        assert all(len(proc["times"][kind][t]) == 2 for kind in proc["times"] for t in ("1", "2"))
+    assert result["summary"] == wp.summarize(result["processes"])
+    assert "| PASSIVE | offload |" in (tmp_path / "wait_policy-busy-quick.md").read_text()
+    assert result["command"] == "python -m bench.tuner_load.wait_policy --quick --load busy --out-dir " + str(tmp_path)
+
+
+def test_the_wait_policy_benchmark_sets_only_its_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured process's environment is this one's with OMP_WAIT_POLICY as its arm says (unset
+    for "default") and OMP_NUM_THREADS unset, whatever this process has."""
+    from bench.tuner_load import wait_policy as wp
+
+    seen: list[dict[str, str]] = []
+
+    def fake_run(cmd: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        seen.append(env)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"stock": {"1": [1.0], "2": [1.0]}}), "")
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(wp.subprocess, "run", fake_run)
+    wp.measure_process("default", 1, 8)
+    wp.measure_process("PASSIVE", 1, 8)
+    assert "OMP_WAIT_POLICY" not in seen[0] and seen[1]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert all("OMP_NUM_THREADS" not in env for env in seen)
