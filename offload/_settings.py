@@ -11,6 +11,7 @@ documented in ``docs/environment.md``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -160,6 +161,12 @@ def threads_override() -> int | None:
 def omp_num_threads() -> int | None:
     """``OMP_NUM_THREADS`` (torchrun sets 1); only reported, never obeyed over an explicit plan."""
     return knobs.read_int("OMP_NUM_THREADS", minimum=1)
+
+
+def omp_wait_policy() -> str | None:
+    """``OMP_WAIT_POLICY`` as set (OpenMP reads it at start; this project only reads it to say
+    whether the spin-wait notice of ``tune_step_threads`` applies), or None if unset."""
+    return os.environ.get("OMP_WAIT_POLICY")
 
 
 def torch_extensions_dir() -> Path | None:

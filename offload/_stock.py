@@ -82,6 +82,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from autotune import AutotuneConfig, OnlineTuner, StepSample, TraceWriter, cache_for, trace_for
+from offload._settings import omp_wait_policy
 from offload.tuning._glue import step_threads_space
 from offload.tuning._node_agreement import NodeAgreement, node_agreement, thread_plan, tuning_config
 from offload.threads._plan import ThreadPlan, thread_limit
@@ -271,6 +272,7 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         self._threads = plan.threads
         self.last_step_s: float | None = None
         self.tuner: OnlineTuner | None = None
+        self._spin_checked = False
         self._trace: TraceWriter | None = None
         self._agreement: NodeAgreement | None = None
         if autotune is not None:
@@ -327,6 +329,11 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
         self.last_step_s = step_s
         if self.tuner is not None:
             self.tuner.observe(StepSample(time_s=step_s, stages={"step_s": step_s}))  # writes the summary at lock-in
+            if not self._spin_checked and self.tuner.state == "locked":
+                self._spin_checked = True
+                notice = spin_wait_notice(self.tuner.summary())
+                if notice is not None and self.tuner.rank == 0:
+                    logger.warning("%s", notice)
         return loss if closure is not None else out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -367,6 +374,35 @@ class ThreadTunedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         state = self.tuner.state if self.tuner is not None else "off"
         return f"ThreadTunedOptimizer(threads={self._threads}, tuner={state}, wrapped={self._stock_inner!r})"
+
+
+#: More threads this many times slower than 1 thread on the mean, in the tuner's measurements:
+#: the signature of OpenMP threads that spin-wait beside other work on the same cores.
+SPIN_WAIT_SLOWDOWN = 2.0
+
+
+def spin_wait_notice(summary: dict[str, Any]) -> str | None:
+    """What ``tune_step_threads`` logs (once, rank 0, at lock-in) when its measurements show more
+    threads at least :data:`SPIN_WAIT_SLOWDOWN` times slower than 1 thread and ``OMP_WAIT_POLICY``
+    is not ``PASSIVE``: the cause, and the launcher setting that removes it (docs/environment.md,
+    measured in bench/results/README.md). None otherwise."""
+    if (omp_wait_policy() or "").strip().upper() == "PASSIVE":
+        return None
+    samples: dict[int, list[float]] = collections.defaultdict(list)
+    for m in summary.get("measurements") or ():
+        threads = (m.get("candidate") or {}).get("threads")
+        if threads is not None:
+            samples[int(threads)].extend(m.get("samples") or ())
+    mean = {t: sum(xs) / len(xs) for t, xs in samples.items() if xs}
+    if 1 not in mean or mean[1] <= 0:
+        return None
+    slowest = max((t for t in mean if t > 1), key=mean.__getitem__, default=None)
+    if slowest is None or mean[slowest] < SPIN_WAIT_SLOWDOWN * mean[1]:
+        return None
+    return (f"tune_step_threads: {slowest} threads ran {mean[slowest] / mean[1]:.1f}x slower than 1 thread "
+            f"here (mean {1e3 * mean[slowest]:.3g} ms against {1e3 * mean[1]:.3g} ms a step): OpenMP threads that "
+            "spin-wait beside other processes on these cores do that; launched with OMP_WAIT_POLICY=PASSIVE, "
+            "more threads can pay (docs/environment.md)")
 
 
 def tune_step_threads(

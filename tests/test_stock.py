@@ -9,6 +9,8 @@ is certain; the real clock is only exercised by the benchmark.
 
 from __future__ import annotations
 
+import logging
+
 import copy
 import io
 import json
@@ -431,3 +433,59 @@ def test_fingerprint_workload_distinguishes_optimizer_and_parameters() -> None:
     workload = step_threads_workload(torch.optim.AdamW(a.parameters(), fused=True))
     assert workload["optimizer"] == "torch.optim.adamw.AdamW" and workload["tensors"] == 4
     assert workload["options"]["fused"] is True and workload["dtypes"] == ["torch.float32"]
+
+
+# ------------------------------------------------------------------ the spin-wait notice
+
+
+def _lock_with(costs: dict[int, float], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Steps of a wrapped AdamW whose step times are ``costs`` by thread count, until lock-in and 5
+    more; the WARNING lines of ``offload._stock``."""
+    model = wide_model()
+    opt = tune_step_threads(torch.optim.AdamW(model.parameters(), fused=True), plan=plan(),
+                            autotune=config(tmp_path, use_cache=False), clock=FakeClock(costs))
+    caplog.set_level(logging.WARNING, logger="offload._stock")
+    steps = 0
+    while opt.tuner.state != "locked" or steps < 45:
+        wide_loss(model, steps).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps += 1
+        assert steps < 200, opt.tuner.summary()
+    opt.close()
+    return [r.getMessage() for r in caplog.records if r.name == "offload._stock" and r.levelno == logging.WARNING]
+
+
+def test_more_threads_much_slower_than_one_names_the_wait_policy_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 threads 3x and 2 threads 2.5x slower than 1 (what spinning OpenMP threads beside other
+    work do): one WARNING at lock-in with the slowest count's figures and the setting; none with
+    OMP_WAIT_POLICY=PASSIVE, none where more threads are merely a little slower, or faster."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    (line,) = _lock_with({1: 1.0, 2: 2.5, 4: 3.0}, tmp_path / "a", caplog)
+    assert line.startswith("tune_step_threads: 4 threads ran 3.0x slower than 1 thread here (mean 3e+03 ms "
+                           "against 1e+03 ms a step)"), line
+    assert "OMP_WAIT_POLICY=PASSIVE" in line and "docs/environment.md" in line
+    caplog.clear()
+    assert _lock_with({1: 1.0, 2: 1.5, 4: 1.9}, tmp_path / "b", caplog) == []
+    caplog.clear()
+    assert _lock_with(COSTS, tmp_path / "c", caplog) == []
+    caplog.clear()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert _lock_with({1: 1.0, 2: 2.5, 4: 3.0}, tmp_path / "d", caplog) == []
+
+
+def test_the_notice_reads_every_measurement_of_a_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The means pool every measurement of a count (finalists are measured again); a summary
+    without a 1-thread measurement, or without measurements (a cache hit), says nothing."""
+    from offload._stock import spin_wait_notice
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # tests/conftest.py sets PASSIVE
+
+    def m(threads: int, samples: list[float]) -> dict[str, Any]:
+        return {"candidate": {"threads": threads}, "samples": samples}
+
+    pooled = {"measurements": [m(1, [1.0, 1.0]), m(2, [1.0]), m(2, [4.0, 4.0, 3.0])]}
+    assert "2 threads ran 3.0x slower" in (spin_wait_notice(pooled) or "")
+    assert spin_wait_notice({"measurements": [m(2, [9.0]), m(4, [9.0])]}) is None
+    assert spin_wait_notice({"measurements": []}) is None
