@@ -14,8 +14,9 @@ A fork becomes what ``python ARGV`` would be: the given environment, working dir
 unbuffered into their files (as ``python -u``); at the end, non-daemon threads joined and
 ``atexit`` handlers run, as at interpreter exit. Two differences remain, so a test of either keeps
 a real interpreter: modules the zygote imported are not imported again (an environment variable
-read at their import is the zygote's), and OpenMP read ``OMP_NUM_THREADS`` when the zygote loaded
-it (the fork sets torch's thread count from the variable instead, which is what torch reports).
+read at their import is the zygote's), and OpenMP read its variables when the zygote loaded it:
+the fork sets torch's thread count from ``OMP_NUM_THREADS`` instead (what torch reports), and
+keeps the zygote's ``OMP_WAIT_POLICY`` (that of the pytest worker: ``PASSIVE``, conftest.py).
 Each fork leads its own session: ``os.killpg(pid, ...)`` reaches it and what it started.
 """
 

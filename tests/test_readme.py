@@ -40,9 +40,9 @@ def test_python_example_runs(path: Path, index: int, tmp_path: Path, kernel_buil
     code = _blocks(path, "python")[index]
     # This process's PATH: the ninja that built the session's kernel (another ninja version, as
     # /usr/bin's 1.11 beside the venv's 1.13, finds its log foreign and rebuilds it, ~30 s).
-    proc = run_python(["-c", code], cwd=tmp_path, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                            "XDG_CACHE_HOME": str(tmp_path / "xdg"),
-                                            "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)})
+    env = {"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "XDG_CACHE_HOME": str(tmp_path / "xdg"), "TORCH_EXTENSIONS_DIR": str(kernel_build_dir)}
+    proc = run_python(["-c", code], cwd=tmp_path, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Each example prints what its comments promise.
     if "opt.tuner.state" in code or "TuningSession(" in code:
