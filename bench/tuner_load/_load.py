@@ -41,10 +41,17 @@ from typing import Callable, Literal, Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KINDS", "STOP_GRACE_S", "BackgroundLoad", "LoadSpec"]
+__all__ = ["KINDS", "STOP_GRACE_S", "BackgroundLoad", "LoadSpec", "add_load_arguments"]
 
 LoadKind = Literal["none", "threads", "bursts", "busy"]
 KINDS: tuple[str, ...] = ("none", "threads", "bursts", "busy")
+
+
+def add_load_arguments(p: argparse.ArgumentParser, *, default: str) -> None:
+    """A benchmark's ``--load``, ``--load-procs`` and ``--load-threads`` (a :class:`LoadSpec`)."""
+    p.add_argument("--load", choices=KINDS, default=default, help="background load (see bench.tuner_load._load)")
+    p.add_argument("--load-procs", type=int, default=2, help="background load processes")
+    p.add_argument("--load-threads", type=int, default=2, help="torch threads per load process (threads, bursts)")
 #: Seconds a worker has to report ready (torch's import takes a few on a loaded 2-core VM).
 READY_TIMEOUT_S = 120.0
 #: Seconds between SIGTERM and SIGKILL when stopping.

@@ -65,8 +65,7 @@ import torch
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
 from bench._cli import bench_entry
 from bench._stats import machine_info, median, quantile
-from bench.tuner_load._load import KINDS as LOAD_KINDS
-from bench.tuner_load._load import BackgroundLoad, LoadSpec
+from bench.tuner_load._load import BackgroundLoad, LoadSpec, add_load_arguments
 
 logger = logging.getLogger("bench.tuner_load")
 
@@ -438,9 +437,7 @@ def _kinds(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.tuner_load", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--load", choices=LOAD_KINDS, default="none", help="background load (see bench.tuner_load._load)")
-    p.add_argument("--load-procs", type=int, default=2, help="background load processes")
-    p.add_argument("--load-threads", type=int, default=2, help="torch threads per load process (threads, bursts)")
+    add_load_arguments(p, default="none")
     p.add_argument("--load-starts", choices=("start", "lock"), default="start",
                    help="when the load starts: before the first session, or in each session right after "
                         "its lock-in (stopped after its scoring: a load that starts mid-run)")

@@ -34,8 +34,7 @@ from typing import Any, Sequence
 from bench._args import OUT_DIR_HELP, HelpFormatter, output_dir
 from bench._cli import bench_entry
 from bench._stats import machine_info, median
-from bench.tuner_load._load import KINDS as LOAD_KINDS
-from bench.tuner_load._load import BackgroundLoad, LoadSpec
+from bench.tuner_load._load import BackgroundLoad, LoadSpec, add_load_arguments
 
 POLICIES = ("default", "PASSIVE")
 KINDS = ("stock", "offload")
@@ -119,9 +118,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.tuner_load.wait_policy", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--load", choices=LOAD_KINDS, default="threads", help="background load (see bench.tuner_load._load)")
-    p.add_argument("--load-procs", type=int, default=2, help="background load processes")
-    p.add_argument("--load-threads", type=int, default=2, help="torch threads per load process (threads, bursts)")
+    add_load_arguments(p, default="threads")
     p.add_argument("--blocks", type=int, default=6, help="blocks of one measuring process per policy")
     p.add_argument("--rounds", type=int, default=20, help="rounds of one 1-thread and one 2-thread step per process")
     p.add_argument("--quick", action="store_true", help=f"smoke run: width {QUICK_WIDTH}, 1 block, 2 rounds")
