@@ -215,6 +215,15 @@ def test_load_workers_stop_when_the_block_fails(error: type[BaseException]) -> N
     assert all(_gone(pid) for pid in load.pids)
 
 
+def test_load_workers_keep_openmps_default_wait_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load stands for other jobs: its workers run without this process's OMP_WAIT_POLICY."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("TUNER_LOAD_TEST_MARK", "1")
+    with BackgroundLoad(LoadSpec(kind="busy", procs=1)) as load:
+        env = psutil.Process(load.pids[0]).environ()
+    assert env.get("TUNER_LOAD_TEST_MARK") == "1" and "OMP_WAIT_POLICY" not in env
+
+
 def test_a_worker_whose_parent_is_gone_exits() -> None:
     # --parent names a pid that is not the worker's parent: it must report ready, then leave.
     proc = subprocess.run([sys.executable, "-m", "bench.tuner_load._load", "--kind", "busy", "--parent", str(2**22 + 1)],

@@ -16,6 +16,9 @@ Kinds (each worker is ``python -m bench.tuner_load._load`` started with ``sys.ex
 * ``busy``: plain Python arithmetic in a loop (one thread, no torch, no thread team).
 * ``none``: no worker.
 
+Every worker runs with this process's environment less ``OMP_WAIT_POLICY`` (OpenMP's default
+wait policy, as other jobs have), so a measured process's own policy never changes the load.
+
 Stopping: SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`, and ``wait()`` so no zombie is left.
 Ctrl-C reaches the workers too (same process group); they exit quietly. While the load runs, a
 SIGTERM to the measuring process raises ``KeyboardInterrupt`` there (the previous handler is
@@ -93,6 +96,12 @@ class LoadSpec:
         return f"{self.procs} processes, each {what}"
 
 
+def _worker_env() -> dict[str, str]:
+    """This environment without ``OMP_WAIT_POLICY``: the load stands for other jobs, which keep
+    OpenMP's default, whatever policy the measured process runs with (bench.tuner_load.wait_policy)."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+
 class BackgroundLoad:
     """Context manager: starts the workers of ``spec`` on entry (returns once each reported ready)
     and stops them on exit. ``pids`` lists the workers started (kept after they stopped)."""
@@ -125,7 +134,7 @@ class BackgroundLoad:
         for i in range(s.procs):
             cmd = [sys.executable, "-m", "bench.tuner_load._load", "--kind", s.kind, "--threads", str(s.threads),
                    "--seed", str(s.seed + i), "--parent", str(os.getpid())]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_worker_env())
             self._procs.append(proc)
             self.pids.append(proc.pid)
         deadline = time.monotonic() + READY_TIMEOUT_S
