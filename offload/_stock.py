@@ -389,10 +389,8 @@ def spin_wait_notice(summary: dict[str, Any]) -> str | None:
     if (omp_wait_policy() or "").strip().upper() == "PASSIVE":
         return None
     samples: dict[int, list[float]] = collections.defaultdict(list)
-    for m in summary.get("measurements") or ():
-        threads = (m.get("candidate") or {}).get("threads")
-        if threads is not None:
-            samples[int(threads)].extend(m.get("samples") or ())
+    for m in summary["measurements"]:  # {"candidate": {"threads": n}, "samples": [...], ...}
+        samples[int(m["candidate"]["threads"])].extend(m["samples"])
     mean = {t: sum(xs) / len(xs) for t, xs in samples.items() if xs}
     if 1 not in mean or mean[1] <= 0:
         return None
